@@ -707,11 +707,19 @@ def use_chat(tok, chat: str = "auto") -> bool:
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
 
-def render_prompt(tok, question: str, chat: bool) -> str:
+def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
+    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
+    inside the assistant's <think> (TinyZero's prefill). system=False drops the system line (terse CPU prompts)."""
     if chat:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+        msgs.append({"role": "user", "content": question})
         return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
-    return f"{SYSTEM_PROMPT}\nUser: {question}\nAssistant: {ASSISTANT_PREFIX}"
+    return (SYSTEM_PROMPT + "\n" if system else "") + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+
+
+def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
+    """Prompt strings for task rows; short=True: the task's terse question and no system line."""
+    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
 
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
@@ -1026,7 +1034,7 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
     correct, lengths, sample = 0, [], ""
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        prompts = [render_prompt(tok, task["prompt"](r, short=short), chat) for r in chunk]
+        prompts = build_prompts(tok, task, chunk, chat, short)
         b = rollout(model, tok, prompts, 1, max_new_tokens, greedy=True)
         for r, text in zip(chunk, b["texts"]):
             correct += task["reward"](text, r) == 1.0
@@ -1049,7 +1057,7 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
     model.train()
     for step in range(1, steps + 1):
         pick = [rng.choice(rows) for _ in range(batch_size)]
-        prompts = [render_prompt(tok, task["prompt"](r, short=short), chat) for r in pick]
+        prompts = build_prompts(tok, task, pick, chat, short)
         answers = [task["reference"](r) + end for r in pick]
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
@@ -1233,7 +1241,7 @@ def train(cfg: Config, log=print) -> str:
         set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
         # 1. sample B prompts
         rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-        prompts = [render_prompt(tok, task["prompt"](r, short=cfg.short_prompt), chat) for r in rows]
+        prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
         # 2. roll out G answers per prompt
         try:
             batch = rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
@@ -1390,7 +1398,7 @@ def analyze(cfg: Config, log=print) -> dict:
     acc = {}
     for b in range(cfg.batches):
         rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-        prompts = [render_prompt(tok, task["prompt"](r, short=cfg.short_prompt), chat) for r in rows]
+        prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
         batch = rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                         cfg.top_k)
         rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"],

@@ -1196,6 +1196,8 @@ def train(cfg: Config, log=print) -> str:
     os.makedirs(cfg.out, exist_ok=True)
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+    with open(os.path.join(cfg.out, "run_config.json"), "w") as f:  # --resume reads it back
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
     model, tok = load_model(ckpt or cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     chat = use_chat(tok, cfg.chat)
     log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
@@ -1311,8 +1313,73 @@ def train(cfg: Config, log=print) -> str:
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
             save_checkpoint(cfg.out, step, model, tok, opt, sched)
     save_final(cfg.out, model, tok)
-    log(f"done: {cfg.out}")
+    plot_runs({cfg.select: [cfg.out]}, os.path.join(cfg.out, "metrics.png"))
+    log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
+
+
+def read_metrics(out: str) -> list:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def plot_runs(runs: dict, png: str):
+    """runs: label -> list of run folders (seeds). Held-out accuracy and batch reward vs step, mean over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, outs in runs.items():
+        for ax, key in zip(axes, ("eval_acc", "reward_mean")):
+            series = [{r["step"]: r[key] for r in read_metrics(o) if key in r} for o in outs]
+            steps = sorted(set.intersection(*(set(x) for x in series)))
+            ax.plot(steps, [sum(x[t] for x in series) / len(series) for t in steps], label=label, marker=".")
+            ax.set_xlabel("step")
+            ax.set_ylabel(key + (f" (mean of {len(outs)} seeds)" if len(outs) > 1 else ""))
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def compare(cfg: Config, log=print) -> dict:
+    """--compare all,entropy,gmts --seeds 3: the same seeds with each method; a plot and a table of final accuracy."""
+    methods = [m.strip() for m in cfg.compare.split(",") if m.strip()]
+    bad = [m for m in methods if m not in CHOICES["select"]]
+    if bad or not methods:
+        raise ValueError(f"--compare {cfg.compare!r}: methods must be from {', '.join(CHOICES['select'])}")
+    runs, table, starts = {}, {}, {}
+    for seed in range(cfg.seed, cfg.seed + cfg.seeds):  # the warm-up is the same for every method: do it once
+        starts[seed] = dataclasses.replace(cfg, seed=seed, compare="")
+        if cfg.sft_steps > 0:
+            model, tok = load_model(cfg.model, pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, seed)
+            task = get_task(cfg.task)
+            sft_warmup(model, tok, task, split_rows(task, starts[seed])[0], use_chat(tok, cfg.chat), cfg.short_prompt,
+                       cfg.sft_steps, cfg.sft_lr, cfg.sft_batch, seed, log)
+            warm = os.path.join(cfg.out, f"warm-s{seed}")
+            model.save_pretrained(warm)
+            tok.save_pretrained(warm)
+            starts[seed] = dataclasses.replace(starts[seed], model=warm, sft_steps=0)
+    for m in methods:
+        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+            out = os.path.join(cfg.out, f"{m}-s{seed}")
+            train(dataclasses.replace(starts[seed], select=m, out=out), log=lambda *a: None)
+            runs.setdefault(m, []).append(out)
+            rec = read_metrics(out)
+            table.setdefault(m, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
+            log(f"{m} seed {seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
+    lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |", "|---|---|---|---|"]
+    for m, v in table.items():
+        fin = torch.tensor([b for _, b in v])
+        sd = float(fin.std(unbiased=False))
+        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | {float(fin.mean()):.3f} +- {sd:.3f} | "
+                     + ", ".join(f"{b:.3f}" for _, b in v) + " |")
+    with open(os.path.join(cfg.out, "compare.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot_runs(runs, os.path.join(cfg.out, "compare.png"))
+    log("\n".join(lines))
+    return table
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1446,6 +1513,9 @@ def parse_args(argv=None) -> Config:
         if pre.preset not in PRESETS:
             die(f"unknown --preset {pre.preset!r}; choose one of: {', '.join(PRESETS)}")
         p.set_defaults(**PRESETS[pre.preset])
+    if pre.resume and os.path.exists(os.path.join(pre.resume, "run_config.json")):
+        with open(os.path.join(pre.resume, "run_config.json")) as f:  # --resume: the run's own config; flags win
+            p.set_defaults(**{k: v for k, v in json.load(f).items() if k not in ("resume", "preset")})
     return Config(**vars(p.parse_args(argv)))
 
 
@@ -1455,6 +1525,8 @@ def main(argv=None):
         check_config(cfg)
         if cfg.analyze:
             analyze(cfg)
+        elif cfg.compare:
+            compare(cfg)
         else:
             train(cfg)
     except ValueError as e:  # bad input: flags, data files, --resume without a checkpoint

@@ -1,0 +1,334 @@
+"""
+gmts_trl.py: GMTS token selection inside TRL's GRPOTrainer, for multi-GPU and vLLM runs.
+
+gmts.py is the reference, to be read beside the papers. This file reuses its tasks, verifiers, prompts, scores
+(gmts.token_scores, gmts.omega) and selection (gmts.select_tokens) and leaves rollout (HF generate or vLLM), loss,
+optimiser and distribution (accelerate, DeepSpeed) to TRL. No TRL loss code is copied: the subclass only hooks in.
+
+TRL versions: tested with trl 1.16.0 only. GMTSTrainer raises RuntimeError at construction if a method it overrides
+is missing or has another signature, warns on any other version, and raises at the first loss if TRL did not call
+the mask hook, so a run never goes on without selection unnoticed.
+
+The hook (trl 1.16.0, GRPOTrainer._compute_loss):
+  1. TRL calls self.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile) when top_entropy_quantile < 1 and
+     multiplies the per-token loss by the mask it returns. GMTSTrainer sets top_entropy_quantile = 0 only to get that
+     call, and overrides the method with gmts.select_tokens over gmts.token_scores. H is TRL's entropy, from the same
+     forward as the loss's log-probs, at the sampling temperature.
+  2. A _compute_loss override (calls super) hands the hook the micro-batch's inputs: "advantages" (B,),
+     "old_per_token_logps" when TRL has them, "importance_sampling_ratio" with vLLM; a _get_per_token_logps_and_entropies
+     override (calls super) the current log-probs. omega = ratio * A, 0 where the clip is active (gmts.omega with TRL's
+     epsilon_low / epsilon_high); ratio = 1 without old log-probs (num_iterations = 1, no vLLM), as in TRL's loss.
+  3. gradnorm needs sum_j p_j^2 too. TRL's fused LM head can return log sum_j p_j^2 ("log_sum_sq_probs") but
+     GRPOTrainer doesn't ask for it, so with token_selection="gradnorm" the head is added again with that output and
+     the forward is wrapped to keep it (one more vocabulary reduction per token).
+
+Across processes: TRL's get_high_entropy_mask gathers the micro-batch's valid-token entropies from every process and
+keeps the tokens at or above one global quantile. Here every process gathers all valid-token scores (accelerate
+pad_across_processes + gather), runs gmts.select_tokens on the whole pool (the same result everywhere) and keeps its
+own slice: exactly ceil(rho * n) of the n valid tokens of the global micro-batch (ties: lower process first, then
+earlier position), where TRL's quantile keeps every tie. The pool is one micro-batch per process, not gmts.py's whole
+rollout batch. As in gmts.train, gmts and gradnorm then drop kept tokens whose score is 0 (A = 0 or clipped).
+
+Loss normalisation: TRL multiplies the per-token loss by the mask and never divides by the kept-token count: the
+normaliser is the completion mask (or a constant), for every loss type. With the default loss_type="dapo" that is the
+sum over kept tokens / all valid completion tokens of the generation batch on all processes (the optimizer step's
+batch with the default steps_per_generation = gradient_accumulation_steps), i.e. gmts.py's default --loss-norm all:
+at rho = 0.2 a step is about 1/5 of an unmasked one. gmts.py's --loss-norm selected has no TRL counterpart.
+
+Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                  (offline, CPU)
+      accelerate launch --num_processes 8 gmts_trl.py --model Qwen2.5-1.5B-Instruct --task math --use-vllm
+"""
+import os
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import argparse
+import functools
+import inspect
+import json
+import math
+import sys
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import trl
+from trl import GRPOConfig, GRPOTrainer
+
+import gmts
+
+TESTED_TRL = ("1.16.0",)
+METHODS = gmts.CHOICES["select"]  # all, random, entropy, gmts, gradnorm
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses; for the others omega = ratio * A
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config and version guard [plumbing]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GMTSConfig(GRPOConfig):
+    """GRPOConfig plus gmts.py's token selection. token_rho replaces TRL's top_entropy_quantile (leave that at 1)."""
+    token_selection: str = field(default="gmts", metadata={"help": "all, random, entropy, gmts or gradnorm"})
+    token_rho: float = field(default=0.2, metadata={"help": "share of the valid tokens kept, in (0, 1]"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.token_selection not in METHODS:
+            raise ValueError(f"token_selection {self.token_selection!r} is not one of: {', '.join(METHODS)}")
+        if not 0.0 < self.token_rho <= 1.0:
+            raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
+        if self.top_entropy_quantile < 1.0:
+            raise ValueError("top_entropy_quantile is TRL's own entropy selection; with GMTSConfig use "
+                             "token_selection='entropy' and token_rho instead")
+
+
+def check_trl():
+    """RuntimeError if a hook this file overrides is gone or changed; a warning on an untested TRL version."""
+    want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"], "_compute_loss": ["self", "model", "inputs"],
+            "_get_per_token_logps_and_entropies": None}
+    for name, params in want.items():
+        fn = getattr(GRPOTrainer, name, None)
+        if fn is None or (params and list(inspect.signature(fn).parameters) != params):
+            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; gmts_trl.py needs "
+                               f"the hooks of trl 1.16 (tested: {', '.join(TESTED_TRL)})")
+    if trl.__version__ not in TESTED_TRL:
+        warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, not {trl.__version__}")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scores and global top-rho selection [paper: GMTS eq. 4, over the processes' micro-batches]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """||d log p_y / d logits|| = (1/T) sqrt((1 - p_y)^2 + sum_{j != y} p_j^2) (gmts.py derivation step 3) from
+    log p_y and log sum_j p_j^2, the two numbers TRL's fused head gives, instead of the (V,) distribution.
+    sum_{j != y} p_j^2 = S - p_y^2 loses digits as p_y -> 1 (clamped at 0); fine for ranking. (B, T) -> (B, T)."""
+    p = logp.float().exp()
+    rest = (log_sum_sq.float().exp() - p.square()).clamp_min(0.0)
+    return (torch.expm1(logp.float()).square() + rest).sqrt() / temperature
+
+
+def select_global(scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator, drop_zero: bool = False):
+    """gmts.select_tokens over the valid tokens of ALL processes; returns (this process's (B, T) bool mask, the
+    kept share of the global pool). Every process must call it (two gathers), as with TRL's get_high_entropy_mask."""
+    local = scores[mask].float()  # (n,) this process's valid tokens, row-major
+    counts = accelerator.gather(torch.tensor([local.numel()], device=local.device))  # (W,)
+    pool = accelerator.gather(accelerator.pad_across_processes(local, dim=0)).view(counts.numel(), -1)  # (W, L)
+    valid = torch.arange(pool.shape[1], device=pool.device)[None, :] < counts[:, None]  # (W, L)
+    keep = gmts.select_tokens(pool, valid, rho)  # (W, L), the same on every process
+    if drop_zero:
+        keep &= pool > 0  # a score of 0 is a zero gradient: no budget is spent on it (gmts.train does the same)
+    sel = torch.zeros_like(mask)
+    sel[mask] = keep[accelerator.process_index, :local.numel()]
+    return sel, float(keep.sum()) / max(int(valid.sum()), 1)
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer [hooks into trl 1.16 GRPOTrainer._compute_loss; see the module docstring]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GMTSTrainer(GRPOTrainer):
+    """GRPOTrainer whose token mask is gmts.py's selection (args must be a GMTSConfig)."""
+
+    def __init__(self, *args, **kwargs):
+        check_trl()
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, GMTSConfig):
+            raise TypeError("GMTSTrainer needs args=GMTSConfig(...)")
+        self.token_selection, self.token_rho = self.args.token_selection, self.args.token_rho
+        # Any value < 1 makes TRL call get_high_entropy_mask; 'all' (gmts.py: rho = 1) leaves TRL's path unmasked.
+        self.top_entropy_quantile = 1.0 if self.token_selection == "all" else 0.0
+        self._live = None  # what the hook needs from the _compute_loss call in progress
+        self._noise = torch.Generator().manual_seed(self.args.seed + 7919 * self.accelerator.process_index)
+        if self.token_selection == "gradnorm":
+            self._keep_sum_sq()
+
+    def _keep_sum_sq(self):
+        """gradnorm: add TRL's fused head again with log_sum_sq_probs too, and keep that during _compute_loss."""
+        from trl.trainer.utils import add_fused_lm_head
+
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # as TRL: PEFT
+        add_fused_lm_head(model, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                          outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+        fused = model.forward
+
+        @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
+        def forward(module, *args, **kwargs):
+            out = fused(*args, **kwargs)
+            if kwargs.get("fused_lm_head") and self._live is not None:
+                self._live["sum_sq"].append(out.log_sum_sq_probs.detach())
+            return out
+
+        model.forward = types.MethodType(forward, model)
+
+    def _compute_loss(self, model, inputs):
+        self._live = dict(inputs=inputs, logps=[], sum_sq=[], called=False)
+        try:
+            loss = super()._compute_loss(model, inputs)
+            called = self._live["called"]
+        finally:
+            self._live = None
+        if self.top_entropy_quantile < 1.0 and not called:
+            raise RuntimeError(f"trl {trl.__version__} did not call get_high_entropy_mask: no token selection; "
+                               f"gmts_trl.py supports trl {', '.join(TESTED_TRL)}")
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._live is not None:
+            self._live["logps"].append(out[0].detach())
+        return out
+
+    def _ratio(self, inputs: dict, logp, mask: torch.Tensor) -> torch.Tensor:
+        """pi_theta / pi_old as TRL's loss uses it: 1 without old log-probs; per token, or per answer with
+        importance_sampling_level='sequence' (exp of the mean log-ratio over its valid tokens). -> (B, T)."""
+        old = inputs.get("old_per_token_logps")
+        if old is None or logp is None:
+            return torch.ones(mask.shape, device=mask.device)
+        log_ratio = (logp - old).float()  # (B, T)
+        if self.importance_sampling_level == "sequence":
+            m = mask.float()
+            log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+            log_ratio = log_ratio.expand(mask.shape)
+        return log_ratio.exp()
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's mask hook, answered with gmts.py's selection; threshold (1 - top_entropy_quantile) is not used.
+        entropies, mask (B, T) -> (B, T) bool."""
+        if self._live is None:
+            raise RuntimeError("GMTSTrainer.get_high_entropy_mask needs the inputs of a _compute_loss call")
+        self._live["called"] = True
+        inputs, mask, T = self._live["inputs"], mask.bool(), entropies.shape[1]
+        adv = inputs["advantages"].float()  # (B,)
+        if adv.dim() != 1:
+            raise ValueError("GMTSTrainer needs one advantage per answer, shape (B,)")
+        logp = torch.cat(self._live["logps"])[:, -T:] if self._live["logps"] else None  # (B, T)
+        clip = (self.epsilon_low, self.epsilon_high) if self.loss_type in CLIPPED_LOSSES else (math.inf, math.inf)
+        om = gmts.omega(adv, self._ratio(inputs, logp, mask), *clip)  # (B, T)
+        is_ratio = inputs.get("importance_sampling_ratio")
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo" \
+                and is_ratio is not None:
+            om = om * is_ratio  # TRL scales the token loss by it, so the token's gradient too
+        gn = torch.zeros_like(om)
+        if self.token_selection == "gradnorm":
+            gn = grad_norm_from(logp, torch.cat(self._live["sum_sq"])[:, -T:], self.temperature)
+        scores = gmts.token_scores(self.token_selection, entropies.detach().float(), gn, om, self._noise)  # (B, T)
+        rho = 1.0 if self.token_selection == "all" else self.token_rho
+        sel, kept = select_global(scores, mask, rho, self.accelerator, self.token_selection in ("gmts", "gradnorm"))
+        self._metrics["train" if self.model.training else "eval"]["gmts/kept_frac"].append(kept)
+        return sel
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks as TRL data and reward functions [plumbing]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_reward(task: str):
+    """A TRL reward function from a gmts.py verifier; TRL passes the dataset's 'row' column (JSON) as a kwarg."""
+    score = gmts.get_task(task)["reward"]
+
+    def reward(prompts, completions, row, **kwargs):
+        return [score(c, json.loads(r)) for c, r in zip(completions, row)]
+
+    reward.__name__ = f"{task}_reward"  # TRL logs it as rewards/<name>/mean
+    return reward
+
+
+def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
+    """Rows -> datasets.Dataset with 'prompt' (gmts.build_prompts: a plain string ending inside <think>, which TRL
+    tokenizes as is) and 'row' (the row as JSON, for make_reward)."""
+    import datasets
+
+    prompts = gmts.build_prompts(tok, gmts.get_task(task), rows, chat, short)
+    return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(prompts, rows)])
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI [plumbing]
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def die(msg: str, code: int = 2):
+    print(f"gmts_trl: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gmts_trl.py", description="GRPO + GMTS token selection on TRL (see the docstring).")
+    p.error = die  # one line and exit 2, no usage dump
+    a = p.add_argument
+    a("--model", default="tiny", help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
+    a("--task", default="countdown", choices=sorted(gmts.TASKS))
+    a("--data", default="gen", help="gen, easy, hf, hf:test or a .jsonl path (as gmts.py)")
+    a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
+    a("--select", default="gmts", choices=METHODS, help="token selection method")
+    a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
+    a("--steps", type=int, default=200, help="optimizer steps")
+    a("--out", default="out/trl", help="output folder (checkpoints every 50 steps, the final model)")
+    a("--num-generations", type=int, default=8, help="G, answers per prompt")
+    a("--per-device-batch-size", type=int, default=8, help="answers per process per micro-batch (the selection pool)")
+    a("--grad-accum", type=int, default=8, help="micro-batches per optimizer step")
+    a("--max-completion-length", type=int, default=256)
+    a("--lr", type=float, default=1e-6)
+    a("--loss-type", default="dapo", choices=LOSS_TYPES, help="TRL loss_type")
+    a("--use-vllm", action="store_true", help="generate with vLLM colocated with training (vllm_mode='colocate')")
+    a("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for flag, ok, need in [("rho", 0 < args.rho <= 1, "in (0, 1]"), ("steps", args.steps >= 1, ">= 1"),
+                           ("num-generations", args.num_generations >= 2, ">= 2 (an advantage needs a group)"),
+                           ("per-device-batch-size", args.per_device_batch_size >= 1, ">= 1"),
+                           ("grad-accum", args.grad_accum >= 1, ">= 1"), ("lr", args.lr > 0, "> 0"),
+                           ("max-completion-length", args.max_completion_length >= 1, ">= 1")]:
+        if not ok:
+            die(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
+    if os.path.isfile(args.out):
+        die(f"--out {args.out} is an existing file, not a folder")
+    return args
+
+
+def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
+    """Flags -> a GMTSTrainer. ValueError: bad input; OSError: a model that cannot be loaded."""
+    if args.model == "tiny":
+        model, tok = gmts.build_tiny(seed=args.seed)
+    else:
+        from transformers import AutoTokenizer
+
+        model = gmts.resolve_model_name(args.model)  # TRL loads it from the name, in fp32 by default
+        try:
+            tok = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as e:
+            raise OSError(f"cannot load '{model}': {str(e).splitlines()[0][:200]}; try --model tiny") from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+    per_step = args.per_device_batch_size * args.grad_accum * world // args.num_generations  # prompts per step
+    rows = gmts.get_task(args.task)["load"](args.data, max(2000, args.steps * per_step), args.seed)
+    cuda = torch.cuda.is_available()
+    cfg = GMTSConfig(
+        output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
+        per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
+        num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+        loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
+        lr_scheduler_type="constant_with_warmup", warmup_steps=10,  # gmts.py: 10 warm-up steps, then constant
+        use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
+        use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
+        save_strategy="steps", save_steps=50)
+    data = make_dataset(tok, args.task, rows, gmts.use_chat(tok), args.short_prompt)
+    return GMTSTrainer(model=model, reward_funcs=make_reward(args.task), args=cfg, train_dataset=data,
+                       processing_class=tok)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        trainer = build_trainer(args)
+    except ValueError as e:  # flags TRL rejects (e.g. a batch not divisible by G), data files
+        die(str(e).strip().splitlines()[0] if str(e).strip() else "invalid configuration", 2)
+    except (OSError, RuntimeError) as e:  # a model that cannot be loaded, an unsupported TRL
+        die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
+    trainer.train()
+    trainer.save_model(args.out)
+
+
+if __name__ == "__main__":
+    main()

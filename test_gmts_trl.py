@@ -1,0 +1,251 @@
+"""Tests for gmts_trl.py (GMTS inside TRL's GRPOTrainer). Offline, CPU:  python -m pytest -q test_gmts_trl.py
+
+The mask the hook returns is checked against gmts.select_tokens on the same tensors, and through TRL's real loss
+that every unselected token gets exactly zero gradient (with a control that fails when nothing is masked).
+"""
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
+
+import math
+import threading
+
+import pytest
+import torch
+
+import gmts
+import gmts_trl
+from gmts_trl import GMTSConfig, GMTSTrainer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: several threads spin-wait on each other (100x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_trainer(tmp, select="gmts", rho=0.25, reward=None, **kw):
+    model, tok = gmts.build_tiny(hidden=32, layers=2)
+    rows = gmts.load_rows("countdown", "easy", n=8, seed=0)
+    data = gmts_trl.make_dataset(tok, "countdown", rows, chat=True, short=True)
+    cfg = GMTSConfig(output_dir=str(tmp), use_cpu=True, report_to=[], bf16=False, per_device_train_batch_size=4,
+                     num_generations=4, max_completion_length=16, max_steps=2, logging_steps=1, save_strategy="no",
+                     gradient_checkpointing=False, learning_rate=1e-2, token_selection=select, token_rho=rho,
+                     disable_tqdm=True, **kw)
+    rewards = [gmts_trl.make_reward("countdown")] + ([reward] if reward else [])
+    return GMTSTrainer(model=model, reward_funcs=rewards, args=cfg, train_dataset=data, processing_class=tok)
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+
+
+def length_reward(prompts, completions, **kwargs):
+    """A toy second reward so that the tiny random model gets non-zero advantages (countdown alone gives 0)."""
+    return [sum(map(ord, c)) % 7 / 6 for c in completions]
+
+
+@pytest.mark.parametrize("select", ["gmts", "gradnorm"])
+def test_two_trl_steps_end_to_end(tmp_path, select):
+    tr = make_trainer(tmp_path, select, reward=length_reward)
+    calls = []
+    hook = tr.get_high_entropy_mask
+    tr.get_high_entropy_mask = lambda *a: calls.append(1) or hook(*a)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.train()
+    assert tr.state.global_step == 2 and len(calls) == 2  # one mask per micro-batch
+    logs = [h for h in tr.state.log_history if "gmts/kept_frac" in h]
+    assert len(logs) == 2 and all(0 < h["gmts/kept_frac"] <= 0.3 for h in logs)  # ceil(0.25 * n) / n at most
+    assert all("rewards/countdown_reward/mean" in h for h in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
+def test_reward_function_uses_our_verifier():
+    row = {"nums": [3, 5, 2], "target": 16, "expr": "(3 + 5) * 2"}
+    rew = gmts_trl.make_reward("countdown")
+    import json
+    out = rew(prompts=["p"] * 3, completions=["x</think><answer>(3 + 5) * 2</answer>", "<answer>3+5+2</answer>", "no"],
+              row=[json.dumps(row)] * 3, completion_ids=None, trainer_state=None)
+    assert out == [1.0, 0.1, 0.0]
+
+
+# ---- the hook's mask is gmts.py's selection ---------------------------------------------------------------------
+
+
+def stats(B=4, T=7, V=11, seed=0):
+    """Hand-made token statistics: entropy, log p_y and log sum p^2 from random logits, a ragged mask, advantages
+    with a zero group and ties."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    y = torch.randint(V, (B, T), generator=g)
+    logp, ent, gn = gmts.token_stats(logits, y)
+    log_sum_sq = torch.logsumexp(2 * torch.log_softmax(logits, -1), -1)
+    mask = torch.arange(T)[None, :] < torch.tensor([7, 3, 5, 6])[:, None]
+    adv = torch.tensor([1.5, -0.5, 0.0, -1.0])
+    return ent, logp, log_sum_sq, gn, mask, adv
+
+
+def run_hook(tr, ent, mask, inputs, logp, log_sum_sq):
+    tr._live = dict(inputs=inputs, logps=[logp], sum_sq=[log_sum_sq], called=False)
+    try:
+        return tr.get_high_entropy_mask(ent, mask.int(), 0.8)  # TRL passes an int mask; threshold is ignored
+    finally:
+        tr._live = None
+
+
+@pytest.mark.parametrize("select", gmts.CHOICES["select"])
+@pytest.mark.parametrize("off_policy, rho", [(False, 0.3), (True, 0.3), (False, 0.9)])
+def test_hook_mask_equals_select_tokens(tmp_path, select, off_policy, rho):
+    """rho = 0.9 is more than the tokens with a non-zero score: gmts and gradnorm must still keep none of those."""
+    tr = make_trainer(tmp_path, select, rho=rho)
+    ent, logp, log_sum_sq, gn, mask, adv = stats()
+    inputs = {"advantages": adv}
+    ratio = torch.ones_like(ent)
+    if off_policy:  # old log-probs from TRL: ratio != 1 and some tokens clipped (omega = 0)
+        old = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+        inputs["old_per_token_logps"], ratio = old, torch.exp(logp - old)
+    om = gmts.omega(adv, ratio, tr.epsilon_low, tr.epsilon_high)
+    tr._noise.manual_seed(5)
+    got = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
+    scores = gmts.token_scores(select, ent, gn, om, torch.Generator().manual_seed(5))
+    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho)
+    if select in ("gmts", "gradnorm"):
+        want &= scores > 0  # as gmts.train: zero-gradient tokens are never kept
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    if select in ("entropy", "random"):
+        assert int(got.sum()) == math.ceil(rho * int(mask.sum()))
+
+
+def test_grad_norm_from_head_outputs_matches_gmts():
+    ent, logp, log_sum_sq, gn, mask, adv = stats()
+    assert torch.allclose(gmts_trl.grad_norm_from(logp, log_sum_sq), gn, atol=1e-5)
+    assert torch.allclose(gmts_trl.grad_norm_from(logp, log_sum_sq, 0.7), gn / 0.7, atol=1e-5)
+
+
+class FakeAccelerator:
+    """accelerate's gather / pad_across_processes for `world` threads: a real all-gather through a barrier."""
+
+    def __init__(self, rank, world, box, barrier):
+        self.process_index, self.num_processes, self.box, self.barrier = rank, world, box, barrier
+
+    def gather(self, t):
+        self.box[self.process_index] = t
+        self.barrier.wait()
+        out = torch.cat(list(self.box))
+        self.barrier.wait()
+        return out
+
+    def pad_across_processes(self, t, dim=0):
+        n = int(self.gather(torch.tensor([t.shape[0]])).max())
+        return torch.cat([t, t.new_zeros(n - t.shape[0])])
+
+
+def test_selection_is_global_across_processes():
+    """Two processes with different completion lengths: the union of their slices is exactly gmts.select_tokens
+    over both micro-batches together (one global top-rho, not a top-rho per process)."""
+    g = torch.Generator().manual_seed(3)
+    s0, s1 = torch.rand(3, 5, generator=g), torch.rand(3, 8, generator=g) + 0.3  # process 1 scores higher
+    m0, m1 = torch.rand(3, 5, generator=g) > 0.2, torch.rand(3, 8, generator=g) > 0.2
+    s0[0, :2] = s1[1, :2] = 0.9  # ties across processes
+    box, barrier, out = [None, None], threading.Barrier(2), [None, None]
+
+    def proc(rank, s, m):
+        out[rank] = gmts_trl.select_global(s, m, 0.3, FakeAccelerator(rank, 2, box, barrier))
+
+    threads = [threading.Thread(target=proc, args=a) for a in [(0, s0, m0), (1, s1, m1)]]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    pad = lambda x: torch.cat([x, x.new_zeros(3, 3)], 1)  # noqa: E731  (3, 5) -> (3, 8)
+    want = gmts.select_tokens(torch.cat([pad(s0), s1]), torch.cat([pad(m0), m1]), 0.3)
+    assert torch.equal(torch.cat([pad(out[0][0]), out[1][0]]), want)
+    assert out[0][1] == out[1][1] == int(want.sum()) / int(m0.sum() + m1.sum())
+    assert int(out[0][0].sum()) != math.ceil(0.3 * int(m0.sum()))  # not a per-process top-rho
+
+
+# ---- through TRL's real loss: unselected tokens get zero gradient ---------------------------------------------
+
+
+def loss_inputs(tok, B=4, P=5, T=9):
+    g = torch.Generator().manual_seed(0)
+    comp_mask = (torch.arange(T)[None, :] < torch.tensor([9, 4, 7, 2])[:, None]).int()
+    return dict(prompt_ids=torch.randint(256, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.int),
+                completion_ids=torch.randint(256, (B, T), generator=g), completion_mask=comp_mask,
+                advantages=torch.tensor([1.2, -0.7, 0.0, 0.4]), num_items_in_batch=comp_mask.sum())
+
+
+@pytest.mark.parametrize("select", ["gmts", "entropy", "random", "gradnorm", "all"])
+def test_unselected_tokens_get_zero_gradient(tmp_path, select):
+    tr = make_trainer(tmp_path, select, rho=0.25)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1  # set by Trainer.train(); the dapo normaliser reads it
+    inputs = loss_inputs(tr.processing_class)
+    box = {}
+    logps_fn, hook = tr._get_per_token_logps_and_entropies, tr.get_high_entropy_mask
+
+    def leaf_logps(*a, **k):  # the loss's log-probs become a leaf, so their .grad is d loss / d log p_t
+        logps, ent, aux = logps_fn(*a, **k)
+        box["leaf"] = logps.detach().requires_grad_(True)
+        return box["leaf"], ent, aux
+
+    tr._get_per_token_logps_and_entropies = leaf_logps
+    tr.get_high_entropy_mask = lambda *a: box.setdefault("sel", hook(*a))
+    tr._compute_loss(tr.model, inputs).backward()
+    has_grad = box["leaf"].grad != 0
+    mask = inputs["completion_mask"].bool()
+    live = mask & (inputs["advantages"] != 0)[:, None]  # tokens whose unmasked loss has a gradient
+    if select == "all":  # the control: TRL's path unmasked, every token of a non-zero advantage has a gradient
+        assert "sel" not in box and torch.equal(has_grad, live)
+        return
+    sel = box["sel"]
+    assert 0 < int(sel.sum()) <= math.ceil(0.25 * int(mask.sum())) < int(live.sum())
+    assert torch.equal(has_grad, sel & live)  # exactly the selected tokens, none of the others
+    if select == "gmts":
+        assert not (sel & ~live).any()  # gmts never spends budget on A = 0
+
+
+def test_unsupported_trl_fails_loudly(tmp_path, monkeypatch):
+    """A TRL whose loss no longer calls the hook, or lacks it, raises instead of training without selection."""
+    tr = make_trainer(tmp_path, "gmts")
+    monkeypatch.setattr(gmts_trl.GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.tensor(0.0))
+    with pytest.raises(RuntimeError, match="did not call get_high_entropy_mask"):
+        tr._compute_loss(tr.model, {})
+    monkeypatch.delattr(gmts_trl.GRPOTrainer, "get_high_entropy_mask")
+    with pytest.raises(RuntimeError, match="missing or changed"):
+        gmts_trl.check_trl()
+
+
+def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
+    tr = make_trainer(tmp_path, "gmts")
+    with pytest.raises(RuntimeError, match="_compute_loss"):
+        tr.get_high_entropy_mask(torch.ones(2, 3), torch.ones(2, 3), 0.8)
+    with pytest.raises(ValueError, match="token_selection"):
+        GMTSConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, token_selection="top")
+    with pytest.raises(ValueError, match="token_rho"):
+        GMTSConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, top_entropy_quantile=0.2)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, msg", [(["--select", "bogus"], "--select"), (["--rho", "0"], "--rho"),
+                                       (["--num-generations", "1"], "--num-generations"),
+                                       (["--per-device-batch-size", "3", "--num-generations", "2", "--grad-accum", "1"],
+                                        "divisible")])
+def test_cli_bad_flag_one_line_exit_2(capsys, argv, msg, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(argv + ["--out", str(tmp_path), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and err.startswith("gmts_trl: error:") and err.count("\n") == 1
+
+
+def test_cli_runs_tiny_and_saves(tmp_path):
+    out = str(tmp_path / "run")
+    gmts_trl.main(["--model", "tiny", "--short-prompt", "--steps", "1", "--num-generations", "2",
+                   "--per-device-batch-size", "2", "--grad-accum", "1", "--max-completion-length", "8", "--out", out])
+    assert os.path.exists(os.path.join(out, "model.safetensors"))

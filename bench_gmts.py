@@ -14,7 +14,8 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
   d. one training step of the tiny model (gmts.build_tiny, PRESETS["cpu"] sizes): rollout time (gmts.rollout on
      countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, select_tokens,
      policy_update, and the two select_tokens calls train() logs) for --select all vs gmts on one fixed batch.
-     A random model earns no reward, so rewards are random 0/1 (seeded): selection needs non-zero advantages.
+     A random model earns no reward, so rewards are random 0/1 (seeded) with one right and one wrong answer in
+     every group: no answer gets A = 0, the most update work gmts can be given.
   e. the same step for a random-init model with the Qwen2.5-0.5B config (--device cuda), rollout forced to a fixed
      length (min_new_tokens); --small runs it with a tiny config so the path is exercised on CPU.
 
@@ -67,7 +68,7 @@ class Meter:
     """meter(fn) -> (ms, peak_mb, fn's result); peak_mb is None where it cannot be measured (see docstring)."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device, self.process_peak_mb = device, 0.0  # the highest total (process RSS / CUDA allocated) seen
         self.cpu_rss = device.type == "cpu" and os.path.exists("/proc/self/clear_refs")
         if self.cpu_rss:
             try:
@@ -104,23 +105,25 @@ class Meter:
         self.sync()
         ms = (time.perf_counter() - t) * 1e3
         if self.device.type == "cuda":
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            top = torch.cuda.max_memory_allocated() / 2**20
+            peak = top - base / 2**20
         else:
-            peak = self._status("VmHWM") - base if self.cpu_rss else None
+            top = self._status("VmHWM")
+            peak = top - base if self.cpu_rss else None
+        self.process_peak_mb = max(self.process_peak_mb, top)
         return ms, peak, out
 
 
-def interleave(meter: Meter, variants: dict, repeats: int, before=None) -> dict:
-    """Run every variant `repeats` times, alternating the order each round; medians of ms and peak_mb."""
-    runs = {k: [] for k in variants}
+def interleave(meter: Meter, variants: dict, repeats: int) -> dict:
+    """Run every variant `repeats` times, reversing the order every other round; medians of ms and peak_mb."""
+    runs, last = {k: [] for k in variants}, {}
     for r in range(repeats):
         for k in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
-            if before:
-                before()
-            runs[k].append(meter(variants[k]))
+            ms, peak, last[k] = meter(variants[k])
+            runs[k].append((ms, peak))
     med = lambda xs: statistics.median(xs) if None not in xs else None  # noqa: E731
     return {k: dict(ms=med([x[0] for x in v]), peak_mb=med([x[1] for x in v]), ms_runs=[round(x[0], 1) for x in v],
-                    peak_mb_runs=[x[1] and round(x[1], 1) for x in v], out=v[-1][2]) for k, v in runs.items()}
+                    peak_mb_runs=[x[1] and round(x[1], 1) for x in v], out=last[k]) for k, v in runs.items()}
 
 
 def head_inputs(M: int, V: int, device, seed=0):
@@ -228,14 +231,17 @@ def qwen_batch(model, B: int, G: int, P: int, T: int, seed: int) -> dict:
 
 
 def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
-    """Rollout + update (train() steps 5-7) for --select all and gmts on one fixed batch, interleaved."""
-    dev = meter.device
+    """Rollout + update (train() steps 5-7) for --select all, random and gmts on one fixed batch, interleaved."""
+    dev, methods = meter.device, ("all", "random", "gmts")
     batch = make_batch(0)
     N, T = batch["comp_ids"].shape
     rewards = torch.randint(0, 2, (N,), generator=torch.Generator().manual_seed(4)).float()
+    rewards[0::cfg.group_size], rewards[1::cfg.group_size] = 1.0, 0.0  # every group mixed: no answer has A = 0
     adv = gmts.group_advantages(rewards, cfg.group_size).to(dev)
     mask = batch["resp_mask"]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    sel_ms = {m: [] for m in methods}
+    meter.process_peak_mb = 0.0
 
     def clock():
         meter.sync()
@@ -247,7 +253,7 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         scores = gmts.token_scores(method, ent, gn, om)
         t = clock()
         sel = gmts.select_tokens(scores, mask, 1.0 if method == "all" else cfg.rho)
-        sel_s = clock() - t
+        dt = clock() - t
         if method in ("gmts", "gradnorm"):
             sel &= scores > 0
         gmts.policy_update(model, opt, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
@@ -256,24 +262,26 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         t = clock()  # train() step 7 logs two more selections every step (entropy top-rho, gmts top-rho)
         gmts.select_tokens(ent, mask, cfg.rho)
         gmts.select_tokens(gmts.token_scores("gmts", ent, gn, om), mask, cfg.rho) & (om != 0)
-        return dict(select_ms=sel_s * 1e3, select_log_ms=(clock() - t) * 1e3, kept=int(sel.sum()))
+        sel_ms[method].append((dt + clock() - t) * 1e3)
+        return dict(kept_frac=int(sel.sum()) / int(mask.sum()), active_frac=float(sel.any(1).float().mean()))
 
-    for m in ("all", "gmts"):  # warm-up: Adam state, kernels
+    for m in methods:  # warm-up: Adam state, kernels
         update(m)
+        sel_ms[m].clear()
     seeds = iter(range(1, 10 ** 6))
-    res = interleave(meter, {"rollout": lambda: make_batch(next(seeds)), "update all": lambda: update("all"),
-                             "update gmts": lambda: update("gmts")}, repeats)
+    res = interleave(meter, {"rollout": lambda: make_batch(next(seeds)),
+                             **{m: functools.partial(update, m) for m in methods}}, repeats)
     roll = res.pop("rollout")
-    out = dict(rollout=dict(ms=roll["ms"], peak_mb=roll["peak_mb"], ms_runs=roll["ms_runs"],
-                            tokens_per_s=N * T / (roll["ms"] / 1e3)), N=N, T=T, valid_tokens=int(mask.sum()))
-    for m in ("all", "gmts"):
-        r = res[f"update {m}"]
-        info = r.pop("out")
-        r.update(info, step_ms=roll["ms"] + r["ms"], kept_frac=info["kept"] / int(mask.sum()))
-        r["select_share"] = (info["select_ms"] + info["select_log_ms"]) / r["step_ms"]
+    del roll["out"]
+    out = dict(rollout=dict(roll, tokens_per_s=N * T / (roll["ms"] / 1e3)), N=N, T=T, valid_tokens=int(mask.sum()))
+    for m in methods:  # a step = the median rollout + this update; select_ms = the 3 select_tokens calls
+        r = res[m]
+        r.update(r.pop("out"), step_ms=roll["ms"] + r["ms"], select_ms=statistics.median(sel_ms[m]))
+        r["select_share"] = r["select_ms"] / r["step_ms"]
         out[m] = r
     out["step_ratio_gmts_all"] = out["gmts"]["step_ms"] / out["all"]["step_ms"]
-    out["update_ratio_gmts_all"] = out["gmts"]["ms"] / out["all"]["ms"]
+    out["process_peak_mb"] = meter.process_peak_mb  # CUDA: max allocated incl. weights and Adam; CPU: max RSS
+    out["step_ratio_random_all"] = out["random"]["step_ms"] / out["all"]["step_ms"]
     return out
 
 
@@ -336,7 +344,7 @@ def targets(R: dict, C: int) -> list:
 
 
 def table(R: dict) -> str:
-    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    fmt = lambda x, f: format(max(x, 0.0), f) if x is not None else format("-", ">" + f.split(".")[0])  # noqa
     lines = [f"{'section':<12} {'variant':<26} {'ms':>10} {'peak_mb':>9}  note", "-" * 78]
     for sec, rows in (("a stats", R.get("stats", {})), ("b loss head", R.get("loss_head", {})),
                       ("c select", R.get("select", {}))):
@@ -349,22 +357,23 @@ def table(R: dict) -> str:
         if key in R:
             S = R[key]
             lines.append(f"{sec:<12} {'rollout':<26} {S['rollout']['ms']:10.1f} {fmt(S['rollout']['peak_mb'], '9.0f')}"
-                         f"  {S['rollout']['tokens_per_s']:.0f} tok/s; {S['model']}")
-            for m in ("all", "gmts"):
+                         f"  {S['rollout']['tokens_per_s']:.0f} tok/s; {S['model']}; total peak "
+                         f"{S['process_peak_mb']:.0f} MB")
+            for m in ("all", "random", "gmts"):
                 r = S[m]
                 lines.append(f"{sec:<12} {'update --select ' + m:<26} {r['ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}"
-                             f"  step {r['step_ms']:.0f} ms, select {r['select_ms'] + r['select_log_ms']:.1f} ms, "
-                             f"kept {r['kept_frac']:.2f}")
+                             f"  step {r['step_ms']:.0f} ms, select {r['select_ms']:.1f} ms, "
+                             f"kept {r['kept_frac']:.2f} in {r['active_frac']:.0%} of answers")
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
-        lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<44} {t['value']:.3f}  (<= {t['limit']})")
+        lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  (<= {t['limit']})")
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="GMTS performance benchmark (see the module docstring)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tokens", type=int, default=0, help="rows in sections a and b (0: 4096 on CPU, 32768 on CUDA)")
+    p.add_argument("--tokens", type=int, default=0, help="rows in sections a and b (0: 1024 on CPU, 32768 on CUDA)")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunk", type=int, default=128, help="rows per chunk for trl and ours in section a")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant (medians)")
@@ -375,7 +384,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere, implies --small")
     p.add_argument("--json", default="", help="write all measurements here")
     a = p.parse_args(argv)
-    a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
+    a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 1024)
     a.select_sizes = [2 ** 14, 2 ** 16] if a.quick else [2 ** 20, 2 ** 25]
     if a.quick:
         a.vocab, a.repeats, a.small = min(a.vocab, 8192), min(a.repeats, 2), True
@@ -386,7 +395,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_gmts: --device cuda but torch sees no CUDA device")
-    if args.threads:
+    if args.threads and args.device == "cpu":
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     meter = Meter(dev)
@@ -411,8 +420,9 @@ def main(argv=None):
     m = R["meta"]
     print(f"device {m['device']} | torch {m['torch']} | {m['threads']} thread(s) of {m['cpus']} CPUs | tokens "
           f"{m['tokens']} x vocab {m['vocab']} x hidden {HIDDEN} | chunk {m['chunk']} | rho {m['rho']} | medians of "
-          f"{m['repeats']} | load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s")
-    print(table(R))
+          f"{m['repeats']} | load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s",
+          flush=True)
+    print(table(R), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(R, f, indent=1)

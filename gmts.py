@@ -33,7 +33,9 @@ Deviations from the papers and choices they leave open (README "Deviations" repe
      and then no reference model is loaded.
   6. fp32 master weights with bf16 autocast on CUDA (pure-bf16 AdamW would drop updates of size lr = 1e-6 that are
      far below bf16's resolution of a weight); log-softmax, entropy and the loss always in fp32.
-  7. Token statistics come from one no-grad forward pass before the update (bench_gmts.py measures its cost).
+  7. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
+  8. Token statistics come from one no-grad forward pass before the update (bench_gmts.py measures its cost).
+  9. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
 
 Run:  python gmts.py --preset cpu                                  (offline, CPU, a tiny model that learns)
       python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown  (one GPU)
@@ -65,7 +67,6 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------------------------
 # Config [plumbing]: every field is a --flag (underscores become dashes); PRESETS are applied before explicit flags.
 # ---------------------------------------------------------------------------------------------------------------
-
 
 @dataclass
 class Config:
@@ -123,7 +124,6 @@ class Config:
     sft_lr: float = 3e-3
     sft_batch: int = 32
 
-
 CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
     "device": ["auto", "cuda", "mps", "cpu"],
@@ -143,12 +143,10 @@ PRESETS = {
                   group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, sft_steps=2, lr=1e-4, out="out/smoke"),
 }
 
-
 def die(msg: str, code: int = 2):
     """Bad input: one line on stderr and a non-zero exit, never a traceback."""
     print(f"gmts: error: {msg}", file=sys.stderr)
     sys.exit(code)
-
 
 def check_config(cfg: Config):
     """Raise ValueError (one line) for values no run can use."""
@@ -179,7 +177,6 @@ def check_config(cfg: Config):
 # Small helpers [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
-
 def pick_device(name: str = "auto") -> torch.device:
     if name != "auto":
         return torch.device(name)
@@ -189,12 +186,10 @@ def pick_device(name: str = "auto") -> torch.device:
         return torch.device("mps")
     return torch.device("cpu")
 
-
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, see deviation 6); a no-op elsewhere."""
     use = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
-
 
 def set_seed(seed: int):
     random.seed(seed)
@@ -208,7 +203,6 @@ def set_seed(seed: int):
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
-
 def _never_raise(fn):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -217,7 +211,6 @@ def _never_raise(fn):
         except Exception:  # last-resort net only: expected failures are handled inside each verifier
             return 0.0
     return wrapped
-
 
 def _last_answer(text: str):
     """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear, no regex backtracking."""
@@ -233,7 +226,6 @@ _AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 _CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast would also read "٣" as 3
 
-
 def _combine(x: tuple, y: tuple, op: str):
     """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the text back the same."""
     v, p = _OPS[op](x[0], y[0]), _PREC[op]
@@ -241,21 +233,20 @@ def _combine(x: tuple, y: tuple, op: str):
     sy = f"({y[1]})" if y[2] < p or (y[2] == p and op in "-/") else y[1]  # a - (b + c), a / (b * c)
     return None if v is None else (v, f"{sx} {op} {sy}", p)
 
-
-def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000)) -> dict:
+def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000),
+                      ops="+-*/") -> dict:
     """Random numbers and a random expression over them; its value is the target, so every problem is solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
         items = [(Fraction(x), str(x), 3) for x in nums]
         while items and len(items) > 1:
             i, j = rng.sample(range(len(items)), 2)  # random order of use
-            z = _combine(items[i], items[j], rng.choice("+-*/"))
+            z = _combine(items[i], items[j], rng.choice(ops))
             ok = z is not None and z[0].denominator == 1 and z[0] >= 0  # exact divisions, natural intermediates
             items = [it for k, it in enumerate(items) if k not in (i, j)] + [z] if ok else None
         if items and target_range[0] <= items[0][0] <= target_range[1]:
             return {"nums": nums, "target": int(items[0][0]), "expr": items[0][1]}
     raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
-
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
     """Exact value of a whitelisted tree, collecting its int literals. Anything else raises ValueError: ** // %
@@ -272,7 +263,6 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
             raise ZeroDivisionError
         return v
     raise ValueError(f"{type(node).__name__} not allowed")
-
 
 @_never_raise
 def countdown_reward(completion: str, nums: list, target: int) -> float:
@@ -334,7 +324,6 @@ def _math_story(r: random.Random, who: str, steps: list) -> str:
     calc(calc(v1, "*", h1), "+", calc(v2, "*", h2))
     return f"{who} drives {h1} hours at {v1} km/h, then {h2} hours at {v2} km/h. How many km is that in total?"
 
-
 def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
     for _ in range(10_000):
         steps = []
@@ -343,11 +332,9 @@ def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
             return {"question": question, "answer": steps[-1].split()[-1], "steps": steps}
     raise ValueError(f"no math template has {n_steps} steps")
 
-
 _DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")  # [0-9], not \d (unicode)
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 _NUM_TOKEN = re.compile(r"-?\$?[0-9][0-9,.]*")  # a single character class per run: nothing to backtrack into
-
 
 def parse_number(s: str):
     """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '3/4'; None if not a number."""
@@ -365,7 +352,6 @@ def parse_number(s: str):
     vals = [Fraction(x.replace(",", "")) for x in parts]
     return None if len(vals) == 2 and vals[1] == 0 else sign * (vals[0] / vals[1] if len(vals) == 2 else vals[0])
 
-
 def _last_boxed(text: str, tries=5, cap=100):
     """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the last few openings."""
     end = len(text)
@@ -380,7 +366,6 @@ def _last_boxed(text: str, tries=5, cap=100):
                 return text[start:j]
         end = i
     return None
-
 
 def math_final_answer(text: str):
     """The last \\boxed{}, else the number after the last ####, else the last number in the text (or None)."""
@@ -399,7 +384,6 @@ def math_final_answer(text: str):
     last = ("-" if i > 0 and text[i - 1] == "-" else "") + text[i:j + 1].lstrip(",.")
     return last if parse_number(last) is not None else last.rsplit(",", 1)[-1]  # "3,4,5" is a list: take 5
 
-
 @_never_raise
 def math_reward(completion: str, answer: str) -> float:
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus."""
@@ -415,7 +399,6 @@ def _holds(c: tuple, world: tuple) -> bool:
     a, b = _holds(c[1], world), _holds(c[2], world)
     return {"and": a and b, "or": a or b, "if": (not a) or b}[c[0]]
 
-
 def _say(c: tuple, names: list, me: int) -> str:
     if c[0] == "is":
         return f"{'I am' if c[1] == me else names[c[1]] + ' is'} a {'knight' if c[2] else 'knave'}"
@@ -423,7 +406,6 @@ def _say(c: tuple, names: list, me: int) -> str:
         return "it is not the case that " + _say(c[1], names, me)
     a, b = _say(c[1], names, me), _say(c[2], names, me)
     return f"if {a} then {b}" if c[0] == "if" else f"{a} {c[0]} {b}"
-
 
 def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
     for _ in range(100_000):
@@ -444,7 +426,6 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
             statements = [f'{name} says: "{t[0].upper() + t[1:]}."' for name, t in zip(names, said)]
             return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
-
 
 @_never_raise
 def logic_reward(completion: str, solution: dict) -> float:
@@ -471,7 +452,6 @@ def logic_reward(completion: str, solution: dict) -> float:
 # -- prompts and reference completions (the caller prefills "Let me solve this step by step.\n<think>") --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
-
 def countdown_prompt(row: dict, short=False) -> str:
     nums, t = row["nums"], row["target"]
     return f"Use {' '.join(map(str, nums))} to make {t}." if short else (
@@ -479,11 +459,9 @@ def countdown_prompt(row: dict, short=False) -> str:
         f"(+, -, *, /) and each number must be used exactly once. {_FORMAT}, "
         f"for example <answer> (1 + 2) / 3 </answer>.")
 
-
 def math_prompt(row: dict, short=False) -> str:
     return row["question"] if short else (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
                                           f"for example <answer> \\boxed{{42}} </answer>.")
-
 
 def logic_prompt(row: dict, short=False) -> str:
     said = "\n".join(row["statements"])
@@ -492,16 +470,13 @@ def logic_prompt(row: dict, short=False) -> str:
         f"{len(row['names'])} inhabitants: {', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? "
         f"{_FORMAT}, one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 
-
 def countdown_reference(row: dict) -> str:
     if "expr" not in row:
         raise ValueError("a countdown reference needs a generated row (with its 'expr'): use --data gen or easy")
     return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
 
-
 def math_reference(row: dict) -> str:
     return "\n".join(row.get("steps", [])) + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>"
-
 
 def logic_reference(row: dict) -> str:
     roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
@@ -515,10 +490,8 @@ def _gsm8k_row(question: str, solution) -> dict:
     steps = [re.sub(r"<<[^<>]*>>", "", ln).strip() for ln in body.splitlines() if ln.strip()]
     return {"question": question, "answer": gold.strip().replace(",", ""), "steps": steps}
 
-
 def _strs(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
 
 _SCHEMA = {  # task -> key -> (what it must be, check)
     "countdown": {"nums": ("a list of integers", lambda v: isinstance(v, list) and all(type(x) is int for x in v)),
@@ -530,7 +503,6 @@ _SCHEMA = {  # task -> key -> (what it must be, check)
               "solution": ("an object {name: true/false}",
                            lambda v: isinstance(v, dict) and all(type(x) is bool for x in v.values()))},
 }
-
 
 def _read_jsonl(path: str, task: str) -> list:
     try:
@@ -559,7 +531,6 @@ def _read_jsonl(path: str, task: str) -> list:
         raise ValueError(f"{path}: no rows")
     return rows
 
-
 def _load_hf(task: str, split: str) -> list:
     if task == "logic":
         raise ValueError("logic has no hub data set; use --data gen, easy or a .jsonl file")
@@ -576,7 +547,6 @@ def _load_hf(task: str, split: str) -> list:
                          "use --data gen") from None
     rows = [{"nums": list(x), "target": int(t)} for x, t in zip(ds["nums"], ds["target"])]
     return rows[:327_680] if split == "train" else rows[327_680:328_704]
-
 
 def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
     """gen/easy: n fresh problems from random.Random(seed). hf: the hub set (hf:test: its test split) shuffled by
@@ -595,9 +565,15 @@ def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
         rows = _read_jsonl(data, task)
     return rows[:n] if n and n > 0 else rows
 
+def _easy_countdown(rng: random.Random) -> dict:
+    """The CPU demo's variant: 3 numbers in 1..9, only + and -, listed in the order the reference uses them, so a
+    tiny model that learned to copy the numbers only has to choose the signs (about 1 in 3 by chance)."""
+    row = countdown_problem(rng, (3, 3), (1, 9), (0, 100), "+-")
+    return dict(row, nums=[int(x) for x in re.findall(r"[0-9]+", row["expr"])])
+
 
 _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, target <= 100; math: 2 steps; logic: 2 people)
-    "countdown": lambda r, easy: countdown_problem(r, (3, 3), (1, 9), (1, 100)) if easy else countdown_problem(r),
+    "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
     "math": lambda r, easy: math_problem(r, (2, 2) if easy else (2, 4)),
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
@@ -611,7 +587,6 @@ TASKS = {
               "reward": lambda c, row: logic_reward(c, row["solution"]), "reference": logic_reference},
 }
 
-
 def get_task(name: str) -> dict:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
@@ -623,7 +598,6 @@ def get_task(name: str) -> dict:
 
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
 
 def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
     """A random-init Qwen2ForCausalLM and a byte-level Qwen2Tokenizer (256 bytes + 3 specials, no merges).
@@ -647,13 +621,11 @@ def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg), tok
 
-
 def resolve_model_name(name: str) -> str:
     """'Qwen2.5-0.5B' -> 'Qwen/Qwen2.5-0.5B'; hub ids and local folders pass through."""
     if os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen"):
         return name
     return "Qwen/" + name
-
 
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
     """Return (model, tokenizer) on device in fp32, or raise OSError with a one-line reason."""
@@ -676,7 +648,6 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         tok.pad_token = tok.eos_token
     return model.to(device), tok
 
-
 def end_token_ids(tok) -> list:
     """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|> when present."""
     ids = {tok.eos_token_id}
@@ -694,7 +665,6 @@ def end_token_ids(tok) -> list:
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: the answer starts inside <think>
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 
-
 def use_chat(tok, chat: str = "auto") -> bool:
     """Chat template for instruct models, plain text for base models.
 
@@ -706,7 +676,6 @@ def use_chat(tok, chat: str = "auto") -> bool:
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
-
 def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
     """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
     inside the assistant's <think> (TinyZero's prefill). system=False drops the system line (terse CPU prompts)."""
@@ -716,11 +685,9 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
         return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
     return (SYSTEM_PROMPT + "\n" if system else "") + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
 
-
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """Prompt strings for task rows; short=True: the task's terse question and no system line."""
     return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
-
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """Valid response positions, by POSITION: up to and including the first end token, nothing after.
@@ -734,7 +701,6 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
     resp_mask = torch.arange(T, device=completion_ids.device)[None, :] <= first_end[:, None]  # (N, T)
     return resp_mask, ~has_end
-
 
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
@@ -771,7 +737,6 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
 # ---------------------------------------------------------------------------------------------------------------
 # Group advantages [paper: GRPO, A_i = (r_i - mean) / (std + eps)]
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
@@ -819,7 +784,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
 # batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
 # ---------------------------------------------------------------------------------------------------------------
 
-
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
 
@@ -837,7 +801,6 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     sq = torch.expm1(logp).square() + others.square().sum(-1)  # (...)
     return logp, entropy, sq.sqrt() / temperature
 
-
 def head_stats(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
                chunk: int = 1024) -> tuple:
     """token_stats from final hidden states, through the lm_head chunk by chunk, without autograd.
@@ -850,11 +813,9 @@ def head_stats(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor
             outs.append(token_stats(F.linear(h, head.weight, head.bias), y, temperature))
     return tuple(torch.cat(o) for o in zip(*outs)) if outs else (hidden.new_zeros(0),) * 3
 
-
 def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, temperature: float):
     z = F.linear(h, weight, bias).float() / temperature  # (C, V)
     return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-
 
 def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
               chunk: int = 1024) -> torch.Tensor:
@@ -865,7 +826,6 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     parts = [checkpoint(_chunk_logp, h, head.weight, head.bias, y, temperature, use_reentrant=False)
              for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-
 
 def response_hidden(model, batch: dict, rows: slice = slice(None)) -> torch.Tensor:
     """Final hidden states that PREDICT each response token: position P-1+t predicts token t. -> (n, T, d).
@@ -881,7 +841,6 @@ def response_hidden(model, batch: dict, rows: slice = slice(None)) -> torch.Tens
         h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # (n, P+T, d)
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
-
 
 @torch.no_grad()
 def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
@@ -902,14 +861,12 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, 
 # Scores and top-rho selection [paper: GMTS eq. 4; 80/20 section 4]
 # ---------------------------------------------------------------------------------------------------------------
 
-
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """omega = ratio * A where the PPO clip leaves the gradient alive, 0 where the clip is active (step 1).
     adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None].expand_as(ratio)  # (N, T)
     clipped = ((a > 0) & (ratio > 1 + clip_high)) | ((a < 0) & (ratio < 1 - clip_low))  # (N, T)
     return torch.where(clipped, torch.zeros_like(ratio), ratio * a)
-
 
 def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
                  generator: torch.Generator = None) -> torch.Tensor:
@@ -933,7 +890,6 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return om.abs() * grad_norm
     raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
 
-
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
     """Keep exactly k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch.
 
@@ -956,10 +912,17 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float) -> torch
     return sel.view_as(mask)
 
 
+def selection_mask(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
+    """sel_mask for a method: 'all' keeps every valid token; gmts/gradnorm never keep a token whose score is 0 (its
+    gradient is exactly 0: omega = 0 in a group of equal rewards, or where the clip is active), so they may keep
+    fewer than ceil(rho * n). (N, T), (N, T) bool -> (N, T) bool."""
+    sel = select_tokens(scores, mask, 1.0 if method == "all" else rho)
+    return sel & (scores > 0) if method in ("gmts", "gradnorm") else sel
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Loss [paper: GRPO / DAPO objective restricted to the selected tokens]
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                     clip_high: float) -> tuple:
@@ -973,13 +936,11 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
     return loss, clipped
 
-
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
     exp(ref - logp) - (ref - logp) - 1, >= 0 and exactly 0 where the two policies agree. (M,) -> (M,)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
-
 
 def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
                   denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
@@ -1026,7 +987,6 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 # Evaluation, warm-up, checkpoints, metrics [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
-
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
              batch_size: int = 64) -> dict:
@@ -1042,7 +1002,6 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         sample = sample or b["texts"][0]
     return dict(eval_acc=correct / max(len(rows), 1), eval_len=sum(lengths) / max(len(lengths), 1),
                 eval_sample=sample[:200])
-
 
 def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, steps: int, lr: float,
                batch_size: int, seed: int, log=print):
@@ -1078,7 +1037,6 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
         if step % 50 == 0 or step == steps:
             log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}")
 
-
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -1086,7 +1044,6 @@ def log_metrics(path: str, rec: dict):
         os.write(fd, (json.dumps(rec) + "\n").encode())
     finally:
         os.close(fd)
-
 
 def trim_metrics(path: str, last_step: int):
     """On resume: keep the whole lines of steps <= last_step (drops a torn tail and steps that will rerun)."""
@@ -1103,7 +1060,6 @@ def trim_metrics(path: str, last_step: int):
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
-
 
 def save_checkpoint(out: str, step: int, model, tok, opt, sched):
     """OUT/ckpt-<step>: model, tokenizer, optimiser, scheduler, RNG states, step. Written into a .tmp folder and
@@ -1123,13 +1079,11 @@ def save_checkpoint(out: str, step: int, model, tok, opt, sched):
             os.replace(old, old + ".old")  # renamed first: a half-deleted folder never looks like a checkpoint
             shutil.rmtree(old + ".old", ignore_errors=True)
 
-
 def last_checkpoint(out: str):
     """The newest complete checkpoint folder in out, or None."""
     done = [d for d in glob.glob(os.path.join(out, "ckpt-*"))
             if re.fullmatch(r"ckpt-\d+", os.path.basename(d)) and os.path.exists(os.path.join(d, "state.pt"))]
     return max(done, default=None)
-
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
@@ -1142,7 +1096,6 @@ def save_final(out: str, model, tok):
     for n in names:
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
-
 
 def make_reporter(kind: str, cfg: Config):
     """An optional external logger, imported lazily; a function (record, step) -> None, or None."""
@@ -1159,14 +1112,12 @@ def make_reporter(kind: str, cfg: Config):
     except ImportError as e:
         raise ValueError(f"--report-to {kind} needs a package that is not installed ({e.name}): pip install {e.name}")
 
-
 OOM_HINT = "out of GPU memory in {}: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training loop [paper: algorithm box; the numbers match the header]
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def split_rows(task: dict, cfg: Config) -> tuple:
     """(train rows, held-out eval rows): the last eval_size rows are held out; train drops any repeat of them."""
@@ -1176,7 +1127,6 @@ def split_rows(task: dict, cfg: Config) -> tuple:
     held = rows[-cfg.eval_size:]
     seen = {task["prompt"](r) for r in held}
     return [r for r in rows[:-cfg.eval_size] if task["prompt"](r) not in seen], held
-
 
 def train(cfg: Config, log=print) -> str:
     """GRPO with token selection. Returns the output folder (metrics.jsonl, checkpoints, the final model)."""
@@ -1271,9 +1221,7 @@ def train(cfg: Config, log=print) -> str:
                                 if ref is not None else None)
                 om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
                 scores = token_scores(cfg.select, entropy, grad_norm, om)
-                sel_mask = select_tokens(scores, mask, 1.0 if cfg.select == "all" else cfg.rho)  # (N, T)
-                if cfg.select in ("gmts", "gradnorm"):
-                    sel_mask &= scores > 0  # a score of 0 means a zero gradient: no budget is spent on it
+                sel_mask = selection_mask(cfg.select, scores, mask, cfg.rho)  # (N, T)
                 denom = denom_all if cfg.loss_norm == "all" else float(max(int(sel_mask.sum()), 1))
                 # 6. PPO-clip update on the selected tokens only
                 stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
@@ -1288,7 +1236,7 @@ def train(cfg: Config, log=print) -> str:
         # 7. log, evaluate, checkpoint
         n_sel = max(int(sel_mask.sum()), 1)
         ent_sel = select_tokens(entropy, mask, cfg.rho)
-        gmts_sel = select_tokens(token_scores("gmts", entropy, grad_norm, om), mask, cfg.rho) & (om != 0)
+        gmts_sel = selection_mask("gmts", token_scores("gmts", entropy, grad_norm, om), mask, cfg.rho)
         dt = time.time() - t0
         rec = dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
                    selected_frac=int(sel_mask.sum()) / max(n_valid, 1),
@@ -1317,19 +1265,16 @@ def train(cfg: Config, log=print) -> str:
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
-
 def read_metrics(out: str) -> list:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
-
 def plot_runs(runs: dict, png: str):
     """runs: label -> list of run folders (seeds). Held-out accuracy and batch reward vs step, mean over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: an importing notebook keeps its own backend
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
     for label, outs in runs.items():
         for ax, key in zip(axes, ("eval_acc", "reward_mean")):
             series = [{r["step"]: r[key] for r in read_metrics(o) if key in r} for o in outs]
@@ -1340,8 +1285,6 @@ def plot_runs(runs: dict, png: str):
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(png, dpi=90)
-    plt.close(fig)
-
 
 def compare(cfg: Config, log=print) -> dict:
     """--compare all,entropy,gmts --seeds 3: the same seeds with each method; a plot and a table of final accuracy."""
@@ -1386,7 +1329,6 @@ def compare(cfg: Config, log=print) -> dict:
 # Analysis [paper: the claim] does |H * omega| rank tokens by their true gradient magnitude better than H does?
 # ---------------------------------------------------------------------------------------------------------------
 
-
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     """Spearman rank correlation with average ranks for ties; NaN when either side is constant. (n,), (n,) -> float"""
     def ranks(x):
@@ -1400,7 +1342,6 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     ra, rb = ra - ra.mean(), rb - rb.mean()
     den = float((ra.square().sum() * rb.square().sum()).sqrt())
     return float((ra * rb).sum()) / den if den > 0 else float("nan")
-
 
 def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
                      temperature: float = 1.0) -> torch.Tensor:
@@ -1416,7 +1357,6 @@ def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, 
         g = torch.autograd.grad(logp[k], params, retain_graph=k < len(rows) - 1, allow_unused=True)
         out.append(float(torch.sqrt(sum((x.float() ** 2).sum() for x in g if x is not None))))
     return adv[rows].abs().cpu() * torch.tensor(out)
-
 
 def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max_tokens: int = 256,
                   per_answer: int = 24, seed: int = 0) -> dict:
@@ -1450,7 +1390,6 @@ def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max
             res[(m, f"{t}_within")] = sum(within) / len(within) if within else float("nan")
             res[(m, f"{t}_batch")] = spearman(s, y)
     return res
-
 
 def analyze(cfg: Config, log=print) -> dict:
     """--analyze: roll out cfg.batches batches and print the ranking study averaged over them."""
@@ -1490,7 +1429,6 @@ def analyze(cfg: Config, log=print) -> dict:
 # CLI [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
-
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too); --preset NAME sets defaults that explicit flags override."""
     p = argparse.ArgumentParser(description="GRPO with GMTS token selection (see the module docstring).")
@@ -1517,7 +1455,6 @@ def parse_args(argv=None) -> Config:
         with open(os.path.join(pre.resume, "run_config.json")) as f:  # --resume: the run's own config; flags win
             p.set_defaults(**{k: v for k, v in json.load(f).items() if k not in ("resume", "preset")})
     return Config(**vars(p.parse_args(argv)))
-
 
 def main(argv=None):
     cfg = parse_args(argv)

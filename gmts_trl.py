@@ -111,16 +111,14 @@ def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor, temperature: fl
     return (torch.expm1(logp.float()).square() + rest).sqrt() / temperature
 
 
-def select_global(scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator, drop_zero: bool = False):
-    """gmts.select_tokens over the valid tokens of ALL processes; returns (this process's (B, T) bool mask, the
+def select_global(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator):
+    """gmts.selection_mask over the valid tokens of ALL processes; returns (this process's (B, T) bool mask, the
     kept share of the global pool). Every process must call it (two gathers), as with TRL's get_high_entropy_mask."""
     local = scores[mask].float()  # (n,) this process's valid tokens, row-major
     counts = accelerator.gather(torch.tensor([local.numel()], device=local.device))  # (W,)
     pool = accelerator.gather(accelerator.pad_across_processes(local, dim=0)).view(counts.numel(), -1)  # (W, L)
     valid = torch.arange(pool.shape[1], device=pool.device)[None, :] < counts[:, None]  # (W, L)
-    keep = gmts.select_tokens(pool, valid, rho)  # (W, L), the same on every process
-    if drop_zero:
-        keep &= pool > 0  # a score of 0 is a zero gradient: no budget is spent on it (gmts.train does the same)
+    keep = gmts.selection_mask(method, pool, valid, rho)  # (W, L), the same on every process
     sel = torch.zeros_like(mask)
     sel[mask] = keep[accelerator.process_index, :local.numel()]
     return sel, float(keep.sum()) / max(int(valid.sum()), 1)
@@ -216,8 +214,7 @@ class GMTSTrainer(GRPOTrainer):
         if self.token_selection == "gradnorm":
             gn = grad_norm_from(logp, torch.cat(self._live["sum_sq"])[:, -T:], self.temperature)
         scores = gmts.token_scores(self.token_selection, entropies.detach().float(), gn, om, self._noise)  # (B, T)
-        rho = 1.0 if self.token_selection == "all" else self.token_rho
-        sel, kept = select_global(scores, mask, rho, self.accelerator, self.token_selection in ("gmts", "gradnorm"))
+        sel, kept = select_global(self.token_selection, scores, mask, self.token_rho, self.accelerator)
         self._metrics["train" if self.model.training else "eval"]["gmts/kept_frac"].append(kept)
         return sel
 
@@ -324,7 +321,7 @@ def main(argv=None):
         trainer = build_trainer(args)
     except ValueError as e:  # flags TRL rejects (e.g. a batch not divisible by G), data files
         die(str(e).strip().splitlines()[0] if str(e).strip() else "invalid configuration", 2)
-    except (OSError, RuntimeError) as e:  # a model that cannot be loaded, an unsupported TRL
+    except (OSError, RuntimeError, ImportError) as e:  # a model that can't be loaded, an unsupported TRL, no vLLM
         die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
     trainer.train()
     trainer.save_model(args.out)

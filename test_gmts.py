@@ -672,9 +672,13 @@ def test_gmts_spends_nothing_on_zero_advantage_groups():
     zero = (adv == 0)[:, None] & mask
     ent = select_tokens(token_scores("entropy", H, H, om), mask, 0.25)
     g_scores = token_scores("gmts", H, H, om)
-    g = select_tokens(g_scores, mask, 0.25) & (g_scores > 0)
+    g = gmts.selection_mask("gmts", g_scores, mask, 0.25)
     assert (ent & zero).sum() == 6  # entropy spends all 6 of its tokens on the A = 0 group
     assert (g & zero).sum() == 0 and g.sum() == 6
+    g_big = gmts.selection_mask("gmts", g_scores, mask, 0.9)  # budget 22 > the 16 live tokens: keeps just those
+    assert g_big.sum() == 16 and (g_big & zero).sum() == 0
+    assert gmts.selection_mask("all", g_scores, mask, 0.25).all()
+    assert gmts.selection_mask("entropy", H, mask, 0.9).sum() == 22
     # (c) no token with A != 0 left out while one with A = 0 is kept, whatever the entropies
     for seed in range(20):
         Hr = torch.rand(6, 4, generator=torch.Generator().manual_seed(seed)) + 0.01
@@ -968,9 +972,21 @@ def test_all_zero_advantage_batch_makes_no_update(tiny):
     H = torch.rand(b["resp_mask"].shape)
     om = omega(adv, torch.ones_like(H), 0.2, 0.28)
     s = token_scores("gmts", H, H, om)
-    sel = select_tokens(s, b["resp_mask"], 0.2) & (s > 0)
+    sel = gmts.selection_mask("gmts", s, b["resp_mask"], 0.2)
     assert not sel.any()
     stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), 10.0, temperature=1.0, clip_low=.2,
                                clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
     assert stats["stepped"] == 0 and stats["skipped"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch, capsys):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(gmts, "rollout", oom)
+    with pytest.raises(SystemExit) as e:
+        gmts.main(["--preset", "smoke", "--sft-steps", "0", "--eval-every", "0", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and len(err.splitlines()) == 1
+    assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
+    assert gmts.last_checkpoint(str(tmp_path / "o")) is not None  # the last checkpoint is kept

@@ -11,7 +11,11 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
 
+import importlib.util
+import json
 import math
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -20,6 +24,8 @@ import torch
 import gmts
 import gmts_trl
 from gmts_trl import GMTSConfig, GMTSTrainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,7 +75,6 @@ def test_two_trl_steps_end_to_end(tmp_path, select):
 def test_reward_function_uses_our_verifier():
     row = {"nums": [3, 5, 2], "target": 16, "expr": "(3 + 5) * 2"}
     rew = gmts_trl.make_reward("countdown")
-    import json
     out = rew(prompts=["p"] * 3, completions=["x</think><answer>(3 + 5) * 2</answer>", "<answer>3+5+2</answer>", "no"],
               row=[json.dumps(row)] * 3, completion_ids=None, trainer_state=None)
     assert out == [1.0, 0.1, 0.0]
@@ -114,9 +119,7 @@ def test_hook_mask_equals_select_tokens(tmp_path, select, off_policy, rho):
     tr._noise.manual_seed(5)
     got = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
     scores = gmts.token_scores(select, ent, gn, om, torch.Generator().manual_seed(5))
-    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho)
-    if select in ("gmts", "gradnorm"):
-        want &= scores > 0  # as gmts.train: zero-gradient tokens are never kept
+    want = gmts.selection_mask(select, scores, mask, rho)  # as gmts.train: zero-gradient tokens are never kept
     assert got.dtype == torch.bool and torch.equal(got, want)
     if select in ("entropy", "random"):
         assert int(got.sum()) == math.ceil(rho * int(mask.sum()))
@@ -156,7 +159,7 @@ def test_selection_is_global_across_processes():
     box, barrier, out = [None, None], threading.Barrier(2), [None, None]
 
     def proc(rank, s, m):
-        out[rank] = gmts_trl.select_global(s, m, 0.3, FakeAccelerator(rank, 2, box, barrier))
+        out[rank] = gmts_trl.select_global("entropy", s, m, 0.3, FakeAccelerator(rank, 2, box, barrier))
 
     threads = [threading.Thread(target=proc, args=a) for a in [(0, s0, m0), (1, s1, m1)]]
     [t.start() for t in threads]
@@ -233,8 +236,16 @@ def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
 # ---- CLI -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, msg", [(["--select", "bogus"], "--select"), (["--rho", "0"], "--rho"),
-                                       (["--num-generations", "1"], "--num-generations"),
+def test_cli_bad_select_exits_2_with_one_line():
+    """The real command line: one line on stderr (no traceback, no import noise), exit status 2."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "gmts_trl.py"), "--select", "bogus"], capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gmts_trl: error: argument --select: invalid choice")
+
+
+@pytest.mark.parametrize("argv, msg", [(["--rho", "0"], "--rho"), (["--num-generations", "1"], "--num-generations"),
+                                       (["--task", "chess"], "--task"),
                                        (["--per-device-batch-size", "3", "--num-generations", "2", "--grad-accum", "1"],
                                         "divisible")])
 def test_cli_bad_flag_one_line_exit_2(capsys, argv, msg, tmp_path):
@@ -242,6 +253,15 @@ def test_cli_bad_flag_one_line_exit_2(capsys, argv, msg, tmp_path):
         gmts_trl.main(argv + ["--out", str(tmp_path), "--steps", "1"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and err.startswith("gmts_trl: error:") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_cli_use_vllm_without_vllm_one_line_exit_1(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(["--use-vllm", "--steps", "1", "--num-generations", "2", "--per-device-batch-size", "2",
+                       "--grad-accum", "1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "vLLM is not available" in err and err.count("\n") == 1
 
 
 def test_cli_runs_tiny_and_saves(tmp_path):

@@ -4,21 +4,21 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
   a. token statistics (log p_y, entropy; ours also grad_norm) from the same hidden states (tokens, 896) and a
      random lm_head (151936 x 896, fp32), head matmul included for every variant:
        naive  full torch.log_softmax over (tokens, V) + gather + entropy
-       trl    trl.trainer.utils.selective_log_softmax + entropy_from_logits, head applied --chunk rows at a time
-              (entropy_from_logits defaults to 128-row chunks; it is passed --chunk so both chunk alike)
+       trl    trl.trainer.utils.selective_log_softmax + entropy_from_logits (its default chunk is 128 rows), the
+              head applied --chunk rows at a time and entropy_from_logits given the same chunk
        ours   gmts.head_stats at --chunk rows, and at its default 1024 (Config.stats_chunk)
-  b. loss head forward + backward (d loss / d hidden and d lm_head): gmts.head_logp on all tokens vs on the
-     rho share gathered from the hidden states first (what policy_update does), chunk 1024.
+  b. loss head forward + backward (d hidden and d lm_head): gmts.head_logp (chunk 1024) on all tokens vs on the
+     rho share of rows gathered from the hidden states first, as policy_update does.
   c. gmts.select_tokens on 1M and 32M random scores with a mask, beside torch.quantile (TRL's threshold; it
-     refuses inputs above 2^24 elements, printed as "fails").
-  d. one training step of the tiny model (gmts.build_tiny, PRESETS["cpu"] sizes): rollout time (gmts.rollout on
-     countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, select_tokens,
-     policy_update, and the two select_tokens calls train() logs) for --select all vs gmts on one fixed batch.
-     A random model earns no reward, so rewards are random 0/1 (seeded) with one right and one wrong answer in
-     every group: no answer gets A = 0, the most update work gmts can be given.
-  e. the same step for a random-init model with the Qwen2.5-0.5B config (--device cuda), rollout forced to a fixed
-     length (min_new_tokens); --small runs it with a tiny config so the path is exercised on CPU.
-
+     refuses inputs above 2^24 elements: "fails").
+  d. one training step of the tiny model (gmts.build_tiny, PRESETS["cpu"] sizes): rollout (gmts.rollout on
+     countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, selection_mask,
+     policy_update and the two selections train() logs) for --select all, random and gmts on one fixed
+     batch. A random model earns no reward, so rewards are random 0/1 with one right and one wrong answer per
+     group (no answer has A = 0). Its entropy is nearly flat, so gmts keeps whole answers of the largest |A| and
+     the update runs few answers; random spreads the kept tokens over every answer: gmts' worst case.
+  e. the same step for a random-init model with the Qwen2.5-0.5B config (--device cuda), rollouts forced to a
+     fixed length (min_new_tokens); --small runs it with a tiny config so the path is exercised on CPU.
 Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and ratios of
 medians. Peak memory is the growth over the state before the call: CUDA: torch.cuda.max_memory_allocated after
 reset_peak_memory_stats, minus memory_allocated before. CPU: torch's CPU allocations are invisible to
@@ -27,8 +27,10 @@ VmRSS), read VmRSS, run, read VmHWM from /proc/self/status; peak_mb = VmHWM - Vm
 (mallopt M_MMAP_THRESHOLD = 1 MiB) to mmap every block >= 1 MiB, so freed tensors leave RSS and the next
 measurement starts clean (repeats agree to ~1 MB). On CPU torch runs --threads 1 by default: on a shared,
 oversubscribed 2-core machine two OpenMP threads wait on each other and small reductions slow down 100x.
+--tokens defaults to 1024 on CPU: one 4096-row head matmul takes ~25 s on one core, and 4096 rows with three
+repeats take over 10 minutes; the peak memory of the chunked statistics does not depend on --tokens.
 
-Run:  python bench_gmts.py --json bench.json        (CPU, a few minutes)
+Run:  python bench_gmts.py --json bench.json        (CPU, ~5 minutes)
       python bench_gmts.py --device cuda --json gpu.json
       python bench_gmts.py --quick --json tmp.json  (seconds; tiny sizes, section e with --small)
 """
@@ -108,7 +110,7 @@ class Meter:
             top = torch.cuda.max_memory_allocated() / 2**20
             peak = top - base / 2**20
         else:
-            top = self._status("VmHWM")
+            top = self._status("VmHWM") if self.cpu_rss else 0.0
             peak = top - base if self.cpu_rss else None
         self.process_peak_mb = max(self.process_peak_mb, top)
         return ms, peak, out
@@ -252,16 +254,14 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high)  # inner update 0: old = logp
         scores = gmts.token_scores(method, ent, gn, om)
         t = clock()
-        sel = gmts.select_tokens(scores, mask, 1.0 if method == "all" else cfg.rho)
+        sel = gmts.selection_mask(method, scores, mask, cfg.rho)  # select_tokens + the keep rules, as train()
         dt = clock() - t
-        if method in ("gmts", "gradnorm"):
-            sel &= scores > 0
         gmts.policy_update(model, opt, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=cfg.micro_batch,
                            chunk=cfg.stats_chunk, max_grad_norm=cfg.max_grad_norm)
         t = clock()  # train() step 7 logs two more selections every step (entropy top-rho, gmts top-rho)
         gmts.select_tokens(ent, mask, cfg.rho)
-        gmts.select_tokens(gmts.token_scores("gmts", ent, gn, om), mask, cfg.rho) & (om != 0)
+        gmts.selection_mask("gmts", gmts.token_scores("gmts", ent, gn, om), mask, cfg.rho)
         sel_ms[method].append((dt + clock() - t) * 1e3)
         return dict(kept_frac=int(sel.sum()) / int(mask.sum()), active_frac=float(sel.any(1).float().mean()))
 

@@ -791,14 +791,18 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     entropy   = -sum_j p_j log p_j                                   (nats)
     grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation step 3)
     """
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (..., V)
-    p = logp_all.exp()  # (..., V)
+    z = logits.float()
+    logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (...)
-    entropy = -(p * logp_all).sum(-1)  # (...)
     # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number as (1 - p_y)^2 + sum_{j!=y} p_j^2
-    # has no cancellation (1 - p_y = -expm1(logp_y)).
-    others = p.scatter(-1, tokens.unsqueeze(-1), 0.0)  # (..., V)
-    sq = torch.expm1(logp).square() + others.square().sum(-1)  # (...)
+    # has no cancellation (1 - p_y = -expm1(logp_y)). Without autograd, p is reused in place: 3 (..., V) buffers.
+    inplace = not torch.is_grad_enabled()
+    p = logp_all.exp()  # (..., V)
+    p = p.scatter_(-1, tokens.unsqueeze(-1), 0.0) if inplace else p.scatter(-1, tokens.unsqueeze(-1), 0.0)  # p_y := 0
+    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2
+    plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
+    entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
+    sq = torch.expm1(logp).square() + others_sq  # (...)
     return logp, entropy, sq.sqrt() / temperature
 
 def head_stats(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,

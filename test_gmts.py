@@ -990,3 +990,12 @@ def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch
     assert e.value.code == 1 and len(err.splitlines()) == 1
     assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
     assert gmts.last_checkpoint(str(tmp_path / "o")) is not None  # the last checkpoint is kept
+
+
+def test_analyze_cli_prints_the_spearman_table(tmp_path):
+    r = run_cli("--analyze", "--preset", "smoke", "--batches", "1", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "spearman" in r.stdout and all(m in r.stdout for m in ("entropy", "gmts", "gradnorm", "random"))
+    res = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert set(res) == {f"{m}/{c}_{w}" for m in ("entropy", "gmts", "gradnorm", "random")
+                        for c in ("logit", "param") for w in ("within", "batch")}

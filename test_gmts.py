@@ -999,3 +999,26 @@ def test_analyze_cli_prints_the_spearman_table(tmp_path):
     res = json.loads((tmp_path / "a" / "analysis.json").read_text())
     assert set(res) == {f"{m}/{c}_{w}" for m in ("entropy", "gmts", "gradnorm", "random")
                         for c in ("logit", "param") for w in ("within", "batch")}
+
+
+def test_cpu_preset_with_a_tiny_budget(tmp_path):
+    out = tmp_path / "cpu"
+    r = run_cli("--preset", "cpu", "--steps", "2", "--sft-steps", "3", "--prompts-per-step", "2", "--eval-size", "4",
+                "--eval-every", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["step"] == 0 and "eval_acc" in recs[0]  # the warm-up's accuracy is the first eval_acc
+    assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
+
+
+def test_compare_writes_a_table_and_a_plot(tmp_path):
+    out = tmp_path / "cmp"
+    r = run_cli("--preset", "smoke", "--compare", "all,gmts", "--seeds", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = (out / "compare.md").read_text().splitlines()
+    assert table[0].startswith("| method") and [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts"]
+    assert (out / "compare.png").stat().st_size > 1000
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["all-s0", "all-s1", "gmts-s0", "gmts-s1",
+                                                                      "warm-s0", "warm-s1"]
+    r = run_cli("--preset", "smoke", "--compare", "all,best", "--out", str(out))
+    assert r.returncode == 2 and "--compare" in r.stderr

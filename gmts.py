@@ -123,6 +123,7 @@ class Config:
     sft_steps: int = 0
     sft_lr: float = 3e-3
     sft_batch: int = 32
+    sft_target: float = 0.0  # stop the warm-up once greedy accuracy on 64 training problems reaches this (0: off)
 
 CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
@@ -137,8 +138,8 @@ PRESETS = {
     # warm-up's accuracy is the first eval_acc), then GRPO + GMTS learns which signs hit the target. README shows it.
     "cpu": dict(model="tiny", tiny_hidden=96, tiny_layers=3, task="countdown", data="easy", short_prompt=True,
                 steps=60, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=1.5e-4, warmup_steps=10,
-                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=800, sft_lr=3e-3,
-                out="out/cpu"),
+                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1500, sft_target=0.15,
+                sft_lr=3e-3, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
     "smoke": dict(model="tiny", task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
                   group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, sft_steps=2, lr=1e-4, out="out/smoke"),
@@ -986,7 +987,8 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
         opt.step()
     n_sel = max(int(sel_mask.sum()), 1)
     return dict(loss=loss_sum / denom, grad_norm=grad_norm, clip_frac=clipped / n_sel,
-                kl=kl_sum / max(int(batch["resp_mask"].sum()), 1), skipped=int(skipped), stepped=int(active.numel() > 0))
+                kl=kl_sum / max(int(batch["resp_mask"].sum()), 1), skipped=int(skipped),
+                stepped=int(active.numel() > 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1010,11 +1012,13 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
                 eval_sample=sample[:200])
 
 def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, steps: int, lr: float,
-               batch_size: int, seed: int, log=print):
+               batch_size: int, seed: int, log=print, target_acc: float = 0.0, max_new_tokens: int = 64) -> int:
     """Supervised warm-up on reference solutions (cross-entropy on the answer tokens only), so that a tiny random
-    model earns some reward before RL. Real checkpoints skip it (--sft-steps 0)."""
+    model earns some reward before RL. Real checkpoints skip it (--sft-steps 0). With target_acc > 0 it stops as
+    soon as the greedy accuracy on 64 TRAINING problems (checked every 50 steps) reaches target_acc: RL then starts
+    from a low but non-zero accuracy, whenever this seed's model learns to copy the numbers. Returns steps run."""
     if steps <= 0:
-        return
+        return 0
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
@@ -1041,7 +1045,17 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == steps:
-            log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}")
+            acc = evaluate(model, tok, task, rows[:64], chat, short, max_new_tokens)["eval_acc"] if target_acc else 0
+            model.train()
+            log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}" + (f" | acc {acc:.3f}" if target_acc else ""))
+            if target_acc and acc >= target_acc:
+                return step
+    return steps
+
+
+def warm_up(model, tok, task: dict, rows: list, chat: bool, cfg: Config, log=print) -> int:
+    return sft_warmup(model, tok, task, rows, chat, cfg.short_prompt, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch,
+                      cfg.seed, log, cfg.sft_target, cfg.max_new_tokens)
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
@@ -1118,7 +1132,8 @@ def make_reporter(kind: str, cfg: Config):
     except ImportError as e:
         raise ValueError(f"--report-to {kind} needs a package that is not installed ({e.name}): pip install {e.name}")
 
-OOM_HINT = "out of GPU memory in {}: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
+OOM_HINT = ("out of GPU memory in {}: lower --micro-batch, --group-size or --max-new-tokens "
+            "(the last checkpoint is kept)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1184,8 +1199,7 @@ def train(cfg: Config, log=print) -> str:
     else:
         if os.path.exists(metrics_path):
             os.remove(metrics_path)
-        sft_warmup(model, tok, task, train_rows, chat, cfg.short_prompt, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch,
-                   cfg.seed, log)
+        warm_up(model, tok, task, train_rows, chat, cfg, log)
         if cfg.eval_every > 0:  # the starting accuracy is the first eval_acc, logged at step 0
             rec = dict(step=0, **ev())
             log_metrics(metrics_path, rec)
@@ -1304,8 +1318,7 @@ def compare(cfg: Config, log=print) -> dict:
         if cfg.sft_steps > 0:
             model, tok = load_model(cfg.model, pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, seed)
             task = get_task(cfg.task)
-            sft_warmup(model, tok, task, split_rows(task, starts[seed])[0], use_chat(tok, cfg.chat), cfg.short_prompt,
-                       cfg.sft_steps, cfg.sft_lr, cfg.sft_batch, seed, log)
+            warm_up(model, tok, task, split_rows(task, starts[seed])[0], use_chat(tok, cfg.chat), starts[seed], log)
             warm = os.path.join(cfg.out, f"warm-s{seed}")
             model.save_pretrained(warm)
             tok.save_pretrained(warm)
@@ -1318,7 +1331,8 @@ def compare(cfg: Config, log=print) -> dict:
             rec = read_metrics(out)
             table.setdefault(m, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
             log(f"{m} seed {seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
-    lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |", "|---|---|---|---|"]
+    lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |",
+             "|---|---|---|---|"]
     for m, v in table.items():
         fin = torch.tensor([b for _, b in v])
         sd = float(fin.std(unbiased=False))
@@ -1386,8 +1400,8 @@ def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max
     r_, c_ = rows.to(dev), cols.to(dev)
     targets = dict(logit=(om.abs() * grad_norm)[r_, c_].cpu(),
                    param=param_grad_norms(model, batch, adv, r_, c_, temperature))
-    scores = {m: token_scores(m, entropy, grad_norm, om, g)[r_, c_].cpu() for m in ("entropy", "gmts", "gradnorm",
-                                                                                      "random")}
+    methods = ("entropy", "gmts", "gradnorm", "random")
+    scores = {m: token_scores(m, entropy, grad_norm, om, g)[r_, c_].cpu() for m in methods}
     res = {}
     for m, s in scores.items():
         for t, y in targets.items():
@@ -1405,8 +1419,7 @@ def analyze(cfg: Config, log=print) -> dict:
     train_rows, _ = split_rows(task, cfg)
     model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     chat = use_chat(tok, cfg.chat)
-    sft_warmup(model, tok, task, train_rows, chat, cfg.short_prompt, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch,
-               cfg.seed, log)
+    warm_up(model, tok, task, train_rows, chat, cfg, log)
     acc = {}
     for b in range(cfg.batches):
         rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
@@ -1420,7 +1433,8 @@ def analyze(cfg: Config, log=print) -> dict:
             f"answers with A = 0")
         for k, v in ranking_study(model, batch, adv, cfg.temperature, seed=cfg.seed + b).items():
             acc.setdefault(k, []).append(v)
-    res = {k: sum(x for x in v if not math.isnan(x)) / max(sum(not math.isnan(x) for x in v), 1) for k, v in acc.items()}
+    mean = lambda v: sum(x for x in v if not math.isnan(x)) / max(sum(not math.isnan(x) for x in v), 1)  # noqa: E731
+    res = {k: mean(v) for k, v in acc.items()}
     cols = ["logit_within", "logit_batch", "param_within", "param_batch"]
     log("score     | " + " | ".join(f"spearman {c:<12}" for c in cols))
     for m in ("entropy", "gmts", "gradnorm", "random"):

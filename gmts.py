@@ -574,7 +574,7 @@ def _easy_countdown(rng: random.Random) -> dict:
     return dict(row, nums=[int(x) for x in re.findall(r"[0-9]+", row["expr"])])
 
 
-_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, target <= 100; math: 2 steps; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 2 steps; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
     "math": lambda r, easy: math_problem(r, (2, 2) if easy else (2, 4)),
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),

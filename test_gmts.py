@@ -273,8 +273,11 @@ def test_countdown_problems_are_solvable():
         p = countdown_problem(rng)
         assert len(p["nums"]) in (3, 4) and all(1 <= x <= 99 for x in p["nums"]) and 1 <= p["target"] <= 1000
         assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
-    for p in load_rows("countdown", "easy", 100, seed=0):
-        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 1 <= p["target"] <= 100
+    for p in load_rows("countdown", "easy", 100, seed=0):  # the CPU demo's variant: + and - only, 0 <= target
+        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 0 <= p["target"] <= 100
+        assert set(re.findall(r"[^0-9 ()]", p["expr"])) <= {"+", "-"}
+        assert [int(x) for x in re.findall(r"[0-9]+", p["expr"])] == p["nums"]  # listed in the reference's order
+        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
 
 
 def _claim(body, names, me):

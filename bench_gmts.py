@@ -27,10 +27,10 @@ VmRSS), read VmRSS, run, read VmHWM from /proc/self/status; peak_mb = VmHWM - Vm
 (mallopt M_MMAP_THRESHOLD = 1 MiB) to mmap every block >= 1 MiB, so freed tensors leave RSS and the next
 measurement starts clean (repeats agree to ~1 MB). On CPU torch runs --threads 1 by default: on a shared,
 oversubscribed 2-core machine two OpenMP threads wait on each other and small reductions slow down 100x.
---tokens defaults to 1024 on CPU: one 4096-row head matmul takes ~25 s on one core, and 4096 rows with three
-repeats take over 10 minutes; the peak memory of the chunked statistics does not depend on --tokens.
+--tokens defaults to 4096 on CPU with 2 interleaved runs per variant in the head sections (a, b): one 4096-row
+head pass takes ~30 s on one core, so three runs would not fit in 10 minutes (--head-repeats 3 for more).
 
-Run:  python bench_gmts.py --json bench.json        (CPU, ~5 minutes)
+Run:  python bench_gmts.py --json bench.json        (CPU, ~8 minutes)
       python bench_gmts.py --device cuda --json gpu.json
       python bench_gmts.py --quick --json tmp.json  (seconds; tiny sizes, section e with --small)
 """
@@ -155,13 +155,13 @@ def sec_stats(args, meter, dev) -> dict:
 
     fns = {"naive": naive, "trl": trl if selective_log_softmax else None,
            f"ours@{C}": lambda h, y: gmts.head_stats(h, head, y, 1.0, C),
-           "ours@1024": lambda h, y: gmts.head_stats(h, head, y, 1.0, 1024)}
+           "ours@1024": (lambda h, y: gmts.head_stats(h, head, y, 1.0, 1024)) if args.extra else None}
     variants = {}
     for k, fn in fns.items():
         if fn is not None:
             fn(h[:8], y[:8])  # warm-up: first-call costs stay out of the medians
             variants[k] = functools.partial(fn, h, y)
-    res = interleave(meter, variants, args.repeats)
+    res = interleave(meter, variants, args.head_repeats)
     ref = res["naive"]["out"]
     for r in res.values():  # the variants must agree, or the timings compare different work
         r["max_abs_diff_logp"] = float((r["out"][0] - ref[0]).abs().max())
@@ -188,8 +188,10 @@ def sec_loss_head(args, meter, dev) -> dict:
     # all: the head over every token in one piece, as an implementation without selection holds it (logits for
     # all N*T positions); selected: the same head over the kept 20% only; all@1024: gmts.py's chunked head over all
     # tokens (chunking alone bounds the memory too, so it is shown beside them, not used in the target).
-    res = interleave(meter, {"all": lambda: run(None, M), "all@1024": lambda: run(None, 1024),
-                             "selected": lambda: run(idx, 1024)}, args.repeats)
+    variants = {"all": lambda: run(None, M), "selected": lambda: run(idx, 1024)}
+    if args.extra:
+        variants["all@1024"] = lambda: run(None, 1024)
+    res = interleave(meter, variants, args.head_repeats)
     for r in res.values():
         del r["out"]
     return res
@@ -247,6 +249,7 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
     mask = batch["resp_mask"]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sel_ms = {m: [] for m in methods}
+    stats_ms = {m: [] for m in methods}
     meter.process_peak_mb = 0.0
 
     def clock():
@@ -254,7 +257,9 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         return time.perf_counter()
 
     def update(method):
+        t0 = clock()  # the extra no-grad forward of the statistics (deviation 8 in gmts.py): its share of a step
         logp, ent, gn = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
+        stats_ms[method].append((clock() - t0) * 1e3)
         om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high)  # inner update 0: old = logp
         scores = gmts.token_scores(method, ent, gn, om)
         t = clock()
@@ -272,6 +277,7 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
     for m in methods:  # warm-up: Adam state, kernels
         update(m)
         sel_ms[m].clear()
+        stats_ms[m].clear()
     seeds = iter(range(1, 10 ** 6))
     res = interleave(meter, {"rollout": lambda: make_batch(next(seeds)),
                              **{m: functools.partial(update, m) for m in methods}}, repeats)
@@ -282,6 +288,8 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         r = res[m]
         r.update(r.pop("out"), step_ms=roll["ms"] + r["ms"], select_ms=statistics.median(sel_ms[m]))
         r["select_share"] = r["select_ms"] / r["step_ms"]
+        r["stats_ms"] = statistics.median(stats_ms[m])
+        r["stats_share"] = r["stats_ms"] / r["step_ms"]
         out[m] = r
     out["step_ratio_gmts_all"] = out["gmts"]["step_ms"] / out["all"]["step_ms"]
     out["process_peak_mb"] = meter.process_peak_mb  # CUDA: max allocated incl. weights and Adam; CPU: max RSS
@@ -366,8 +374,8 @@ def table(R: dict) -> str:
             for m in ("all", "random", "gmts"):
                 r = S[m]
                 lines.append(f"{sec:<12} {'update --select ' + m:<26} {r['ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}"
-                             f"  step {r['step_ms']:.0f} ms, select {r['select_ms']:.1f} ms, "
-                             f"kept {r['kept_frac']:.2f} in {r['active_frac']:.0%} of answers")
+                             f"  step {r['step_ms']:.0f} ms, stats pass {r['stats_share']:.0%}, select "
+                             f"{r['select_ms']:.1f} ms, kept {r['kept_frac']:.2f} in {r['active_frac']:.0%} of answers")
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
         lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  (<= {t['limit']})")
@@ -377,10 +385,14 @@ def table(R: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="GMTS performance benchmark (see the module docstring)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tokens", type=int, default=0, help="rows in sections a and b (0: 1024 on CPU, 32768 on CUDA)")
+    p.add_argument("--tokens", type=int, default=0, help="rows in sections a and b (0: 4096 on CPU, 32768 on CUDA)")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunk", type=int, default=128, help="rows per chunk for trl and ours in section a")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant (medians)")
+    p.add_argument("--head-repeats", type=int, default=0,
+                   help="runs per variant in the head sections a and b (0: 2 on CPU, where one 4096-row head pass "
+                        "takes ~30 s on a core; --repeats on CUDA)")
+    p.add_argument("--extra", action="store_true", help="also ours@1024 in a and all@1024 (chunked) in b")
     p.add_argument("--rho", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--sections", default="abcde", help="which sections to run (e runs on CUDA or with --small)")
@@ -388,10 +400,11 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere, implies --small")
     p.add_argument("--json", default="", help="write all measurements here")
     a = p.parse_args(argv)
-    a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 1024)
+    a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
+    a.head_repeats = a.head_repeats or (a.repeats if a.device == "cuda" or a.quick else 2)
     a.select_sizes = [2 ** 14, 2 ** 16] if a.quick else [2 ** 20, 2 ** 25]
     if a.quick:
-        a.vocab, a.repeats, a.small = min(a.vocab, 8192), min(a.repeats, 2), True
+        a.vocab, a.repeats, a.small, a.extra = min(a.vocab, 8192), min(a.repeats, 2), True, True
     return a
 
 

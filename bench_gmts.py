@@ -437,7 +437,7 @@ def main(argv=None):
     m = R["meta"]
     print(f"device {m['device']} | torch {m['torch']} | {m['threads']} thread(s) of {m['cpus']} CPUs | tokens "
           f"{m['tokens']} x vocab {m['vocab']} x hidden {HIDDEN} | chunk {m['chunk']} | rho {m['rho']} | medians of "
-          f"{m['repeats']} | load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s",
+          f"{m['repeats']} (a, b: {args.head_repeats}) | load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s",
           flush=True)
     print(table(R), flush=True)
     if args.json:

@@ -96,8 +96,8 @@ class Config:
     eval_every: int = 20  # greedy held-out accuracy every this many steps (0: only at the end)
     eval_size: int = 64  # held-out problems
     # rollout
-    prompts_per_step: int = 8  # B
-    group_size: int = 8  # G
+    prompts_per_step: int = 8  # B, prompts sampled per step
+    group_size: int = 8  # G, answers sampled per prompt
     max_new_tokens: int = 256  # response length limit; longer answers are cut and flagged
     temperature: float = 1.0  # sampling temperature; the same T is used for log-probs and entropy
     top_p: float = 1.0  # 1.0 samples from the full distribution (on-policy)
@@ -113,16 +113,16 @@ class Config:
     select: str = "gmts"  # all, random, entropy, gmts, gradnorm
     rho: float = 0.2  # share of the batch's response tokens kept
     # optimisation
-    lr: float = 1e-6
+    lr: float = 1e-6  # AdamW learning rate of the GRPO updates
     warmup_steps: int = 10  # linear lr warm-up, in optimiser steps
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this
     micro_batch: int = 8  # answers per forward/backward (gradient accumulation over the batch)
     stats_chunk: int = 1024  # rows of the (tokens x V) logits held at once in the head
     # supervised warm-up on reference solutions (the CPU preset uses it so that a tiny model earns reward)
-    sft_steps: int = 0
-    sft_lr: float = 3e-3
-    sft_batch: int = 32
+    sft_steps: int = 0  # supervised warm-up steps before RL (0: none)
+    sft_lr: float = 3e-3  # warm-up learning rate
+    sft_batch: int = 32  # warm-up batch size
     sft_target: float = 0.0  # stop the warm-up once greedy accuracy on 64 training problems reaches this (0: off)
 
 CHOICES = {

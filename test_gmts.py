@@ -1025,3 +1025,16 @@ def test_compare_writes_a_table_and_a_plot(tmp_path):
                                                                       "warm-s0", "warm-s1"]
     r = run_cli("--preset", "smoke", "--compare", "all,best", "--out", str(out))
     assert r.returncode == 2 and "--compare" in r.stderr
+
+
+def test_every_config_field_is_a_flag_with_help(capsys):
+    with pytest.raises(SystemExit):
+        gmts.parse_args(["--help"])
+    out = capsys.readouterr().out
+    opts = out[out.index("options:"):]
+    for f in gmts.dataclasses.fields(gmts.Config):
+        flag = "--" + f.name.replace("_", "-")
+        m = re.search(rf"^  {flag}[ ,](.*?)\(default:", opts, re.M | re.S)  # its entry, up to the default
+        assert m, flag
+        words = [w for w in m.group(1).split() if not w.isupper() and not w.startswith("--")]
+        assert len(words) >= 2, f"{flag} has no help text"

@@ -1149,6 +1149,20 @@ def split_rows(task: dict, cfg: Config) -> tuple:
     seen = {task["prompt"](r) for r in held}
     return [r for r in rows[:-cfg.eval_size] if task["prompt"](r) not in seen], held
 
+def sample_and_score(model, tok, task: dict, train_rows: list, chat: bool, cfg: Config) -> tuple:
+    """Steps 1-4: B prompts, G answers each, rewards from the verifier, group advantages -> (batch, rewards, adv)."""
+    rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
+    prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
+    try:
+        batch = rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+    except torch.OutOfMemoryError:
+        raise RuntimeError(OOM_HINT.format("generation")) from None
+    group_rows = [r for r in rows for _ in range(cfg.group_size)]
+    rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # (N,)
+    adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
+    return batch, rewards, adv
+
+
 def train(cfg: Config, log=print) -> str:
     """GRPO with token selection. Returns the output folder (metrics.jsonl, checkpoints, the final model)."""
     from tqdm import tqdm
@@ -1211,25 +1225,12 @@ def train(cfg: Config, log=print) -> str:
     for step in bar:
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
-        # 1. sample B prompts
-        rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-        prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-        # 2. roll out G answers per prompt
-        try:
-            batch = rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                            cfg.top_k)
-        except torch.OutOfMemoryError:
-            raise RuntimeError(OOM_HINT.format("generation")) from None
+        # 1.-4. sample B prompts, roll out G answers each, verify -> rewards, group advantages
+        batch, rewards, adv = sample_and_score(model, tok, task, train_rows, chat, cfg)  # (N,) each
         t_roll = time.time() - t0
-        # 3. verify -> rewards, 4. group advantages
-        group_rows = [r for r in rows for _ in range(cfg.group_size)]
-        rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # (N,)
-        adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize).to(device)  # (N,)
         mask = batch["resp_mask"]  # (N, T)
         zero_group = (adv == 0)[:, None] & mask  # (N, T) tokens of answers with A = 0
         n_valid = int(mask.sum())
-        denom_all = float(n_valid)
-        stats = {}
         try:
             for inner in range(cfg.inner_updates):
                 # 5. token statistics of the current policy, scores, top-rho selection over the whole batch
@@ -1242,7 +1243,7 @@ def train(cfg: Config, log=print) -> str:
                 om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
                 scores = token_scores(cfg.select, entropy, grad_norm, om)
                 sel_mask = selection_mask(cfg.select, scores, mask, cfg.rho)  # (N, T)
-                denom = denom_all if cfg.loss_norm == "all" else float(max(int(sel_mask.sum()), 1))
+                denom = float(n_valid if cfg.loss_norm == "all" else max(int(sel_mask.sum()), 1))
                 # 6. PPO-clip update on the selected tokens only
                 stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
                                       temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -1422,13 +1423,7 @@ def analyze(cfg: Config, log=print) -> dict:
     warm_up(model, tok, task, train_rows, chat, cfg, log)
     acc = {}
     for b in range(cfg.batches):
-        rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-        prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-        batch = rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                        cfg.top_k)
-        rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"],
-                                                                     [r for r in rows for _ in range(cfg.group_size)])])
-        adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize).to(device)
+        batch, rewards, adv = sample_and_score(model, tok, task, train_rows, chat, cfg)
         log(f"batch {b + 1}/{cfg.batches}: reward {rewards.mean():.3f}, {int((adv == 0).sum())}/{len(adv)} "
             f"answers with A = 0")
         for k, v in ranking_study(model, batch, adv, cfg.temperature, seed=cfg.seed + b).items():

@@ -83,6 +83,7 @@ class Config:
     batches: int = 2  # --analyze: rollout batches to study
     compare: str = ""  # comma list of --select methods to run side by side, e.g. all,entropy,gmts
     seeds: int = 1  # --compare: seeds per method
+    workers: int = 0  # --compare: runs in parallel processes (0: one per CPU core on a CPU, 1 on a GPU)
     # model
     model: str = "tiny"  # 'tiny' (built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a local folder
     chat: str = "auto"  # use the chat template: auto (by the tokenizer, see render_prompt), yes, no
@@ -124,6 +125,7 @@ class Config:
     sft_lr: float = 3e-3  # warm-up learning rate
     sft_batch: int = 32  # warm-up batch size
     sft_target: float = 0.0  # stop the warm-up once greedy accuracy on 64 training problems reaches this (0: off)
+    sft_blind: bool = False  # warm-up prompts hide what decides the answer (countdown: 'make ?'): format only
 
 CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
@@ -137,8 +139,8 @@ PRESETS = {
     # Offline CPU demo: a 0.27M-parameter Qwen2 warmed up on easy countdown until it copies the numbers (the
     # warm-up's accuracy is the first eval_acc), then GRPO + GMTS learns which signs hit the target. README shows it.
     "cpu": dict(model="tiny", tiny_hidden=96, tiny_layers=3, task="countdown", data="easy", short_prompt=True,
-                steps=60, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=1.5e-4, warmup_steps=10,
-                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1500, sft_target=0.15,
+                steps=80, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=1.5e-4, warmup_steps=10,
+                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1200, sft_blind=True,
                 sft_lr=3e-3, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
     "smoke": dict(model="tiny", task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
@@ -165,6 +167,8 @@ def check_config(cfg: Config):
     for k in ("prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size"):
         if getattr(cfg, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
+    if cfg.sft_blind and "blind" not in get_task(cfg.task):
+        raise ValueError(f"--sft-blind is defined for countdown only, not --task {cfg.task}")
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be > 0, got {cfg.temperature}")
     if os.path.isfile(cfg.out):
@@ -582,7 +586,7 @@ _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -;
 TASKS = {
     "countdown": {"load": functools.partial(load_rows, "countdown"), "prompt": countdown_prompt,
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"]),
-                  "reference": countdown_reference},
+                  "reference": countdown_reference, "blind": lambda row: dict(row, target="?")},
     "math": {"load": functools.partial(load_rows, "math"), "prompt": math_prompt,
              "reward": lambda c, row: math_reward(c, row["answer"]), "reference": math_reference},
     "logic": {"load": functools.partial(load_rows, "logic"), "prompt": logic_prompt,
@@ -1012,11 +1016,15 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
                 eval_sample=sample[:200])
 
 def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, steps: int, lr: float,
-               batch_size: int, seed: int, log=print, target_acc: float = 0.0, max_new_tokens: int = 64) -> int:
+               batch_size: int, seed: int, log=print, target_acc: float = 0.0, max_new_tokens: int = 64,
+               blind: bool = False) -> int:
     """Supervised warm-up on reference solutions (cross-entropy on the answer tokens only), so that a tiny random
     model earns some reward before RL. Real checkpoints skip it (--sft-steps 0). With target_acc > 0 it stops as
     soon as the greedy accuracy on 64 TRAINING problems (checked every 50 steps) reaches target_acc: RL then starts
-    from a low but non-zero accuracy, whenever this seed's model learns to copy the numbers. Returns steps run."""
+    from a low but non-zero accuracy, whenever this seed's model learns to copy the numbers. blind=True trains on
+    prompts that hide what decides the answer (task["blind"]; countdown: the target), against the real solution:
+    the model learns the format and to copy the numbers but cannot learn which signs hit the target, so its
+    accuracy stays near chance and whatever it gains later is learned by RL from the reward. Returns steps run."""
     if steps <= 0:
         return 0
     device = next(model.parameters()).device
@@ -1026,8 +1034,8 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
     model.train()
     for step in range(1, steps + 1):
         pick = [rng.choice(rows) for _ in range(batch_size)]
-        prompts = build_prompts(tok, task, pick, chat, short)
-        answers = [task["reference"](r) + end for r in pick]
+        prompts = build_prompts(tok, task, [task["blind"](r) for r in pick] if blind else pick, chat, short)
+        answers = [task["reference"](r) + end for r in pick]  # the real row's solution, also when blind
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
         L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids))
@@ -1055,7 +1063,7 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
 
 def warm_up(model, tok, task: dict, rows: list, chat: bool, cfg: Config, log=print) -> int:
     return sft_warmup(model, tok, task, rows, chat, cfg.short_prompt, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch,
-                      cfg.seed, log, cfg.sft_target, cfg.max_new_tokens)
+                      cfg.seed, log, cfg.sft_target, cfg.max_new_tokens, cfg.sft_blind)
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
@@ -1307,31 +1315,66 @@ def plot_runs(runs: dict, png: str):
     fig.tight_layout()
     fig.savefig(png, dpi=90)
 
+def _compare_job(job: tuple) -> str:
+    """One unit of --compare, run in a worker process: ("warm", cfg) warms up and saves a model to cfg.out,
+    ("train", cfg) is one silent training run. Each worker gets its share of the CPU threads."""
+    kind, cfg, threads = job
+    torch.set_num_threads(threads)
+    if kind == "train":
+        return train(cfg, log=lambda *a: None)
+    model, tok = load_model(cfg.model, pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    task = get_task(cfg.task)
+    warm_up(model, tok, task, split_rows(task, cfg)[0], use_chat(tok, cfg.chat), cfg, log=lambda *a: None)
+    model.save_pretrained(cfg.out)
+    tok.save_pretrained(cfg.out)
+    return cfg.out
+
+def run_jobs(jobs: list, workers: int, done=lambda job: None):
+    """_compare_job on each (kind, cfg): in this process, or in up to `workers` spawned processes that share the
+    CPU threads (on a 2-core CPU two 1-thread processes run about twice as fast as one 2-thread process)."""
+    workers = min(workers, len(jobs))
+    if workers <= 1:
+        for kind, c in jobs:
+            _compare_job((kind, c, torch.get_num_threads()))
+            done((kind, c))
+        return
+    import concurrent.futures
+    import multiprocessing
+    threads = max(1, torch.get_num_threads() // workers)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        futures = {ex.submit(_compare_job, (kind, c, threads)): (kind, c) for kind, c in jobs}
+        for f in concurrent.futures.as_completed(futures):
+            f.result()  # a worker's exception is raised here, with its type
+            done(futures[f])
+
 def compare(cfg: Config, log=print) -> dict:
-    """--compare all,entropy,gmts --seeds 3: the same seeds with each method; a plot and a table of final accuracy."""
+    """--compare all,entropy,gmts --seeds 3: the same seeds with each method; a plot and a table of final accuracy.
+    The warm-up is done once per seed and shared by the methods; runs go to --workers parallel processes."""
     methods = [m.strip() for m in cfg.compare.split(",") if m.strip()]
     bad = [m for m in methods if m not in CHOICES["select"]]
     if bad or not methods:
         raise ValueError(f"--compare {cfg.compare!r}: methods must be from {', '.join(CHOICES['select'])}")
-    runs, table, starts = {}, {}, {}
-    for seed in range(cfg.seed, cfg.seed + cfg.seeds):  # the warm-up is the same for every method: do it once
-        starts[seed] = dataclasses.replace(cfg, seed=seed, compare="")
-        if cfg.sft_steps > 0:
-            model, tok = load_model(cfg.model, pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, seed)
-            task = get_task(cfg.task)
-            warm_up(model, tok, task, split_rows(task, starts[seed])[0], use_chat(tok, cfg.chat), starts[seed], log)
-            warm = os.path.join(cfg.out, f"warm-s{seed}")
-            model.save_pretrained(warm)
-            tok.save_pretrained(warm)
-            starts[seed] = dataclasses.replace(starts[seed], model=warm, sft_steps=0)
-    for m in methods:
-        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            out = os.path.join(cfg.out, f"{m}-s{seed}")
-            train(dataclasses.replace(starts[seed], select=m, out=out), log=lambda *a: None)
-            runs.setdefault(m, []).append(out)
-            rec = read_metrics(out)
-            table.setdefault(m, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
-            log(f"{m} seed {seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
+    seeds = range(cfg.seed, cfg.seed + cfg.seeds)
+    workers = cfg.workers or (torch.get_num_threads() if pick_device(cfg.device).type == "cpu" else 1)
+    starts = {s: dataclasses.replace(cfg, seed=s, compare="") for s in seeds}
+    if cfg.sft_steps > 0:  # warm up once per seed; every method starts from the same saved model
+        warm = {s: dataclasses.replace(starts[s], out=os.path.join(cfg.out, f"warm-s{s}")) for s in seeds}
+        log(f"warm-up of {len(warm)} seed(s) in {min(workers, len(warm))} process(es)")
+        run_jobs([("warm", c) for c in warm.values()], workers)
+        starts = {s: dataclasses.replace(starts[s], model=warm[s].out, sft_steps=0) for s in seeds}
+    jobs = [("train", dataclasses.replace(starts[s], select=m, out=os.path.join(cfg.out, f"{m}-s{s}")))
+            for m in methods for s in seeds]
+    log(f"{len(jobs)} runs in {min(workers, len(jobs))} process(es)")
+
+    def done(job):
+        rec = read_metrics(job[1].out)
+        log(f"{job[1].select} seed {job[1].seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
+    run_jobs(jobs, workers, done)
+    runs, table = {}, {}
+    for _, c in jobs:  # in method, seed order, whatever order the processes finished in
+        rec = read_metrics(c.out)
+        runs.setdefault(c.select, []).append(c.out)
+        table.setdefault(c.select, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
     lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |",
              "|---|---|---|---|"]
     for m, v in table.items():

@@ -839,6 +839,7 @@ def test_cli_two_steps_every_method(tmp_path, method):
     (["--group-size", "1"], "--group-size"),
     (["--steps", "two"], "invalid int"),
     (["--preset", "gpu9000"], "unknown --preset"),
+    (["--task", "math", "--sft-blind"], "--sft-blind"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     r = run_cli(*args)
@@ -1014,10 +1015,38 @@ def test_cpu_preset_with_a_tiny_budget(tmp_path):
     assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
 
 
+def test_blind_warm_up_hides_the_target_but_teaches_the_real_solution(monkeypatch):
+    """--sft-blind: the warm-up sees 'make ?' prompts, and is trained on the real row's reference solution."""
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    task = gmts.get_task("countdown")
+    rows = gmts.load_rows("countdown", "easy", 20, seed=0)
+    seen = {"prompts": [], "answers": []}
+    build, ref = gmts.build_prompts, task["reference"]
+
+    def spy_build(*a, **k):
+        seen["prompts"] += build(*a, **k)
+        return build(*a, **k)
+
+    def spy_ref(row):
+        seen["answers"].append(row)
+        return ref(row)
+    monkeypatch.setattr(gmts, "build_prompts", spy_build)
+    monkeypatch.setitem(task, "reference", spy_ref)
+    for blind in (True, False):
+        seen["prompts"].clear(), seen["answers"].clear()
+        gmts.sft_warmup(model, tok, task, rows, chat=True, short=True, steps=2, lr=1e-3, batch_size=4, seed=0,
+                        log=lambda *a: None, blind=blind)
+        assert len(seen["prompts"]) == len(seen["answers"]) == 8
+        for prompt, row in zip(seen["prompts"], seen["answers"]):
+            assert row["target"] != "?" and ref(row).endswith(f"<answer>{row['expr']}</answer>")
+            assert prompt.count(f"make {'?' if blind else row['target']}.") == 1, prompt
+
+
 def test_compare_writes_a_table_and_a_plot(tmp_path):
     out = tmp_path / "cmp"
-    r = run_cli("--preset", "smoke", "--compare", "all,gmts", "--seeds", "2", "--out", str(out))
+    r = run_cli("--preset", "smoke", "--compare", "all,gmts", "--seeds", "2", "--workers", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "4 runs in 2 process(es)" in r.stdout
     table = (out / "compare.md").read_text().splitlines()
     assert table[0].startswith("| method") and [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts"]
     assert (out / "compare.png").stat().st_size > 1000

@@ -116,6 +116,7 @@ class Config:
     # optimisation
     lr: float = 1e-6  # AdamW learning rate of the GRPO updates
     warmup_steps: int = 10  # linear lr warm-up, in optimiser steps
+    lr_decay: bool = True  # after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # clip the global gradient norm to this
     micro_batch: int = 8  # answers per forward/backward (gradient accumulation over the batch)
@@ -124,8 +125,8 @@ class Config:
     sft_steps: int = 0  # supervised warm-up steps before RL (0: none)
     sft_lr: float = 3e-3  # warm-up learning rate
     sft_batch: int = 32  # warm-up batch size
-    sft_target: float = 0.0  # stop the warm-up once greedy accuracy on 64 training problems reaches this (0: off)
-    sft_blind: bool = False  # warm-up prompts hide what decides the answer (countdown: 'make ?'): format only
+    sft_target: float = 0.0  # stop the warm-up once greedy accuracy (blind: well-formed share) on 64 train rows >= this
+    sft_blind: bool = False  # warm-up prompts show a decoy target (another problem's): it learns the format only
 
 CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
@@ -136,12 +137,13 @@ CHOICES = {
 }
 
 PRESETS = {
-    # Offline CPU demo: a 0.27M-parameter Qwen2 warmed up on easy countdown until it copies the numbers (the
-    # warm-up's accuracy is the first eval_acc), then GRPO + GMTS learns which signs hit the target. README shows it.
+    # Offline CPU demo: a 0.27M-parameter Qwen2 warmed up for 1000 steps on easy countdown with decoy targets (it
+    # learns to copy the numbers but guesses the signs; its accuracy is the first eval_acc), then GRPO + GMTS learns
+    # from the reward which signs hit the target. README shows it.
     "cpu": dict(model="tiny", tiny_hidden=96, tiny_layers=3, task="countdown", data="easy", short_prompt=True,
-                steps=80, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=1.5e-4, warmup_steps=10,
-                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1200, sft_blind=True,
-                sft_lr=3e-3, out="out/cpu"),
+                steps=80, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, warmup_steps=10,
+                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1000, sft_lr=1e-3,
+                sft_blind=True, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
     "smoke": dict(model="tiny", task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
                   group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, sft_steps=2, lr=1e-4, out="out/smoke"),
@@ -209,13 +211,16 @@ def set_seed(seed: int):
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
-def _never_raise(fn):
+def _never_raise(fn=None, fallback=0.0):
+    if fn is None:  # used as @_never_raise(fallback=...)
+        return functools.partial(_never_raise, fallback=fallback)
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception:  # last-resort net only: expected failures are handled inside each verifier
-            return 0.0
+            return fallback
     return wrapped
 
 def _last_answer(text: str):
@@ -270,22 +275,30 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
         return v
     raise ValueError(f"{type(node).__name__} not allowed")
 
-@_never_raise
-def countdown_reward(completion: str, nums: list, target: int) -> float:
-    """1.0: the last <answer> is an equation that uses each given number once and equals the target; 0.1: an answer
-    is there but wrong or invalid (also "... = 16": '=' is not allowed, as in TinyZero); 0.0: no answer tag."""
+@_never_raise(fallback=None)
+def countdown_value(completion: str, nums: list):
+    """Exact value of the last <answer> if it is an equation that uses each given number once, else None
+    (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other numbers, bad syntax)."""
     ans = _last_answer(completion)
     if ans is None:
-        return 0.0
+        return None
     ans = ans.strip()
     if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
-        return 0.1
+        return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
         value = _cd_eval(ast.parse(" ".join(ans.split()), mode="eval").body, lits)
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
-        return 0.1
-    return 1.0 if sorted(lits) == sorted(nums) and value == target else 0.1
+        return None
+    return value if sorted(lits) == sorted(nums) else None
+
+@_never_raise
+def countdown_reward(completion: str, nums: list, target: int) -> float:
+    """1.0: the last <answer> is an equation that uses each given number once and equals the target; 0.1: an answer
+    is there but wrong or invalid; 0.0: no answer tag."""
+    if _last_answer(completion) is None:
+        return 0.0
+    return 1.0 if countdown_value(completion, nums) == target else 0.1
 
 
 # -- math: GSM8K-style word problems, graded by the final number --
@@ -460,7 +473,7 @@ _FORMAT = "Show your work in <think> </think> tags. And return the final answer 
 
 def countdown_prompt(row: dict, short=False) -> str:
     nums, t = row["nums"], row["target"]
-    return f"Use {' '.join(map(str, nums))} to make {t}." if short else (
+    return f"Make {t} from {' '.join(map(str, nums))}." if short else (
         f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use basic arithmetic operations "
         f"(+, -, *, /) and each number must be used exactly once. {_FORMAT}, "
         f"for example <answer> (1 + 2) / 3 </answer>.")
@@ -480,6 +493,12 @@ def countdown_reference(row: dict) -> str:
     if "expr" not in row:
         raise ValueError("a countdown reference needs a generated row (with its 'expr'): use --data gen or easy")
     return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
+
+def countdown_blind(row: dict, other: dict) -> dict:
+    """--sft-blind: the row with another problem's target as a decoy. The warm-up sees prompts exactly like the real
+    ones but learns that the target says nothing about the signs ('?' instead would teach it that a digit there is
+    never there, and it then copies the target's digits on real prompts)."""
+    return dict(row, target=other["target"])
 
 def math_reference(row: dict) -> str:
     return "\n".join(row.get("steps", [])) + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>"
@@ -572,10 +591,15 @@ def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
     return rows[:n] if n and n > 0 else rows
 
 def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9, only + and -, listed in the order the reference uses them, so a
-    tiny model that learned to copy the numbers only has to choose the signs (about 1 in 3 by chance)."""
-    row = countdown_problem(rng, (3, 3), (1, 9), (0, 100), "+-")
-    return dict(row, nums=[int(x) for x in re.findall(r"[0-9]+", row["expr"])])
+    """The CPU demo's variant: 3 numbers in 1..9 joined left to right by + or -, listed in that order, each of the
+    four sign patterns equally likely (numbers redrawn until the target is >= 0). A model that copies the numbers
+    only has to choose the two signs, and a fixed guess is right for about 1 problem in 4 (see the tests)."""
+    signs = rng.choice(["++", "+-", "-+", "--"])
+    while True:
+        nums = [rng.randint(1, 9) for _ in range(3)]
+        target = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
+        if target >= 0:
+            return {"nums": nums, "target": target, "expr": f"{nums[0]} {signs[0]} {nums[1]} {signs[1]} {nums[2]}"}
 
 
 _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 2 steps; logic: 2 people)
@@ -586,7 +610,8 @@ _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -;
 TASKS = {
     "countdown": {"load": functools.partial(load_rows, "countdown"), "prompt": countdown_prompt,
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"]),
-                  "reference": countdown_reference, "blind": lambda row: dict(row, target="?")},
+                  "reference": countdown_reference, "blind": countdown_blind,
+                  "valid": lambda c, row: countdown_value(c, row["nums"]) is not None},
     "math": {"load": functools.partial(load_rows, "math"), "prompt": math_prompt,
              "reward": lambda c, row: math_reward(c, row["answer"]), "reference": math_reference},
     "logic": {"load": functools.partial(load_rows, "logic"), "prompt": logic_prompt,
@@ -1002,29 +1027,34 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
              batch_size: int = 64) -> dict:
-    """Greedy accuracy (share of answers with reward 1.0) on held-out rows, plus one sample answer."""
-    correct, lengths, sample = 0, [], ""
+    """Greedy accuracy (share of answers with reward 1.0) on held-out rows, one sample answer, and for tasks with a
+    format check (countdown) the share of well-formed answers, right or wrong (eval_valid)."""
+    correct, valid, lengths, sample = 0, 0, [], ""
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         prompts = build_prompts(tok, task, chunk, chat, short)
         b = rollout(model, tok, prompts, 1, max_new_tokens, greedy=True)
         for r, text in zip(chunk, b["texts"]):
             correct += task["reward"](text, r) == 1.0
+            valid += "valid" in task and task["valid"](text, r)
         lengths += b["resp_mask"].sum(1).tolist()
         sample = sample or b["texts"][0]
-    return dict(eval_acc=correct / max(len(rows), 1), eval_len=sum(lengths) / max(len(lengths), 1),
-                eval_sample=sample[:200])
+    n = max(len(rows), 1)
+    return dict(eval_acc=correct / n, **({"eval_valid": valid / n} if "valid" in task else {}),
+                eval_len=sum(lengths) / max(len(lengths), 1), eval_sample=sample[:200])
 
 def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, steps: int, lr: float,
                batch_size: int, seed: int, log=print, target_acc: float = 0.0, max_new_tokens: int = 64,
                blind: bool = False) -> int:
     """Supervised warm-up on reference solutions (cross-entropy on the answer tokens only), so that a tiny random
     model earns some reward before RL. Real checkpoints skip it (--sft-steps 0). With target_acc > 0 it stops as
-    soon as the greedy accuracy on 64 TRAINING problems (checked every 50 steps) reaches target_acc: RL then starts
-    from a low but non-zero accuracy, whenever this seed's model learns to copy the numbers. blind=True trains on
-    prompts that hide what decides the answer (task["blind"]; countdown: the target), against the real solution:
-    the model learns the format and to copy the numbers but cannot learn which signs hit the target, so its
-    accuracy stays near chance and whatever it gains later is learned by RL from the reward. Returns steps run."""
+    soon as the greedy accuracy on 64 TRAINING problems (checked every 50 steps) reaches target_acc.
+
+    blind=True trains on prompts whose decisive part is a decoy from another row (task["blind"]; countdown: another
+    problem's target), against the real solution: the model learns the format and to copy the numbers, but not
+    which signs hit the target.
+    Its accuracy stays near chance, so everything it gains later is learned by RL from the reward. target_acc
+    then applies to the share of well-formed answers (task["valid"]), right or wrong. Returns the steps run."""
     if steps <= 0:
         return 0
     device = next(model.parameters()).device
@@ -1034,7 +1064,8 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
     model.train()
     for step in range(1, steps + 1):
         pick = [rng.choice(rows) for _ in range(batch_size)]
-        prompts = build_prompts(tok, task, [task["blind"](r) for r in pick] if blind else pick, chat, short)
+        shown = [task["blind"](r, rng.choice(rows)) for r in pick] if blind else pick
+        prompts = build_prompts(tok, task, shown, chat, short)
         answers = [task["reference"](r) + end for r in pick]  # the real row's solution, also when blind
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
@@ -1053,10 +1084,11 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == steps:
-            acc = evaluate(model, tok, task, rows[:64], chat, short, max_new_tokens)["eval_acc"] if target_acc else 0
+            ev = evaluate(model, tok, task, rows[:64], chat, short, max_new_tokens)  # greedy, 64 TRAINING rows
             model.train()
-            log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}" + (f" | acc {acc:.3f}" if target_acc else ""))
-            if target_acc and acc >= target_acc:
+            log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}"
+                + "".join(f" | {k[5:]} {ev[k]:.3f}" for k in ("eval_acc", "eval_valid") if k in ev))
+            if target_acc and ev["eval_valid" if blind else "eval_acc"] >= target_acc:
                 return step
     return steps
 
@@ -1148,14 +1180,21 @@ OOM_HINT = ("out of GPU memory in {}: lower --micro-batch, --group-size or --max
 # Training loop [paper: algorithm box; the numbers match the header]
 # ---------------------------------------------------------------------------------------------------------------
 
+def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
+    """lr multiplier at optimiser step i (0-based) of `total`: linear warm-up over `warmup` steps, then (decay) a
+    linear decay that reaches 1 / (total - warmup) at the last step (TRL's default schedule is also linear)."""
+    up = (i + 1) / max(warmup, 1)
+    return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
+
 def split_rows(task: dict, cfg: Config) -> tuple:
-    """(train rows, held-out eval rows): the last eval_size rows are held out; train drops any repeat of them."""
+    """(train rows, held-out eval rows): the FIRST eval_size rows are held out, so they stay the same whatever
+    --steps asks for (rows come from a seeded generator or a seeded shuffle); train drops any repeat of them."""
     rows = task["load"](cfg.data, max(cfg.steps * cfg.prompts_per_step, 2000) + cfg.eval_size, cfg.seed)
     if len(rows) <= cfg.eval_size:
         raise ValueError(f"--data {cfg.data}: {len(rows)} rows, need more than --eval-size {cfg.eval_size}")
-    held = rows[-cfg.eval_size:]
+    held = rows[:cfg.eval_size]
     seen = {task["prompt"](r) for r in held}
-    return [r for r in rows[:-cfg.eval_size] if task["prompt"](r) not in seen], held
+    return [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen], held
 
 def sample_and_score(model, tok, task: dict, train_rows: list, chat: bool, cfg: Config) -> tuple:
     """Steps 1-4: B prompts, G answers each, rewards from the verifier, group advantages -> (batch, rewards, adv)."""
@@ -1202,7 +1241,8 @@ def train(cfg: Config, log=print) -> str:
     if cfg.grad_ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(cfg.warmup_steps, 1)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
+        lr_factor, total=cfg.steps * cfg.inner_updates, warmup=cfg.warmup_steps, decay=cfg.lr_decay))
     ev = lambda: evaluate(model, tok, task, eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens)  # noqa: E731
     report = make_reporter(cfg.report_to, cfg)
     start, skipped_steps = 1, 0
@@ -1316,8 +1356,8 @@ def plot_runs(runs: dict, png: str):
     fig.savefig(png, dpi=90)
 
 def _compare_job(job: tuple) -> str:
-    """One unit of --compare, run in a worker process: ("warm", cfg) warms up and saves a model to cfg.out,
-    ("train", cfg) is one silent training run. Each worker gets its share of the CPU threads."""
+    """One unit of --compare, run in a worker process: ("warm", cfg, threads) warms up and saves the model to
+    cfg.out, ("train", cfg, threads) is one silent training run."""
     kind, cfg, threads = job
     torch.set_num_threads(threads)
     if kind == "train":
@@ -1329,24 +1369,6 @@ def _compare_job(job: tuple) -> str:
     tok.save_pretrained(cfg.out)
     return cfg.out
 
-def run_jobs(jobs: list, workers: int, done=lambda job: None):
-    """_compare_job on each (kind, cfg): in this process, or in up to `workers` spawned processes that share the
-    CPU threads (on a 2-core CPU two 1-thread processes run about twice as fast as one 2-thread process)."""
-    workers = min(workers, len(jobs))
-    if workers <= 1:
-        for kind, c in jobs:
-            _compare_job((kind, c, torch.get_num_threads()))
-            done((kind, c))
-        return
-    import concurrent.futures
-    import multiprocessing
-    threads = max(1, torch.get_num_threads() // workers)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-        futures = {ex.submit(_compare_job, (kind, c, threads)): (kind, c) for kind, c in jobs}
-        for f in concurrent.futures.as_completed(futures):
-            f.result()  # a worker's exception is raised here, with its type
-            done(futures[f])
-
 def compare(cfg: Config, log=print) -> dict:
     """--compare all,entropy,gmts --seeds 3: the same seeds with each method; a plot and a table of final accuracy.
     The warm-up is done once per seed and shared by the methods; runs go to --workers parallel processes."""
@@ -1356,24 +1378,36 @@ def compare(cfg: Config, log=print) -> dict:
         raise ValueError(f"--compare {cfg.compare!r}: methods must be from {', '.join(CHOICES['select'])}")
     seeds = range(cfg.seed, cfg.seed + cfg.seeds)
     workers = cfg.workers or (torch.get_num_threads() if pick_device(cfg.device).type == "cpu" else 1)
+    threads = max(1, torch.get_num_threads() // workers)  # two 1-thread processes beat one 2-thread one on 2 cores
     starts = {s: dataclasses.replace(cfg, seed=s, compare="") for s in seeds}
-    if cfg.sft_steps > 0:  # warm up once per seed; every method starts from the same saved model
-        warm = {s: dataclasses.replace(starts[s], out=os.path.join(cfg.out, f"warm-s{s}")) for s in seeds}
-        log(f"warm-up of {len(warm)} seed(s) in {min(workers, len(warm))} process(es)")
-        run_jobs([("warm", c) for c in warm.values()], workers)
-        starts = {s: dataclasses.replace(starts[s], model=warm[s].out, sft_steps=0) for s in seeds}
-    jobs = [("train", dataclasses.replace(starts[s], select=m, out=os.path.join(cfg.out, f"{m}-s{s}")))
-            for m in methods for s in seeds]
-    log(f"{len(jobs)} runs in {min(workers, len(jobs))} process(es)")
-
-    def done(job):
-        rec = read_metrics(job[1].out)
-        log(f"{job[1].select} seed {job[1].seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
-    run_jobs(jobs, workers, done)
-    runs, table = {}, {}
-    for _, c in jobs:  # in method, seed order, whatever order the processes finished in
+    warm = {s: dataclasses.replace(starts[s], out=os.path.join(cfg.out, f"warm-s{s}")) for s in seeds}
+    runs = [dataclasses.replace(starts[s], select=m, out=os.path.join(cfg.out, f"{m}-s{s}")) for m in methods
+            for s in seeds]
+    if cfg.sft_steps > 0:  # the warm-up is done once per seed; every method starts from the same saved model
+        runs = [dataclasses.replace(c, model=warm[c.seed].out, sft_steps=0) for c in runs]
+    log(f"{len(runs)} runs ({cfg.seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
+        f"{threads} thread(s) each" + (", after a warm-up per seed" if cfg.sft_steps > 0 else ""))
+    import concurrent.futures as cf
+    import multiprocessing
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        def submit(kind, cs):
+            return {ex.submit(_compare_job, (kind, c, threads)): (kind, c) for c in cs}
+        pending = submit("warm", warm.values()) if cfg.sft_steps > 0 else submit("train", runs)
+        while pending:  # a seed's runs start as soon as its warm-up is saved
+            finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for f in finished:
+                kind, c = pending.pop(f)
+                f.result()  # a worker's exception is raised here, with its type
+                if kind == "warm":
+                    log(f"warm-up of seed {c.seed} saved to {c.out}")
+                    pending.update(submit("train", [r for r in runs if r.seed == c.seed]))
+                else:
+                    rec = read_metrics(c.out)
+                    log(f"{c.select} seed {c.seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
+    outs, table = {}, {}
+    for c in runs:  # in method, seed order, whatever order the processes finished in
         rec = read_metrics(c.out)
-        runs.setdefault(c.select, []).append(c.out)
+        outs.setdefault(c.select, []).append(c.out)
         table.setdefault(c.select, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
     lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |",
              "|---|---|---|---|"]
@@ -1384,7 +1418,7 @@ def compare(cfg: Config, log=print) -> dict:
                      + ", ".join(f"{b:.3f}" for _, b in v) + " |")
     with open(os.path.join(cfg.out, "compare.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot_runs(runs, os.path.join(cfg.out, "compare.png"))
+    plot_runs(outs, os.path.join(cfg.out, "compare.png"))
     log("\n".join(lines))
     return table
 

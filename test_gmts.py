@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 import ast
+import collections
 import gc
 import importlib.util
 import inspect
@@ -26,6 +27,7 @@ import itertools
 import random
 import re
 import time
+from fractions import Fraction
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -127,6 +129,27 @@ def test_countdown_reward(text, nums, target, want):
     assert timed(countdown_reward, text, nums, target) == want
 
 
+def cd_value(text, nums):
+    """countdown_value without its except-net, as a float for timed(): 1.0 well-formed, 0.0 not."""
+    return timed(lambda t, n: float(gmts.countdown_value.__wrapped__(t, n) is not None), text, nums)
+
+
+@pytest.mark.parametrize("text,nums,target,want", CD_CASES.values(), ids=CD_CASES.keys())
+def test_countdown_value_agrees_with_the_reward(text, nums, target, want):
+    value = gmts.countdown_value.__wrapped__(text, nums)
+    assert (value == target) == (want == 1.0) and cd_value(text, nums) in (0.0, 1.0)
+
+
+def test_countdown_value_hand_computed():
+    assert gmts.countdown_value(A("5 - 5"), [5, 5]) == 0 and countdown_reward(A("5 - 5"), [5, 5], 0) == 1.0
+    assert gmts.countdown_value(A("8 / 3 + 1"), [1, 3, 8]) == Fraction(11, 3)
+    assert gmts.countdown_value(A("8 + 3"), [1, 3, 8]) is None  # a number left out: not well-formed
+    assert gmts.countdown_value(A("8 + 3 + 1") + " <answer>8 + 3</answer>", [1, 3, 8]) is None  # the LAST answer
+    assert gmts.countdown_value("8 + 3 + 1", [1, 3, 8]) is None
+    valid = TASKS["countdown"]["valid"]
+    assert valid(A("9 - 3 - 1"), {"nums": [9, 3, 1]}) and not valid(A("9 - 3 - 2"), {"nums": [9, 3, 1]})
+
+
 # ---- math: (completion, reference answer, expected) ----
 MATH_CASES = {
     "boxed": ("so \\boxed{72}", "72", 1.0),
@@ -217,6 +240,7 @@ VERIFIERS = {
     "countdown": lambda s: timed(countdown_reward, s, N, T),
     "math": lambda s: timed(math_reward, s, "72"),
     "logic": lambda s: timed(logic_reward, s, SOL),
+    "countdown_value": lambda s: cd_value(s, N),
 }
 FRAGMENTS = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "\\frac{", "{", "}", "(", ")", "####", "**",
              "//", ",", ".", "$", "-", "+", "*", "/", "=", ":", ";", " ", "\n", "\t", "0", "3", "5", "2", "16", "72",
@@ -273,11 +297,18 @@ def test_countdown_problems_are_solvable():
         p = countdown_problem(rng)
         assert len(p["nums"]) in (3, 4) and all(1 <= x <= 99 for x in p["nums"]) and 1 <= p["target"] <= 1000
         assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
-    for p in load_rows("countdown", "easy", 100, seed=0):  # the CPU demo's variant: + and - only, 0 <= target
-        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 0 <= p["target"] <= 100
-        assert set(re.findall(r"[^0-9 ()]", p["expr"])) <= {"+", "-"}
+    rows = load_rows("countdown", "easy", 2000, seed=0)  # the CPU demo's variant
+    for p in rows:
+        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 0 <= p["target"] <= 27
+        assert re.fullmatch(r"\d [+-] \d [+-] \d", p["expr"])
         assert [int(x) for x in re.findall(r"[0-9]+", p["expr"])] == p["nums"]  # listed in the reference's order
         assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
+    patterns = collections.Counter(re.sub(r"[\d ]", "", p["expr"]) for p in rows)
+    assert all(abs(patterns[s] / len(rows) - 0.25) < 0.03 for s in ("++", "+-", "-+", "--")), patterns
+    for s in ("++", "+-", "-+", "--"):  # a fixed guess of the signs is right for about 1 problem in 4
+        guess = [countdown_reward(A(f"{a} {s[0]} {b} {s[1]} {c}"), p["nums"], p["target"])
+                 for p in rows for a, b, c in [p["nums"]]]
+        assert 0.2 < guess.count(1.0) / len(rows) < 0.32
 
 
 def _claim(body, names, me):
@@ -353,7 +384,7 @@ def test_references_score_one_and_generators_are_deterministic(task, data):
 
 def test_prompts():
     row = {"nums": [3, 5, 2], "target": 16, "expr": "(3 + 5) * 2"}
-    assert get_task("countdown")["prompt"](row, short=True) == "Use 3 5 2 to make 16."
+    assert get_task("countdown")["prompt"](row, short=True) == "Make 16 from 3 5 2."
     assert "[3, 5, 2]" in get_task("countdown")["prompt"](row) and "16" in get_task("countdown")["prompt"](row)
     m = math_problem(random.Random(0))
     assert get_task("math")["prompt"](m, short=True) == m["question"] and "\\boxed{}" in get_task("math")["prompt"](m)
@@ -1015,11 +1046,12 @@ def test_cpu_preset_with_a_tiny_budget(tmp_path):
     assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
 
 
-def test_blind_warm_up_hides_the_target_but_teaches_the_real_solution(monkeypatch):
-    """--sft-blind: the warm-up sees 'make ?' prompts, and is trained on the real row's reference solution."""
+def test_blind_warm_up_shows_decoy_targets_but_teaches_the_real_solution(monkeypatch):
+    """--sft-blind: the warm-up's prompts show another problem's target, and it is trained on the row's own
+    reference solution; without --sft-blind each prompt shows its own target."""
     model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
     task = gmts.get_task("countdown")
-    rows = gmts.load_rows("countdown", "easy", 20, seed=0)
+    rows = gmts.load_rows("countdown", "easy", 40, seed=0)
     seen = {"prompts": [], "answers": []}
     build, ref = gmts.build_prompts, task["reference"]
 
@@ -1032,21 +1064,54 @@ def test_blind_warm_up_hides_the_target_but_teaches_the_real_solution(monkeypatc
         return ref(row)
     monkeypatch.setattr(gmts, "build_prompts", spy_build)
     monkeypatch.setitem(task, "reference", spy_ref)
+    monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: {"eval_acc": 0.0})  # its prompts are not the warm-up's
     for blind in (True, False):
         seen["prompts"].clear(), seen["answers"].clear()
-        gmts.sft_warmup(model, tok, task, rows, chat=True, short=True, steps=2, lr=1e-3, batch_size=4, seed=0,
+        gmts.sft_warmup(model, tok, task, rows, chat=True, short=True, steps=4, lr=1e-3, batch_size=8, seed=0,
                         log=lambda *a: None, blind=blind)
-        assert len(seen["prompts"]) == len(seen["answers"]) == 8
+        assert len(seen["prompts"]) == len(seen["answers"]) == 32
+        shown = []
         for prompt, row in zip(seen["prompts"], seen["answers"]):
-            assert row["target"] != "?" and ref(row).endswith(f"<answer>{row['expr']}</answer>")
-            assert prompt.count(f"make {'?' if blind else row['target']}.") == 1, prompt
+            assert row in rows and ref(row).endswith(f"<answer>{row['expr']}</answer>")
+            m = re.search(r"Make (\d+) from (\d) (\d) (\d)\.", prompt)
+            assert [int(x) for x in m.groups()[1:]] == row["nums"], prompt
+            shown.append(int(m.group(1)) == row["target"])
+        assert all(shown) if not blind else sum(shown) < 16  # decoys: mostly another problem's target
+
+
+def test_lr_schedule_hand_computed():
+    f = [gmts.lr_factor(i, total=6, warmup=2) for i in range(6)]
+    assert f == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])  # up over 2 steps, then (6 - i) / 4
+    assert [gmts.lr_factor(i, 6, 2, decay=False) for i in range(6)] == [0.5] + [1.0] * 5
+    assert gmts.lr_factor(0, 1, 10) == 0.1 and gmts.lr_factor(99, 100, 0) == pytest.approx(0.01)
+
+
+def test_held_out_rows_do_not_depend_on_steps_and_never_repeat_in_train():
+    task = get_task("countdown")
+    cfgs = [gmts.Config(data="easy", steps=n, prompts_per_step=32, eval_size=256) for n in (1, 60, 200)]
+    splits = [gmts.split_rows(task, c) for c in cfgs]
+    assert splits[0][1] == splits[1][1] == splits[2][1] and len(splits[0][1]) == 256
+    for train, held in splits:
+        assert not {task["prompt"](r) for r in held} & {task["prompt"](r) for r in train}
+    assert len(splits[2][0]) > len(splits[0][0])  # more steps, more training rows
+
+
+def test_warm_up_stop_rule(monkeypatch):
+    """--sft-target stops at the first check (every 50 steps) that reaches it: on accuracy, or when blind on the
+    share of well-formed answers (a blind warm-up cannot learn the signs, so its accuracy stays near chance)."""
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    rows = load_rows("countdown", "easy", 20, seed=0)
+    monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: {"eval_acc": 0.1, "eval_valid": 0.95})
+    run = lambda blind, target: gmts.sft_warmup(model, tok, get_task("countdown"), rows, True, True, 100, 1e-4, 2, 0,
+                                                log=lambda *a: None, target_acc=target, blind=blind)
+    assert run(True, 0.9) == 50 and run(True, 0.99) == 100 and run(False, 0.9) == 100 and run(False, 0.1) == 50
 
 
 def test_compare_writes_a_table_and_a_plot(tmp_path):
     out = tmp_path / "cmp"
     r = run_cli("--preset", "smoke", "--compare", "all,gmts", "--seeds", "2", "--workers", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "4 runs in 2 process(es)" in r.stdout
+    assert "4 runs (2 seed(s) x 2 method(s)) in 2 process(es)" in r.stdout
     table = (out / "compare.md").read_text().splitlines()
     assert table[0].startswith("| method") and [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts"]
     assert (out / "compare.png").stat().st_size > 1000

@@ -496,8 +496,8 @@ def countdown_reference(row: dict) -> str:
 
 def countdown_blind(row: dict, other: dict) -> dict:
     """--sft-blind: the row with another problem's target as a decoy. The warm-up sees prompts exactly like the real
-    ones but learns that the target says nothing about the signs ('?' instead would teach it that a digit there is
-    never there, and it then copies the target's digits on real prompts)."""
+    ones but learns that the target says nothing about the signs (with '?' in its place the model never sees a
+    digit there, and on real prompts it copied the target's digits instead of the numbers)."""
     return dict(row, target=other["target"])
 
 def math_reference(row: dict) -> str:
@@ -1052,9 +1052,9 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
 
     blind=True trains on prompts whose decisive part is a decoy from another row (task["blind"]; countdown: another
     problem's target), against the real solution: the model learns the format and to copy the numbers, but not
-    which signs hit the target.
-    Its accuracy stays near chance, so everything it gains later is learned by RL from the reward. target_acc
-    then applies to the share of well-formed answers (task["valid"]), right or wrong. Returns the steps run."""
+    which signs hit the target. Its accuracy stays at what the numbers alone allow, so what it gains later is
+    learned by RL from the reward. target_acc then applies to the share of well-formed answers (task["valid"]),
+    right or wrong. Returns the steps run."""
     if steps <= 0:
         return 0
     device = next(model.parameters()).device

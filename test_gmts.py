@@ -1056,8 +1056,9 @@ def test_blind_warm_up_shows_decoy_targets_but_teaches_the_real_solution(monkeyp
     build, ref = gmts.build_prompts, task["reference"]
 
     def spy_build(*a, **k):
-        seen["prompts"] += build(*a, **k)
-        return build(*a, **k)
+        prompts = build(*a, **k)
+        seen["prompts"] += prompts
+        return prompts
 
     def spy_ref(row):
         seen["answers"].append(row)
@@ -1098,7 +1099,7 @@ def test_held_out_rows_do_not_depend_on_steps_and_never_repeat_in_train():
 
 def test_warm_up_stop_rule(monkeypatch):
     """--sft-target stops at the first check (every 50 steps) that reaches it: on accuracy, or when blind on the
-    share of well-formed answers (a blind warm-up cannot learn the signs, so its accuracy stays near chance)."""
+    share of well-formed answers (a blind warm-up cannot learn the signs from the target, so accuracy is no goal)."""
     model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
     rows = load_rows("countdown", "easy", 20, seed=0)
     monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: {"eval_acc": 0.1, "eval_valid": 0.95})

@@ -126,7 +126,7 @@ class Config:
     sft_lr: float = 3e-3  # warm-up learning rate
     sft_batch: int = 32  # warm-up batch size
     sft_target: float = 0.0  # stop the warm-up once greedy accuracy (blind: well-formed share) on 64 train rows >= this
-    sft_blind: bool = False  # warm-up prompts show a decoy target (another problem's): it learns the format only
+    sft_blind: bool = False  # the warm-up imitates random well-formed answers, not solutions: format only
 
 CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
@@ -137,9 +137,9 @@ CHOICES = {
 }
 
 PRESETS = {
-    # Offline CPU demo: a 0.27M-parameter Qwen2 warmed up for 1000 steps on easy countdown with decoy targets (it
-    # learns to copy the numbers but guesses the signs; its accuracy is the first eval_acc), then GRPO + GMTS learns
-    # from the reward which signs hit the target. README shows it.
+    # Offline CPU demo: a 0.27M-parameter Qwen2 warmed up for 1000 steps on random well-formed answers to easy
+    # countdown (it learns to copy the numbers but picks the signs at random; its accuracy is the first eval_acc),
+    # then GRPO + GMTS learns from the reward which signs hit the target. README shows it.
     "cpu": dict(model="tiny", tiny_hidden=96, tiny_layers=3, task="countdown", data="easy", short_prompt=True,
                 steps=120, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, warmup_steps=10,
                 micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1000, sft_lr=1e-3,
@@ -494,11 +494,21 @@ def countdown_reference(row: dict) -> str:
         raise ValueError("a countdown reference needs a generated row (with its 'expr'): use --data gen or easy")
     return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
 
-def countdown_blind(row: dict, other: dict) -> dict:
-    """--sft-blind: the row with another problem's target as a decoy. The warm-up sees prompts exactly like the real
-    ones but learns that the target says nothing about the signs (with '?' in its place the model never sees a
-    digit there, and on real prompts it copied the target's digits instead of the numbers)."""
-    return dict(row, target=other["target"])
+def countdown_blind(row: dict, rng: random.Random) -> dict:
+    """--sft-blind: the row with a random well-formed answer in place of its solution: its numbers in their order
+    joined by + or -, each sign pattern whose value is >= 0 equally likely; that value becomes the row's target, so
+    the reference's `expr = value` line is true. Imitating these, the warm-up learns the format, to copy the numbers
+    and to add them up, but it picks the signs at random: nothing links them to the target in the prompt."""
+    nums = row["nums"]
+    if not nums:
+        return row
+    for _ in range(100):  # uniform signs, redrawn until the value is >= 0: each such pattern equally likely
+        signs = [rng.choice("+-") for _ in nums[1:]]
+        value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
+        if value >= 0:
+            break
+    expr = " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
+    return dict(row, expr=expr, target=value)
 
 def math_reference(row: dict) -> str:
     return "\n".join(row.get("steps", [])) + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>"
@@ -1050,11 +1060,11 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
     model earns some reward before RL. Real checkpoints skip it (--sft-steps 0). With target_acc > 0 it stops as
     soon as the greedy accuracy on 64 TRAINING problems (checked every 50 steps) reaches target_acc.
 
-    blind=True trains on prompts whose decisive part is a decoy from another row (task["blind"]; countdown: another
-    problem's target), against the real solution: the model learns the format and to copy the numbers, but not
-    which signs hit the target. Its accuracy stays at what the numbers alone allow, so what it gains later is
-    learned by RL from the reward. target_acc then applies to the share of well-formed answers (task["valid"]),
-    right or wrong. Returns the steps run."""
+    blind=True trains on random well-formed answers instead of solutions (task["blind"]; countdown: random signs):
+    the model learns the format and to copy the numbers, but its choice of signs stays spread out and unrelated to
+    the target, so what it gains later is learned by RL from the reward, and sampling still explores (imitating the
+    real solutions of a few thousand rows instead makes it confident about signs it cannot know). target_acc then
+    applies to the share of well-formed answers (task["valid"]), right or wrong. Returns the steps run."""
     if steps <= 0:
         return 0
     device = next(model.parameters()).device
@@ -1064,9 +1074,9 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
     model.train()
     for step in range(1, steps + 1):
         pick = [rng.choice(rows) for _ in range(batch_size)]
-        shown = [task["blind"](r, rng.choice(rows)) for r in pick] if blind else pick
-        prompts = build_prompts(tok, task, shown, chat, short)
-        answers = [task["reference"](r) + end for r in pick]  # the real row's solution, also when blind
+        prompts = build_prompts(tok, task, pick, chat, short)
+        shown = [task["blind"](r, rng) for r in pick] if blind else pick  # blind: random answers, not solutions
+        answers = [task["reference"](r) + end for r in shown]
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
         L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids))

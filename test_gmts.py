@@ -1046,9 +1046,9 @@ def test_cpu_preset_with_a_tiny_budget(tmp_path):
     assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
 
 
-def test_blind_warm_up_shows_decoy_targets_but_teaches_the_real_solution(monkeypatch):
-    """--sft-blind: the warm-up's prompts show another problem's target, and it is trained on the row's own
-    reference solution; without --sft-blind each prompt shows its own target."""
+def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkeypatch):
+    """--sft-blind: every warm-up prompt is the row's own, and the answer it is trained on is a random well-formed
+    one over the same numbers (with its true value), not the solution; without --sft-blind it is the solution."""
     model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
     task = gmts.get_task("countdown")
     rows = gmts.load_rows("countdown", "easy", 40, seed=0)
@@ -1071,13 +1071,30 @@ def test_blind_warm_up_shows_decoy_targets_but_teaches_the_real_solution(monkeyp
         gmts.sft_warmup(model, tok, task, rows, chat=True, short=True, steps=4, lr=1e-3, batch_size=8, seed=0,
                         log=lambda *a: None, blind=blind)
         assert len(seen["prompts"]) == len(seen["answers"]) == 32
-        shown = []
-        for prompt, row in zip(seen["prompts"], seen["answers"]):
-            assert row in rows and ref(row).endswith(f"<answer>{row['expr']}</answer>")
+        same = 0
+        for prompt, ans in zip(seen["prompts"], seen["answers"]):
             m = re.search(r"Make (\d+) from (\d) (\d) (\d)\.", prompt)
-            assert [int(x) for x in m.groups()[1:]] == row["nums"], prompt
-            shown.append(int(m.group(1)) == row["target"])
-        assert all(shown) if not blind else sum(shown) < 16  # decoys: mostly another problem's target
+            row = next(r for r in rows if task["prompt"](r, short=True) == m.group(0))  # the prompt is a row's own
+            assert ans["nums"] == row["nums"]
+            value = gmts.countdown_value(f"<answer>{ans['expr']}</answer>", row["nums"])
+            assert value == ans["target"] >= 0 and re.fullmatch(r"\d [+-] \d [+-] \d", ans["expr"]), ans
+            same += ans == row
+        assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
+
+
+def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
+    draws = lambda nums, n=3000: collections.Counter(  # noqa: E731
+        gmts.countdown_blind({"nums": nums, "target": 0}, rng)["expr"] for rng in [random.Random(0)] for _ in range(n))
+    c = draws([4, 3, 2])  # 4 - 3 - 2 = -1 is never drawn; the other three patterns a third each
+    assert set(c) == {"4 + 3 + 2", "4 + 3 - 2", "4 - 3 + 2"} and all(900 < v < 1100 for v in c.values())
+    c = draws([50, 25, 3, 1], 4000)  # four numbers: all 8 patterns are >= 0, an eighth each
+    assert len(c) == 8 and all(400 < v < 600 for v in c.values())
+    for row in ({"nums": [7, 1, 5], "target": 3}, {"nums": [7, 1, 5], "target": 13}):  # the target is not read
+        assert gmts.countdown_blind(row, random.Random(5))["expr"] == gmts.countdown_blind(
+            {"nums": [7, 1, 5], "target": 1}, random.Random(5))["expr"]
+    got = gmts.countdown_blind({"nums": [9, 8, 7], "target": 24}, random.Random(1))  # a .jsonl row: no 'expr'
+    assert gmts.countdown_reference(got).endswith(f"<answer>{got['expr']}</answer>")
+    assert gmts.countdown_blind({"nums": [], "target": 1}, random.Random(0)) == {"nums": [], "target": 1}
 
 
 def test_lr_schedule_hand_computed():

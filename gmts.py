@@ -141,7 +141,7 @@ PRESETS = {
     # countdown (it learns to copy the numbers but picks the signs at random; its accuracy is the first eval_acc),
     # then GRPO + GMTS learns from the reward which signs hit the target. README shows it.
     "cpu": dict(model="tiny", tiny_hidden=96, tiny_layers=3, task="countdown", data="easy", short_prompt=True,
-                steps=120, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, warmup_steps=10,
+                steps=80, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, warmup_steps=10,
                 micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1000, sft_lr=1e-3,
                 sft_blind=True, out="out/cpu"),
     # A seconds-long version of the same path, for tests.

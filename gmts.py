@@ -1062,9 +1062,8 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
 
     blind=True trains on random well-formed answers instead of solutions (task["blind"]; countdown: random signs):
     the model learns the format and to copy the numbers, but its choice of signs stays spread out and unrelated to
-    the target, so what it gains later is learned by RL from the reward, and sampling still explores (imitating the
-    real solutions of a few thousand rows instead makes it confident about signs it cannot know). target_acc then
-    applies to the share of well-formed answers (task["valid"]), right or wrong. Returns the steps run."""
+    the target, so what it gains later is learned by RL from the reward. target_acc then applies to the share of
+    well-formed answers (task["valid"]), right or wrong. Returns the steps run."""
     if steps <= 0:
         return 0
     device = next(model.parameters()).device

@@ -1074,8 +1074,8 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
     for step in range(1, steps + 1):
         pick = [rng.choice(rows) for _ in range(batch_size)]
         prompts = build_prompts(tok, task, pick, chat, short)
-        shown = [task["blind"](r, rng) for r in pick] if blind else pick  # blind: random answers, not solutions
-        answers = [task["reference"](r) + end for r in shown]
+        taught = [task["blind"](r, rng) for r in pick] if blind else pick  # blind: random answers, not solutions
+        answers = [task["reference"](r) + end for r in taught]
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
         L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids))

@@ -1092,11 +1092,12 @@ def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, step
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0 or step == steps:
+        if (step % 50 == 0 or step == steps) and (log or target_acc):  # log=None: no checks unless to stop
             ev = evaluate(model, tok, task, rows[:64], chat, short, max_new_tokens)  # greedy, 64 TRAINING rows
             model.train()
-            log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}"
-                + "".join(f" | {k[5:]} {ev[k]:.3f}" for k in ("eval_acc", "eval_valid") if k in ev))
+            if log:
+                log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}"
+                    + "".join(f" | {k[5:]} {ev[k]:.3f}" for k in ("eval_acc", "eval_valid") if k in ev))
             if target_acc and ev["eval_valid" if blind else "eval_acc"] >= target_acc:
                 return step
     return steps
@@ -1373,7 +1374,7 @@ def _compare_job(job: tuple) -> str:
         return train(cfg, log=lambda *a: None)
     model, tok = load_model(cfg.model, pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     task = get_task(cfg.task)
-    warm_up(model, tok, task, split_rows(task, cfg)[0], use_chat(tok, cfg.chat), cfg, log=lambda *a: None)
+    warm_up(model, tok, task, split_rows(task, cfg)[0], use_chat(tok, cfg.chat), cfg, log=None)  # no evals
     model.save_pretrained(cfg.out)
     tok.save_pretrained(cfg.out)
     return cfg.out

@@ -1083,8 +1083,9 @@ def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkey
 
 
 def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
-    draws = lambda nums, n=3000: collections.Counter(  # noqa: E731
-        gmts.countdown_blind({"nums": nums, "target": 0}, rng)["expr"] for rng in [random.Random(0)] for _ in range(n))
+    def draws(nums, n=3000):
+        rng = random.Random(0)
+        return collections.Counter(gmts.countdown_blind({"nums": nums, "target": 0}, rng)["expr"] for _ in range(n))
     c = draws([4, 3, 2])  # 4 - 3 - 2 = -1 is never drawn; the other three patterns a third each
     assert set(c) == {"4 + 3 + 2", "4 + 3 - 2", "4 - 3 + 2"} and all(900 < v < 1100 for v in c.values())
     c = draws([50, 25, 3, 1], 4000)  # four numbers: all 8 patterns are >= 0, an eighth each
@@ -1119,10 +1120,14 @@ def test_warm_up_stop_rule(monkeypatch):
     share of well-formed answers (a blind warm-up cannot learn the signs from the target, so accuracy is no goal)."""
     model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
     rows = load_rows("countdown", "easy", 20, seed=0)
-    monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: {"eval_acc": 0.1, "eval_valid": 0.95})
-    run = lambda blind, target: gmts.sft_warmup(model, tok, get_task("countdown"), rows, True, True, 100, 1e-4, 2, 0,
-                                                log=lambda *a: None, target_acc=target, blind=blind)
+    calls = []
+    monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: calls.append(1) or {"eval_acc": 0.1, "eval_valid": 0.95})
+    run = lambda blind, target, log=lambda *a: None: gmts.sft_warmup(  # noqa: E731
+        model, tok, get_task("countdown"), rows, True, True, 100, 1e-4, 2, 0, log=log, target_acc=target, blind=blind)
     assert run(True, 0.9) == 50 and run(True, 0.99) == 100 and run(False, 0.9) == 100 and run(False, 0.1) == 50
+    calls.clear()
+    assert run(True, 0.0, log=None) == 100 and not calls  # nothing to log and no target: no greedy checks at all
+    assert run(True, 0.9, log=None) == 50 and len(calls) == 1  # the stop rule still checks
 
 
 def test_compare_writes_a_table_and_a_plot(tmp_path):

@@ -244,6 +244,12 @@ def _combine(x: tuple, y: tuple, op: str):
     sy = f"({y[1]})" if y[2] < p or (y[2] == p and op in "-/") else y[1]  # a - (b + c), a / (b * c)
     return None if v is None else (v, f"{sx} {op} {sy}", p)
 
+def _sign_chain(nums: list, signs) -> tuple:
+    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right: ([4, 3, 2], '+-') -> (5,
+    '4 + 3 - 2'). The easy variant's solutions and the blind warm-up's random answers are such chains."""
+    value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
+    return value, " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
+
 def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000),
                       ops="+-*/") -> dict:
     """Random numbers and a random expression over them; its value is the target, so every problem is solvable."""
@@ -503,11 +509,9 @@ def countdown_blind(row: dict, rng: random.Random) -> dict:
     if not nums:
         return row
     for _ in range(100):  # uniform signs, redrawn until the value is >= 0: each such pattern equally likely
-        signs = [rng.choice("+-") for _ in nums[1:]]
-        value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
+        value, expr = _sign_chain(nums, [rng.choice("+-") for _ in nums[1:]])
         if value >= 0:
             break
-    expr = " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
     return dict(row, expr=expr, target=value)
 
 def math_reference(row: dict) -> str:
@@ -607,9 +611,9 @@ def _easy_countdown(rng: random.Random) -> dict:
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]
-        target = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
+        target, expr = _sign_chain(nums, signs)
         if target >= 0:
-            return {"nums": nums, "target": target, "expr": f"{nums[0]} {signs[0]} {nums[1]} {signs[1]} {nums[2]}"}
+            return {"nums": nums, "target": target, "expr": expr}
 
 
 _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 2 steps; logic: 2 people)
@@ -1403,6 +1407,7 @@ def compare(cfg: Config, log=print) -> dict:
         def submit(kind, cs):
             return {ex.submit(_compare_job, (kind, c, threads)): (kind, c) for c in cs}
         pending = submit("warm", warm.values()) if cfg.sft_steps > 0 else submit("train", runs)
+        recs = {}  # run folder -> its metrics, read once as it finishes
         while pending:  # a seed's runs start as soon as its warm-up is saved
             finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for f in finished:
@@ -1412,11 +1417,11 @@ def compare(cfg: Config, log=print) -> dict:
                     log(f"warm-up of seed {c.seed} saved to {c.out}")
                     pending.update(submit("train", [r for r in runs if r.seed == c.seed]))
                 else:
-                    rec = read_metrics(c.out)
+                    rec = recs[c.out] = read_metrics(c.out)
                     log(f"{c.select} seed {c.seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
     outs, table = {}, {}
     for c in runs:  # in method, seed order, whatever order the processes finished in
-        rec = read_metrics(c.out)
+        rec = recs[c.out]
         outs.setdefault(c.select, []).append(c.out)
         table.setdefault(c.select, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
     lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |",

@@ -12,7 +12,7 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
   c. gmts.select_tokens on 1M and 32M random scores with a mask, beside torch.quantile (TRL's threshold; it
      refuses inputs above 2^24 elements: "fails").
   d. one training step of the tiny model (gmts.build_tiny, PRESETS["cpu"] sizes): rollout (gmts.rollout on
-     countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, selection_mask,
+     countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, select_tokens,
      policy_update and the two selections train() logs) for --select all, random and gmts on one fixed
      batch. A random model earns no reward, so rewards are random 0/1 with one right and one wrong answer per
      group (no answer has A = 0). Its entropy is nearly flat, so gmts keeps whole answers of the largest |A| and
@@ -263,14 +263,14 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high)  # inner update 0: old = logp
         scores = gmts.token_scores(method, ent, gn, om)
         t = clock()
-        sel = gmts.selection_mask(method, scores, mask, cfg.rho)  # select_tokens + the keep rules, as train()
+        sel = gmts.select_tokens(scores, mask, 1.0 if method == "all" else cfg.rho, nonzero=method in ("gmts", "gradnorm"))  # select_tokens + the keep rules, as train()
         dt = clock() - t
         gmts.policy_update(model, opt, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=cfg.micro_batch,
                            chunk=cfg.stats_chunk, max_grad_norm=cfg.max_grad_norm)
         t = clock()  # train() step 7 logs two more selections every step (entropy top-rho, gmts top-rho)
         gmts.select_tokens(ent, mask, cfg.rho)
-        gmts.selection_mask("gmts", gmts.token_scores("gmts", ent, gn, om), mask, cfg.rho)
+        gmts.select_tokens(gmts.token_scores("gmts", ent, gn, om), mask, cfg.rho, nonzero=True)
         sel_ms[method].append((dt + clock() - t) * 1e3)
         return dict(kept_frac=int(sel.sum()) / int(mask.sum()), active_frac=float(sel.any(1).float().mean()))
 

@@ -940,12 +940,14 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return om.abs() * grad_norm
     raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
 
-def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
-    """Keep exactly k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch.
+def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False) -> torch.Tensor:
+    """sel_mask: the k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch.
 
     Ties are broken by position (earlier flat index first), masked-out tokens are never kept, NaN ranks lowest.
     A k-th-value threshold plus a cumulative count over the tied values: O(n), exact, and unlike torch.quantile
-    it works above 2^24 elements and never over-selects on ties. (N, T) float, (N, T) bool -> (N, T) bool.
+    it works above 2^24 elements and never over-selects on ties. nonzero=True (gmts, gradnorm) then drops kept
+    tokens whose score is 0: their gradient is exactly 0, so those methods may keep fewer than k.
+    (N, T) float, (N, T) bool -> (N, T) bool.
     """
     flat_mask = mask.reshape(-1)  # (N*T,)
     n = int(flat_mask.sum())
@@ -958,16 +960,10 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float) -> torch
     keep = vals > thr
     ties = vals == thr
     keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
+    if nonzero:
+        keep &= vals > 0
     sel[flat_mask] = keep
     return sel.view_as(mask)
-
-
-def selection_mask(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
-    """sel_mask for a method: 'all' keeps every valid token; gmts/gradnorm never keep a token whose score is 0 (its
-    gradient is exactly 0: omega = 0 in a group of equal rewards, or where the clip is active), so they may keep
-    fewer than ceil(rho * n). (N, T), (N, T) bool -> (N, T) bool."""
-    sel = select_tokens(scores, mask, 1.0 if method == "all" else rho)
-    return sel & (scores > 0) if method in ("gmts", "gradnorm") else sel
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1304,7 +1300,7 @@ def train(cfg: Config, log=print) -> str:
                                 if ref is not None else None)
                 om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
                 scores = token_scores(cfg.select, entropy, grad_norm, om)
-                sel_mask = selection_mask(cfg.select, scores, mask, cfg.rho)  # (N, T)
+                sel_mask = select_tokens(scores, mask, 1.0 if cfg.select == "all" else cfg.rho, nonzero=cfg.select in ("gmts", "gradnorm"))
                 denom = float(n_valid if cfg.loss_norm == "all" else max(int(sel_mask.sum()), 1))
                 # 6. PPO-clip update on the selected tokens only
                 stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
@@ -1319,7 +1315,7 @@ def train(cfg: Config, log=print) -> str:
         # 7. log, evaluate, checkpoint
         n_sel = max(int(sel_mask.sum()), 1)
         ent_sel = select_tokens(entropy, mask, cfg.rho)
-        gmts_sel = selection_mask("gmts", token_scores("gmts", entropy, grad_norm, om), mask, cfg.rho)
+        gmts_sel = select_tokens(token_scores("gmts", entropy, grad_norm, om), mask, cfg.rho, nonzero=True)
         dt = time.time() - t0
         rec = dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
                    selected_frac=int(sel_mask.sum()) / max(n_valid, 1),

@@ -112,13 +112,13 @@ def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor, temperature: fl
 
 
 def select_global(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator):
-    """gmts.selection_mask over the valid tokens of ALL processes; returns (this process's (B, T) bool mask, the
+    """gmts.select_tokens (nonzero for gmts/gradnorm) over the valid tokens of ALL processes; returns (this process's (B, T) bool mask, the
     kept share of the global pool). Every process must call it (two gathers), as with TRL's get_high_entropy_mask."""
     local = scores[mask].float()  # (n,) this process's valid tokens, row-major
     counts = accelerator.gather(torch.tensor([local.numel()], device=local.device))  # (W,)
     pool = accelerator.gather(accelerator.pad_across_processes(local, dim=0)).view(counts.numel(), -1)  # (W, L)
     valid = torch.arange(pool.shape[1], device=pool.device)[None, :] < counts[:, None]  # (W, L)
-    keep = gmts.selection_mask(method, pool, valid, rho)  # (W, L), the same on every process
+    keep = gmts.select_tokens(pool, valid, 1.0 if method == "all" else rho, nonzero=method in ("gmts", "gradnorm"))  # (W, L), the same on every process
     sel = torch.zeros_like(mask)
     sel[mask] = keep[accelerator.process_index, :local.numel()]
     return sel, float(keep.sum()) / max(int(valid.sum()), 1)

@@ -706,13 +706,13 @@ def test_gmts_spends_nothing_on_zero_advantage_groups():
     zero = (adv == 0)[:, None] & mask
     ent = select_tokens(token_scores("entropy", H, H, om), mask, 0.25)
     g_scores = token_scores("gmts", H, H, om)
-    g = gmts.selection_mask("gmts", g_scores, mask, 0.25)
+    g = gmts.select_tokens(g_scores, mask, 0.25, nonzero=True)
     assert (ent & zero).sum() == 6  # entropy spends all 6 of its tokens on the A = 0 group
     assert (g & zero).sum() == 0 and g.sum() == 6
-    g_big = gmts.selection_mask("gmts", g_scores, mask, 0.9)  # budget 22 > the 16 live tokens: keeps just those
+    g_big = gmts.select_tokens(g_scores, mask, 0.9, nonzero=True)  # budget 22 > the 16 live tokens: keeps just those
     assert g_big.sum() == 16 and (g_big & zero).sum() == 0
-    assert gmts.selection_mask("all", g_scores, mask, 0.25).all()
-    assert gmts.selection_mask("entropy", H, mask, 0.9).sum() == 22
+    assert gmts.select_tokens(g_scores, mask, 1.0).all()
+    assert gmts.select_tokens(H, mask, 0.9).sum() == 22
     # (c) no token with A != 0 left out while one with A = 0 is kept, whatever the entropies
     for seed in range(20):
         Hr = torch.rand(6, 4, generator=torch.Generator().manual_seed(seed)) + 0.01
@@ -1007,7 +1007,7 @@ def test_all_zero_advantage_batch_makes_no_update(tiny):
     H = torch.rand(b["resp_mask"].shape)
     om = omega(adv, torch.ones_like(H), 0.2, 0.28)
     s = token_scores("gmts", H, H, om)
-    sel = gmts.selection_mask("gmts", s, b["resp_mask"], 0.2)
+    sel = gmts.select_tokens(s, b["resp_mask"], 0.2, nonzero=True)
     assert not sel.any()
     stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), 10.0, temperature=1.0, clip_low=.2,
                                clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)

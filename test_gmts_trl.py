@@ -119,7 +119,7 @@ def test_hook_mask_equals_select_tokens(tmp_path, select, off_policy, rho):
     tr._noise.manual_seed(5)
     got = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
     scores = gmts.token_scores(select, ent, gn, om, torch.Generator().manual_seed(5))
-    want = gmts.selection_mask(select, scores, mask, rho)  # as gmts.train: zero-gradient tokens are never kept
+    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho, nonzero=select in ("gmts", "gradnorm"))  # as gmts.train: zero-gradient tokens are never kept
     assert got.dtype == torch.bool and torch.equal(got, want)
     if select in ("entropy", "random"):
         assert int(got.sum()) == math.ceil(rho * int(mask.sum()))

@@ -3,41 +3,43 @@ gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file.
 
 Read it beside the papers:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM Reasoning",
-         arXiv 2608.30632 (OpenReview JGvOicAo3g). Score a response token by |H_t * omega_t| and train on the top 20%.
+         arXiv 2608.30632. Score a response token by |H_t * omega_t| and train on the top 20% of the batch.
   80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM
          Reasoning", arXiv 2506.01939. Score a response token by its entropy H_t and train on the top 20%.
 
 The algorithm, one training step (train() below follows these numbers):
-  1. sample B prompts from the task                                       [plumbing]
-  2. sample G answers per prompt with HF generate (N = B*G answers)       [paper: rollout]
-  3. score every answer with a rule-based verifier -> reward r_i          [paper: reward]
-  4. group advantages A_i = (r_i - mean_group) / (std_group + eps)       [paper: GRPO advantage]
-  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm    [paper: token statistics]
-  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|) and keep the top rho of the WHOLE batch
-  7. PPO-clip update on the kept tokens only, in micro-batches          [paper: objective]
-  8. log, evaluate, checkpoint                                            [plumbing]
+  1. draw B prompts from the task                                          [plumbing]
+  2. sample G answers per prompt with HF generate (N = B*G answers)        [paper: rollout]
+  3. score every answer with a rule-based verifier -> reward r_i           [paper: reward]
+  4. group advantages A_i = (r_i - mean_group) / (std_group + eps)        [paper: GRPO advantage]
+  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm     [paper: token statistics]
+  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch   [paper: selection]
+  7. PPO-clip update on the kept tokens only, in micro-batches           [paper: objective]
+  8. log, evaluate, checkpoint                                             [plumbing]
 
 Axis legend: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded),
 T response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
 column t holds the statistics of the t-th generated token, predicted from the hidden state one position earlier.
 
-Deviations from the papers and choices they leave open (README "Deviations" repeats this list):
+Deviations from the papers and choices they leave open (the README lists them too):
   1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in the 80/20 code.
-  2. omega = ratio * A, zeroed where the clip is active (the GMTS score as the whileai replication reads eq. 4);
-     on the first inner update ratio == 1, so omega == A. Scores are recomputed before every inner update.
-  3. Loss normaliser (--loss-norm): 'all' (default) divides by all valid response tokens of the batch, as in the
-     80/20 paper's equation and TRL; 'selected' divides by the kept tokens, as in the official 80/20 code (5x the
-     step at rho = 0.2). 'all' makes selection a pure masking of the same sum, so methods compare at one lr.
+  2. omega = ratio * A, zeroed where the clip is active; on the first inner update ratio == 1, so omega == A.
+     Scores are recomputed before every inner update.
+  3. Loss normaliser (--loss-norm): 'all' (default) divides by all valid response tokens of the batch, as the
+     80/20 paper's equation and TRL do; 'selected' by the kept tokens, as the official 80/20 code (5x the step at
+     rho = 0.2). With 'all', selection is a pure masking of one sum, so every method runs at the same lr.
   4. Std of the group advantage: population std (divide by G), see group_advantages.
-  5. KL (beta > 0, k3 estimator) is applied to all valid tokens, not only the selected ones; beta = 0 by default
-     and then no reference model is loaded.
-  6. fp32 master weights with bf16 autocast on CUDA (pure-bf16 AdamW would drop updates of size lr = 1e-6 that are
-     far below bf16's resolution of a weight); log-softmax, entropy and the loss always in fp32.
-  7. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
-  8. Token statistics come from one no-grad forward pass before the update (bench_gmts.py measures its cost).
-  9. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
+  5. --filter-groups (DAPO's dynamic sampling, on by default, for every method): groups whose rewards are all
+     equal are dropped and more prompts drawn, up to --max-resample rollout batches per step.
+  6. One step rule for every method: the optimiser steps iff a kept token has a non-zero gradient, and the lr
+     schedule follows GRPO steps whatever happened.
+  7. KL (beta > 0, k3 estimator) covers all valid tokens, divided by their count whatever the selection; the
+     reference is the model --model loads (where RL starts). beta = 0 by default: no reference is loaded.
+  8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always in fp32.
+  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
+ 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
 
-Run:  python gmts.py --preset cpu                                  (offline, CPU, a tiny model that learns)
+Run:  python gmts.py --preset cpu                                  (offline, CPU: a tiny warm-started model learns)
       python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown  (one GPU)
 """
 import os
@@ -65,88 +67,80 @@ import torch
 import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------------------------
-# Config [plumbing]: every field is a --flag (underscores become dashes); PRESETS are applied before explicit flags.
+# Config [plumbing]: every field is a --flag (underscores become dashes); --preset NAME applies PRESETS[NAME] first.
 # ---------------------------------------------------------------------------------------------------------------
+
+def arg(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
 
 @dataclass
 class Config:
     # run
-    out: str = "out"  # output folder: metrics.jsonl, checkpoints, the final model
-    seed: int = 0  # seeds python, torch and the per-step samplers
-    device: str = "auto"  # auto picks cuda > mps > cpu
-    steps: int = 200  # GRPO steps (one rollout batch each)
-    save_every: int = 50  # checkpoint every this many steps (0: only at the end)
-    resume: str = ""  # an earlier --out folder: continue from its last complete checkpoint
-    report_to: str = "none"  # also log to wandb or tensorboard
-    preset: str = ""  # named group of defaults, see PRESETS
-    analyze: bool = False  # run the gradient-magnitude ranking study instead of training
-    batches: int = 2  # --analyze: rollout batches to study
-    compare: str = ""  # comma list of --select methods to run side by side, e.g. all,entropy,gmts
-    seeds: int = 1  # --compare: seeds per method
-    workers: int = 0  # --compare: runs in parallel processes (0: one per CPU core on a CPU, 1 on a GPU)
+    out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
+    overwrite: bool = arg(False, "allow a new run into a folder that holds one (its metrics and checkpoints go)")
+    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable checkpoint")
+    allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than the run's")
+    seed: int = arg(0, "seeds python, torch and every step's sampling")
+    device: str = arg("auto", "auto picks cuda > mps > cpu")
+    steps: int = arg(200, "GRPO steps")
+    save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     # model
-    model: str = "tiny"  # 'tiny' (built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a local folder
-    chat: str = "auto"  # use the chat template: auto (by the tokenizer, see render_prompt), yes, no
-    tiny_hidden: int = 64  # --model tiny: hidden size
-    tiny_layers: int = 2  # --model tiny: transformer layers
-    grad_ckpt: bool = False  # gradient checkpointing in the update forward
+    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
+    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
+    tiny_hidden: int = arg(64, "--model tiny: hidden size")
+    tiny_layers: int = arg(2, "--model tiny: transformer layers")
+    grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
-    task: str = "countdown"  # countdown, math or logic
-    data: str = "gen"  # gen (offline generator), easy, hf (the hub set), or a .jsonl path
-    short_prompt: bool = False  # terse prompts (for the byte-level tiny model)
-    eval_every: int = 20  # greedy held-out accuracy every this many steps (0: only at the end)
-    eval_size: int = 64  # held-out problems
+    task: str = arg("countdown", "countdown, math or logic")
+    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test or a .jsonl path")
+    short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
+    eval_every: int = arg(20, "greedy held-out accuracy every this many steps (0: only at the start and the end)")
+    eval_size: int = arg(64, "held-out problems (the first rows of the data)")
     # rollout
-    prompts_per_step: int = 8  # B, prompts sampled per step
-    group_size: int = 8  # G, answers sampled per prompt
-    max_new_tokens: int = 256  # response length limit; longer answers are cut and flagged
-    temperature: float = 1.0  # sampling temperature; the same T is used for log-probs and entropy
-    top_p: float = 1.0  # 1.0 samples from the full distribution (on-policy)
-    top_k: int = 0  # 0 disables top-k
+    prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
+    group_size: int = arg(8, "G, answers sampled per prompt")
+    max_new_tokens: int = arg(256, "response length limit; longer answers are cut and flagged")
+    temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
+    top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
+    top_k: int = arg(0, "top-k sampling; 0 disables it")
+    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
+    max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
     # GRPO
-    clip_low: float = 0.2  # PPO clip eps below 1
-    clip_high: float = 0.28  # PPO clip eps above 1 (DAPO clip-higher)
-    kl_beta: float = 0.0  # k3 KL to a frozen reference model (0: no reference model is loaded)
-    std_normalize: bool = True  # divide advantages by the group std (off: Dr. GRPO)
-    inner_updates: int = 1  # optimiser steps per rollout batch (mu)
-    loss_norm: str = "all"  # all: divide by all valid response tokens; selected: by the kept tokens
+    clip_low: float = arg(0.2, "PPO clip eps below 1")
+    clip_high: float = arg(0.28, "PPO clip eps above 1 (DAPO clip-higher)")
+    kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
+    std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
+    inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
+    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens")
     # token selection
-    select: str = "gmts"  # all, random, entropy, gmts, gradnorm
-    rho: float = 0.2  # share of the batch's response tokens kept
+    select: str = arg("gmts", "all, random, entropy, gmts or gradnorm")
+    rho: float = arg(0.2, "share of the batch's response tokens kept")
     # optimisation
-    lr: float = 1e-6  # AdamW learning rate of the GRPO updates
-    warmup_steps: int = 10  # linear lr warm-up, in optimiser steps
-    lr_decay: bool = True  # after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)
-    weight_decay: float = 0.0  # AdamW weight decay
-    max_grad_norm: float = 1.0  # clip the global gradient norm to this
-    micro_batch: int = 8  # answers per forward/backward (gradient accumulation over the batch)
-    stats_chunk: int = 1024  # rows of the (tokens x V) logits held at once in the head
-    # supervised warm-up on reference solutions (the CPU preset uses it so that a tiny model earns reward)
-    sft_steps: int = 0  # supervised warm-up steps before RL (0: none)
-    sft_lr: float = 3e-3  # warm-up learning rate
-    sft_batch: int = 32  # warm-up batch size
-    sft_target: float = 0.0  # stop the warm-up once greedy accuracy (blind: well-formed share) on 64 train rows >= this
-    sft_blind: bool = False  # the warm-up imitates random well-formed answers, not solutions: format only
+    lr: float = arg(1e-6, "AdamW learning rate")
+    warmup_steps: int = arg(10, "linear lr warm-up, in optimiser steps")
+    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
+    micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
+    stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
 
 CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
     "device": ["auto", "cuda", "mps", "cpu"],
-    "chat": ["auto", "yes", "no"],
+    "chat_template": ["auto", "yes", "no"],
     "loss_norm": ["all", "selected"],
-    "report_to": ["none", "wandb", "tensorboard"],
 }
-
+WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
-    # Offline CPU demo: a 0.27M-parameter Qwen2 warmed up for 1000 steps on random well-formed answers to easy
-    # countdown (it learns to copy the numbers but picks the signs at random; its accuracy is the first eval_acc),
-    # then GRPO + GMTS learns from the reward which signs hit the target. README shows it.
-    "cpu": dict(model="tiny", tiny_hidden=96, tiny_layers=3, task="countdown", data="easy", short_prompt=True,
-                steps=80, prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, warmup_steps=10,
-                micro_batch=256, eval_every=10, eval_size=256, save_every=20, sft_steps=1000, sft_lr=1e-3,
-                sft_blind=True, out="out/cpu"),
+    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started on random well-formed answers to easy countdown
+    # (`python gmts_lab.py warm` rebuilds warm/cpu): it copies the numbers but picks the signs at random, and GRPO
+    # learns from the reward which signs hit the target.
+    "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80, prompts_per_step=32,
+                group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256, eval_every=10, eval_size=256,
+                save_every=20, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
-    "smoke": dict(model="tiny", task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
-                  group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, sft_steps=2, lr=1e-4, out="out/smoke"),
+    "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
+                  group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, lr=1e-4, out="out/smoke"),
 }
 
 def die(msg: str, code: int = 2):
@@ -155,30 +149,45 @@ def die(msg: str, code: int = 2):
     sys.exit(code)
 
 def check_config(cfg: Config):
-    """Raise ValueError (one line) for values no run can use."""
+    """Raise ValueError (one line) for any value no run can use, before any work is done."""
+    bad = lambda k, want: ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")  # noqa: E731
     for k, allowed in CHOICES.items():
         if getattr(cfg, k) not in allowed:
-            raise ValueError(f"--{k.replace('_', '-')} {getattr(cfg, k)!r} is not one of: {', '.join(allowed)}")
+            raise bad(k, "one of " + ", ".join(allowed))
     get_task(cfg.task)
-    if not 0.0 < cfg.rho <= 1.0:
-        raise ValueError(f"--rho must be in (0, 1], got {cfg.rho}")
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
-    if cfg.group_size < 2:
-        raise ValueError(f"--group-size must be >= 2 (an advantage needs a group), got {cfg.group_size}")
-    for k in ("prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size"):
+    ranges = {"rho": (0, 1, "in (0, 1]"), "top_p": (0, 1, "in (0, 1]"), "lr": (0, math.inf, "finite and > 0"),
+              "temperature": (0, math.inf, "finite and > 0"), "max_grad_norm": (0, math.inf, "finite and > 0")}
+    for k, (lo, hi, want) in ranges.items():
+        if not (lo < getattr(cfg, k) <= hi and math.isfinite(getattr(cfg, k))):
+            raise bad(k, want)
+    for k in ("clip_low", "clip_high"):
+        if not 0 <= getattr(cfg, k) < 1:
+            raise bad(k, "in [0, 1)")
+    for k in ("kl_beta", "weight_decay"):
+        if not (getattr(cfg, k) >= 0 and math.isfinite(getattr(cfg, k))):
+            raise bad(k, "finite and >= 0")
+    for k in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
+              "eval_size", "max_resample", "tiny_layers"):
         if getattr(cfg, k) < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
-    if cfg.sft_blind and "blind" not in get_task(cfg.task):
-        raise ValueError(f"--sft-blind is defined for countdown only, not --task {cfg.task}")
-    if cfg.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0, got {cfg.temperature}")
-    if os.path.isfile(cfg.out):
-        raise ValueError(f"--out {cfg.out} is an existing file, not a folder")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device (use --device auto or cpu)")
-    if cfg.device == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps but torch sees no MPS device (use --device auto or cpu)")
+            raise bad(k, ">= 1")
+    for k in ("save_every", "eval_every", "warmup_steps", "top_k"):
+        if getattr(cfg, k) < 0:
+            raise bad(k, ">= 0")
+    if cfg.group_size < 2:
+        raise bad("group_size", ">= 2 (an advantage needs a group)")
+    if cfg.tiny_hidden < 8 or cfg.tiny_hidden % 8:
+        raise bad("tiny_hidden", "a multiple of 8 (4 heads of even size)")
+    if cfg.data in ("gen", "easy") and cfg.eval_size > 100_000:
+        raise bad("eval_size", "<= 100000 with generated data")
+    if not cfg.out or os.path.isfile(cfg.out):
+        raise ValueError(f"--out {cfg.out!r} is not a folder name")
+    parent = os.path.abspath(cfg.out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {cfg.out}: {parent} is not a writable folder")
+    if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
+        raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,7 +204,7 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 def autocast(device: torch.device):
-    """bf16 compute on CUDA (weights stay fp32, see deviation 6); a no-op elsewhere."""
+    """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
     use = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
@@ -203,11 +212,10 @@ def set_seed(seed: int):
     random.seed(seed)
     torch.manual_seed(seed)
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Tasks and verifiers [paper: reward]
 # ---------------------------------------------------------------------------------------------------------------
-# Each task = offline generator + prompt + verifier + reference completion + loader, collected in TASKS.
+# Each task = offline generator + prompt + verifier + loader, collected in TASKS.
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
@@ -246,7 +254,7 @@ def _combine(x: tuple, y: tuple, op: str):
 
 def _sign_chain(nums: list, signs) -> tuple:
     """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right: ([4, 3, 2], '+-') -> (5,
-    '4 + 3 - 2'). The easy variant's solutions and the blind warm-up's random answers are such chains."""
+    '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up answers) are such chains."""
     value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
     return value, " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
 
@@ -474,7 +482,7 @@ def logic_reward(completion: str, solution: dict) -> float:
     return 1.0 if got == {k.lower(): v for k, v in solution.items()} else 0.1
 
 
-# -- prompts and reference completions (the caller prefills "Let me solve this step by step.\n<think>") --
+# -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
 def countdown_prompt(row: dict, short=False) -> str:
@@ -494,32 +502,6 @@ def logic_prompt(row: dict, short=False) -> str:
         f"On an island every inhabitant is a knight, who always tells the truth, or a knave, who always lies. You meet "
         f"{len(row['names'])} inhabitants: {', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? "
         f"{_FORMAT}, one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
-
-def countdown_reference(row: dict) -> str:
-    if "expr" not in row:
-        raise ValueError("a countdown reference needs a generated row (with its 'expr'): use --data gen or easy")
-    return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
-
-def countdown_blind(row: dict, rng: random.Random) -> dict:
-    """--sft-blind: the row with a random well-formed answer in place of its solution: its numbers in their order
-    joined by + or -, each sign pattern whose value is >= 0 equally likely; that value becomes the row's target, so
-    the reference's `expr = value` line is true. Imitating these, the warm-up learns the format, to copy the numbers
-    and to add them up, but it picks the signs at random: nothing links them to the target in the prompt."""
-    nums = row["nums"]
-    if not nums:
-        return row
-    for _ in range(100):  # uniform signs, redrawn until the value is >= 0: each such pattern equally likely
-        value, expr = _sign_chain(nums, [rng.choice("+-") for _ in nums[1:]])
-        if value >= 0:
-            break
-    return dict(row, expr=expr, target=value)
-
-def math_reference(row: dict) -> str:
-    return "\n".join(row.get("steps", [])) + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>"
-
-def logic_reference(row: dict) -> str:
-    roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
-    return f"Only one assignment is consistent.</think>\n<answer>{roles}</answer>"
 
 
 # -- loaders: data = "gen" | "easy" | "hf" | "hf:test" | path.jsonl --
@@ -623,19 +605,45 @@ _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -;
 }
 TASKS = {
     "countdown": {"load": functools.partial(load_rows, "countdown"), "prompt": countdown_prompt,
-                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"]),
-                  "reference": countdown_reference, "blind": countdown_blind,
-                  "valid": lambda c, row: countdown_value(c, row["nums"]) is not None},
+                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"load": functools.partial(load_rows, "math"), "prompt": math_prompt,
-             "reward": lambda c, row: math_reward(c, row["answer"]), "reference": math_reference},
+             "reward": lambda c, row: math_reward(c, row["answer"])},
     "logic": {"load": functools.partial(load_rows, "logic"), "prompt": logic_prompt,
-              "reward": lambda c, row: logic_reward(c, row["solution"]), "reference": logic_reference},
+              "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
 
 def get_task(name: str) -> dict:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
     return TASKS[name]
+
+def split_rows(cfg: Config) -> tuple:
+    """(draw, held-out rows). The FIRST eval_size rows of the data are held out, whatever --steps asks for.
+    draw(n, *key) -> n training rows from random.Random(str((seed,) + key)), never a held-out prompt: the rows of
+    a step are a function of (seed, step), drawn when the step needs them, so nothing is built up front."""
+    task = get_task(cfg.task)
+    gen = cfg.data in ("gen", "easy")
+    rows = task["load"](cfg.data, cfg.eval_size if gen else 0, cfg.seed)
+    held = rows[:cfg.eval_size]
+    seen = {task["prompt"](r) for r in held}
+    pool = [] if gen else [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen]
+    if not gen and not pool:
+        raise ValueError(f"--data {cfg.data}: no training rows left after the {len(held)} held-out ones "
+                         f"({len(rows)} rows, --eval-size {cfg.eval_size})")
+
+    def draw(n: int, *key) -> list:
+        rng = random.Random(str((cfg.seed,) + key))
+        if not gen:
+            return [rng.choice(pool) for _ in range(n)]
+        out = []
+        for _ in range(1000 * n):
+            row = _GEN[cfg.task](rng, cfg.data == "easy")
+            if task["prompt"](row) not in seen:
+                out.append(row)
+                if len(out) == n:
+                    return out
+        raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
+    return draw, held
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model and tokenizer [plumbing]: real Qwen checkpoints, or a tiny Qwen2 built offline with the same architecture.
@@ -746,33 +754,39 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
     resp_mask = torch.arange(T, device=completion_ids.device)[None, :] <= first_end[:, None]  # (N, T)
     return resp_mask, ~has_end
-
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> dict:
     """Sample group_size answers for each prompt string. Returns a batch dict of tensors on the model's device.
 
-    Every generation knob is passed explicitly: transformers fills unset ones from the checkpoint's
-    generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1), which would make the sampler
-    differ from the policy whose log-probs we train on.
+    generate() fills every knob we leave unset from the checkpoint's generation_config (Qwen instruct: top_k 20,
+    top_p 0.8, repetition_penalty 1.1, and min_p, typical_p, no_repeat_ngram_size where set), which would sample
+    from another distribution than the policy whose log-probs we train on. So the call sees a complete config of
+    our own and a blank model default.
     """
+    from transformers import GenerationConfig
+
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # (N, P)
     attn = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the model's "
+                         f"{limit} positions")
     end_ids = end_token_ids(tok)
-    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
-                                                      top_k=top_k)
-    was_training = model.training
+    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
+    was_training, saved = model.training, model.generation_config
     model.eval()
-    with autocast(device):
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                             eos_token_id=end_ids, pad_token_id=tok.pad_token_id, repetition_penalty=1.0,
-                             **knobs)  # (N, P + T)
-    model.train(was_training)
-    comp = out[:, ids.shape[1]:]  # (N, T)
-    if comp.shape[1] == 0:  # every answer ended at once is impossible (>= 1 token); guard anyway
-        comp = torch.full((ids.shape[0], 1), end_ids[0], device=device)
+    model.generation_config = GenerationConfig()  # the checkpoint's sampling knobs never reach this call
+    try:
+        with autocast(device):
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen)  # (N, P + T)
+    finally:
+        model.generation_config = saved
+        model.train(was_training)
+    comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
     texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
     return dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
@@ -780,7 +794,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Group advantages [paper: GRPO, A_i = (r_i - mean) / (std + eps)]
+# Group advantages [paper: GRPO, A_i = (r_i - mean) / (std + eps)] and dynamic sampling [DAPO]
 # ---------------------------------------------------------------------------------------------------------------
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
@@ -800,9 +814,37 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
     same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # (B, 1)
     return adv.masked_fill(same, 0.0).view(-1)  # (N,)
 
+def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere, so they carry a gradient)."""
+    r = rewards.view(-1, group_size)  # (B, G)
+    return r.max(dim=1).values != r.min(dim=1).values
+
+def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
+    groups -> (batch, rewards, adv). With no informative group the first batch is returned as it is: all its
+    advantages are 0, so no method updates on it."""
+    keep = torch.cat([informative(r, group_size) for _, r, _ in parts]).nonzero().squeeze(1)[:B]  # (<= B,)
+    if keep.numel() == 0:
+        return parts[0]
+    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
+    width = {"prompt": max(b["prompt_ids"].shape[1] for b, _, _ in parts),
+             "comp": max(b["comp_ids"].shape[1] for b, _, _ in parts)}
+    batch = {}
+    for key, side, fill in (("prompt_ids", "prompt", pad_id), ("prompt_mask", "prompt", 0), ("comp_ids", "comp", pad_id),
+                            ("resp_mask", "comp", 0), ("truncated", None, 0)):
+        xs = [b[key] for b, _, _ in parts]  # prompts are padded on the left, responses on the right
+        if side:
+            xs = [F.pad(x, (width[side] - x.shape[1], 0) if side == "prompt" else (0, width[side] - x.shape[1]),
+                        value=fill) for x in xs]
+        x = torch.cat(xs)
+        batch[key] = x[idx.to(x.device)]
+    texts = [t for b, _, _ in parts for t in b["texts"]]
+    batch["texts"] = [texts[i] for i in idx.tolist()]
+    adv = torch.cat([a for _, _, a in parts])
+    return batch, torch.cat([r for _, r, _ in parts])[idx], adv[idx.to(adv.device)]
 
 # ---------------------------------------------------------------------------------------------------------------
-# Token statistics [paper: GMTS section 3; the derivation lives here]
+# Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation lives here]
 #
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
 # ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range) is
@@ -814,17 +856,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
 #        dl/dz = -(omega / T) * (onehot(y) - p)                                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2, so
 #        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm           -> token_stats
-# 4. Why it tracks entropy WITHIN an answer (omega is the same for every token of answer i when r = 1):
-#    (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, and over y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2
-#    <= 1 - exp(-H) (Shannon entropy >= Renyi-2 entropy -log sum p^2). A near-certain token (H ~ 0, p_y ~ 1) has
-#    a near-zero logit gradient; only uncertain (high-H) tokens can have a large one. test_derivation_* pins these.
+# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i when r = 1):
+#    pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set by p_y, not by H. Over
+#    y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon entropy >= Renyi-2 entropy): IN
+#    EXPECTATION a near-certain position (H ~ 0) has a near-zero logit gradient. Not pointwise: at
+#    p = (0.999, 50 x 2e-5) a sampled rare token has H = 0.012 nats but norm 1.414. Entropy misses such tokens;
+#    gradnorm (below) scores them by their exact norm.
 # 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With binary rewards and
 #    k of G answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
 #    (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose answers all got the same reward. Entropy ranking
 #    ignores this factor: it spends budget on tokens whose gradient is small or exactly 0.
 # 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3), and keeps the
-#    top rho of the batch. 'gradnorm' uses the exact logit-gradient norm |omega| * grad_norm instead (an ablation
-#    the paper does not run; it costs the same vocabulary reduction as H).
+#    top rho of the batch. 'gradnorm' uses the exact logit-gradient norm |omega| * grad_norm instead (our
+#    ablation; it costs the same vocabulary reduction as H).
 # Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects over the whole
 # batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
 # ---------------------------------------------------------------------------------------------------------------
@@ -850,34 +894,7 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     sq = torch.expm1(logp).square() + others_sq  # (...)
     return logp, entropy, sq.sqrt() / temperature
 
-def head_stats(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
-               chunk: int = 1024) -> tuple:
-    """token_stats from final hidden states, through the lm_head chunk by chunk, without autograd.
-
-    hidden (M, d), tokens (M,) -> 3 x (M,). Peak extra memory is ~3 (chunk, V) fp32 tensors, whatever M is.
-    """
-    outs = []
-    with torch.no_grad():
-        for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
-            outs.append(token_stats(F.linear(h, head.weight, head.bias), y, temperature))
-    return tuple(torch.cat(o) for o in zip(*outs)) if outs else (hidden.new_zeros(0),) * 3
-
-def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor, temperature: float):
-    z = F.linear(h, weight, bias).float()  # (C, V)
-    z = z / temperature if temperature != 1.0 else z
-    return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-
-def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
-              chunk: int = 1024) -> torch.Tensor:
-    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
-    checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
-    from torch.utils.checkpoint import checkpoint
-
-    parts = [checkpoint(_chunk_logp, h, head.weight, head.bias, y, temperature, use_reentrant=False)
-             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-
-def response_hidden(model, batch: dict, rows: slice = slice(None)) -> torch.Tensor:
+def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     """Final hidden states that PREDICT each response token: position P-1+t predicts token t. -> (n, T, d).
 
     Left padding: position ids come from the attention mask (cumsum - 1), as generate() computed them, otherwise
@@ -886,43 +903,59 @@ def response_hidden(model, batch: dict, rows: slice = slice(None)) -> torch.Tens
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
     attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
-    device = ids.device
-    with autocast(device):
+    with autocast(ids.device):
         h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # (n, P+T, d)
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
 
 @torch.no_grad()
 def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward, in micro-batches."""
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward in micro-batches,
+    the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers, whatever N * T is)."""
     head = model.get_output_embeddings()
     mask, comp = batch["resp_mask"], batch["comp_ids"]
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
     for s in range(0, mask.shape[0], micro_batch):
-        rows = slice(s, s + micro_batch)
-        h = response_hidden(model, batch, rows)  # (n, T, d)
-        m = mask[rows]  # (n, T)
-        for o, v in zip(out, head_stats(h[m], head, comp[rows][m], temperature, chunk)):
-            o[rows][m] = v
+        rows, m = slice(s, s + micro_batch), mask[s:s + micro_batch]  # m (n, T)
+        h, y = response_hidden(model, batch, rows)[m], comp[rows][m]  # (M, d), (M,)
+        stats = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
+                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
+        for o, v in zip(out, zip(*stats)):
+            o[rows][m] = torch.cat(v)
     return tuple(out)
 
+def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
+              chunk: int = 1024) -> torch.Tensor:
+    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
+    checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def logp(h, y):
+        z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
+        return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
+    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
 
 # ---------------------------------------------------------------------------------------------------------------
-# Scores and top-rho selection [paper: GMTS eq. 4; 80/20 section 4]
+# Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score]
 # ---------------------------------------------------------------------------------------------------------------
+
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast to one shape."""
+    return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
 
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """omega = ratio * A where the PPO clip leaves the gradient alive, 0 where the clip is active (step 1).
+    """omega = ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
     adv (N,), ratio (N, T) -> (N, T)."""
-    a = adv[:, None].expand_as(ratio)  # (N, T)
-    clipped = ((a > 0) & (ratio > 1 + clip_high)) | ((a < 0) & (ratio < 1 - clip_low))  # (N, T)
-    return torch.where(clipped, torch.zeros_like(ratio), ratio * a)
+    a = adv[:, None]  # (N, 1)
+    return torch.where(clip_active(a, ratio, clip_low, clip_high), torch.zeros_like(ratio), ratio * a)
 
 def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
                  generator: torch.Generator = None) -> torch.Tensor:
     """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T).
 
-      all      : 1 everywhere (vanilla GRPO: select_tokens with rho = 1 keeps everything anyway)
+      all      : 1 everywhere (vanilla GRPO: train keeps every token, rho = 1)
       random   : uniform noise (the control: a random rho of the tokens)
       entropy  : H_t                         (80/20 paper)
       gmts     : |H_t * omega_t|             (GMTS)
@@ -967,145 +1000,108 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Loss [paper: GRPO / DAPO objective restricted to the selected tokens]
+# Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens]
 # ---------------------------------------------------------------------------------------------------------------
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                     clip_high: float) -> tuple:
-    """Per-token PPO-clip loss, inputs (M,) for M tokens -> (loss (M,), clipped (M,) bool).
+    """Per-token PPO-clip loss, inputs (M,) for M tokens -> (loss (M,), clip active (M,) bool).
 
     l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),  r = exp(logp - old_logp). With old_logp = logp.detach()
-    (one on-policy update) r == 1 and dl/dtheta = -A * dlogp/dtheta: plain REINFORCE (test_loss_* pins this).
+    (one on-policy update) r == 1 and dl/dtheta = -A * dlogp/dtheta: plain REINFORCE.
     """
     ratio = torch.exp(logp - old_logp)
     loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-    clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
-    return loss, clipped
+    return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0 and exactly 0 where the two policies agree. (M,) -> (M,)."""
+    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and E_{y ~ pi_theta}[k3] = KL. (M,)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
                   denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
-                  chunk: int, max_grad_norm: float, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
-    """One optimiser step on the selected tokens: sum of token losses / denom, accumulated over micro-batches.
+                  chunk: int, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
+    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom  (+ kl_beta * mean k3 over ALL valid tokens).
 
-    Only answers with a selected token are run, and the lm_head + log-softmax only at the selected positions:
-    unselected tokens have zero gradient, so leaving them out is exact (all valid positions when kl_beta > 0, since
-    the KL covers every token). A non-finite gradient skips the step and leaves weights and optimiser untouched.
+    Only answers with a needed token are run, and the lm_head + log-softmax only at those positions: the others
+    have zero gradient, so leaving them out is exact. Returns loss, clip_frac and kl, and `live`, the number of kept
+    tokens whose gradient is not zero (A != 0, clip inactive): the step rule of policy_update.
     """
-    head = model.get_output_embeddings()
-    need = (sel_mask | batch["resp_mask"]) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
-    opt.zero_grad(set_to_none=True)
-    loss_sum, clipped, kl_sum = 0.0, 0, 0.0
+    head, valid = model.get_output_embeddings(), batch["resp_mask"]
+    need = (sel_mask | valid) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
+    n_valid = max(int(valid.sum()), 1)
+    loss_sum, clipped, live, kl_sum = 0.0, 0, 0, 0.0
     active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
     for rows in active.split(micro_batch) if active.numel() else []:
         m = need[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+        logp = head_logp(response_hidden(model, batch, rows)[m], head, batch["comp_ids"][rows][m], temperature, chunk)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)
-        s = sel_mask[rows][m].float()  # (M,)
-        loss = (pg * s).sum()
+        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,) each
+        s = sel_mask[rows][m]  # (M,) bool
+        loss = (pg * s).sum() / denom
         if kl_beta > 0:
             kl = k3_kl(logp, ref_logp[rows][m])
-            loss = loss + kl_beta * kl.sum()
+            loss = loss + kl_beta * kl.sum() / n_valid  # the KL's normaliser does not depend on the selection
             kl_sum += float(kl.detach().sum())
-        (loss / denom).backward()
+        loss.backward()
         loss_sum += float(loss.detach())
-        clipped += int((clip_m & s.bool()).sum())
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if active.numel() else 0.0
-    skipped = not math.isfinite(grad_norm) or not math.isfinite(loss_sum)
-    if skipped:
-        opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
-    elif active.numel():
-        opt.step()
-    n_sel = max(int(sel_mask.sum()), 1)
-    return dict(loss=loss_sum / denom, grad_norm=grad_norm, clip_frac=clipped / n_sel,
-                kl=kl_sum / max(int(batch["resp_mask"].sum()), 1), skipped=int(skipped),
-                stepped=int(active.numel() > 0))
+        clipped += int((clip_m & s).sum())
+        live += int((s & ~clip_m & (a != 0)).sum()) + (int(m.sum()) if kl_beta > 0 else 0)
+    return dict(loss=loss_sum, clip_frac=clipped / max(int(sel_mask.sum()), 1), kl=kl_sum / n_valid, live=live)
 
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
+                  denom: float, *, max_grad_norm: float, **kw) -> dict:
+    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the same for every
+    method: the optimiser steps iff some kept token has a non-zero gradient, so a batch whose advantages are all 0
+    moves neither the weights nor the Adam moments. A non-finite gradient skips the step too."""
+    opt.zero_grad(set_to_none=True)
+    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if stats["live"] else 0.0
+    stats.update(grad_norm=norm, skipped=int(not (math.isfinite(norm) and math.isfinite(stats["loss"]))))
+    stats["stepped"] = int(stats["live"] > 0 and not stats["skipped"])
+    if stats["stepped"]:
+        opt.step()
+    opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
+    return stats
 
 # ---------------------------------------------------------------------------------------------------------------
-# Evaluation, warm-up, checkpoints, metrics [plumbing]
+# Evaluation, run folder, checkpoints, metrics [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
              batch_size: int = 64) -> dict:
-    """Greedy accuracy (share of answers with reward 1.0) on held-out rows, one sample answer, and for tasks with a
-    format check (countdown) the share of well-formed answers, right or wrong (eval_valid)."""
-    correct, valid, lengths, sample = 0, 0, [], ""
+    """Greedy held-out accuracy (share of answers with reward 1.0), mean answer length and one sample answer."""
+    correct, length, sample = 0, 0, ""
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        prompts = build_prompts(tok, task, chunk, chat, short)
-        b = rollout(model, tok, prompts, 1, max_new_tokens, greedy=True)
-        for r, text in zip(chunk, b["texts"]):
-            correct += task["reward"](text, r) == 1.0
-            valid += "valid" in task and task["valid"](text, r)
-        lengths += b["resp_mask"].sum(1).tolist()
+        b = rollout(model, tok, build_prompts(tok, task, chunk, chat, short), 1, max_new_tokens, greedy=True)
+        correct += sum(task["reward"](t, r) == 1.0 for t, r in zip(b["texts"], chunk))
+        length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
     n = max(len(rows), 1)
-    return dict(eval_acc=correct / n, **({"eval_valid": valid / n} if "valid" in task else {}),
-                eval_len=sum(lengths) / max(len(lengths), 1), eval_sample=sample[:200])
+    return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
-def sft_warmup(model, tok, task: dict, rows: list, chat: bool, short: bool, steps: int, lr: float,
-               batch_size: int, seed: int, log=print, target_acc: float = 0.0, max_new_tokens: int = 64,
-               blind: bool = False) -> int:
-    """Supervised warm-up on reference solutions (cross-entropy on the answer tokens only), so that a tiny random
-    model earns some reward before RL. Real checkpoints skip it (--sft-steps 0). With target_acc > 0 it stops as
-    soon as the greedy accuracy on 64 TRAINING problems (checked every 50 steps) reaches target_acc.
+def run_files(out: str) -> list:
+    """What in `out` belongs to a run: its metrics, config and checkpoints."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    return sorted(n for n in names if n in ("metrics.jsonl", "run_config.json") or n.startswith("ckpt-"))
 
-    blind=True trains on random well-formed answers instead of solutions (task["blind"]; countdown: random signs):
-    the model learns the format and to copy the numbers, but its choice of signs stays spread out and unrelated to
-    the target, so what it gains later is learned by RL from the reward. target_acc then applies to the share of
-    well-formed answers (task["valid"]), right or wrong. Returns the steps run."""
-    if steps <= 0:
-        return 0
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    end = tok.eos_token
-    model.train()
-    for step in range(1, steps + 1):
-        pick = [rng.choice(rows) for _ in range(batch_size)]
-        prompts = build_prompts(tok, task, pick, chat, short)
-        taught = [task["blind"](r, rng) for r in pick] if blind else pick  # blind: random answers, not solutions
-        answers = [task["reference"](r) + end for r in taught]
-        p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
-        L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids))
-        ids = torch.full((batch_size, L), tok.pad_token_id)
-        labels = torch.full((batch_size, L), -100)
-        for i, (p, a) in enumerate(zip(p_ids, a_ids)):  # right padding is fine here: no generation
-            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
-        attn = (labels != -100) | (torch.arange(L)[None, :] < torch.tensor([len(p) for p in p_ids])[:, None])
-        with autocast(device):
-            loss = model(input_ids=ids.to(device), attention_mask=attn.long().to(device),
-                         labels=labels.to(device)).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if (step % 50 == 0 or step == steps) and (log or target_acc):  # log=None: no checks unless to stop
-            ev = evaluate(model, tok, task, rows[:64], chat, short, max_new_tokens)  # greedy, 64 TRAINING rows
-            model.train()
-            if log:
-                log(f"warm-up {step}/{steps} | sft loss {loss.item():.3f}"
-                    + "".join(f" | {k[5:]} {ev[k]:.3f}" for k in ("eval_acc", "eval_valid") if k in ev))
-            if target_acc and ev["eval_valid" if blind else "eval_acc"] >= target_acc:
-                return step
-    return steps
-
-
-def warm_up(model, tok, task: dict, rows: list, chat: bool, cfg: Config, log=print) -> int:
-    return sft_warmup(model, tok, task, rows, chat, cfg.short_prompt, cfg.sft_steps, cfg.sft_lr, cfg.sft_batch,
-                      cfg.seed, log, cfg.sft_target, cfg.max_new_tokens, cfg.sft_blind)
+def read_run_config(out: str) -> dict:
+    """The saved config of the run in `out` (--resume), or ValueError with one line."""
+    try:
+        with open(os.path.join(out, "run_config.json")) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--resume {out}: no run_config.json there (not a run folder, or its run never started)")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {out}: run_config.json is unreadable ({type(e).__name__})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume {out}: run_config.json is not a JSON object")
+    return saved
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
@@ -1115,45 +1111,56 @@ def log_metrics(path: str, rec: dict):
     finally:
         os.close(fd)
 
-def trim_metrics(path: str, last_step: int):
-    """On resume: keep the whole lines of steps <= last_step (drops a torn tail and steps that will rerun)."""
-    if not os.path.exists(path):
-        return
-    keep = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if line.endswith("\n") and json.loads(line)["step"] <= last_step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
+def read_metrics(out: str, last_step: float = math.inf) -> list:
+    """The whole JSON lines of OUT/metrics.jsonl with step <= last_step (a torn last line is skipped)."""
+    recs = []
+    if os.path.exists(os.path.join(out, "metrics.jsonl")):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line) if line.endswith("\n") else None
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
+                    recs.append(rec)
+    return recs
 
-def save_checkpoint(out: str, step: int, model, tok, opt, sched):
-    """OUT/ckpt-<step>: model, tokenizer, optimiser, scheduler, RNG states, step. Written into a .tmp folder and
-    renamed (atomic), so a kill mid-write never leaves a folder that looks complete. Older ones are then removed."""
+def checkpoints(out: str) -> list:
+    """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete)."""
+    return sorted(d for d in glob.glob(os.path.join(out, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(d)))
+
+def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
+    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; tensors and plain values only, so it loads
+    with weights_only=True). Written into a .tmp folder and renamed; then all but the newest `keep` are removed,
+    each renamed first so that a half-deleted folder never looks like a checkpoint. No RNG state is needed: every
+    step reseeds from (seed, step)."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
-               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
-    torch.save(dict(step=step, opt=opt.state_dict(), sched=sched.state_dict(), rng=rng), os.path.join(tmp, "state.pt"))
+    torch.save(dict(step=step, skipped=skipped, opt=opt.state_dict()), os.path.join(tmp, "state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in glob.glob(os.path.join(out, "ckpt-*")):
-        if old != final and not old.endswith(".old"):
-            os.replace(old, old + ".old")  # renamed first: a half-deleted folder never looks like a checkpoint
-            shutil.rmtree(old + ".old", ignore_errors=True)
+    for old in checkpoints(out)[:-keep]:
+        os.replace(old, old + ".old")
+        shutil.rmtree(old + ".old", ignore_errors=True)
 
-def last_checkpoint(out: str):
-    """The newest complete checkpoint folder in out, or None."""
-    done = [d for d in glob.glob(os.path.join(out, "ckpt-*"))
-            if re.fullmatch(r"ckpt-\d+", os.path.basename(d)) and os.path.exists(os.path.join(d, "state.pt"))]
-    return max(done, default=None)
+def load_checkpoint(out: str, device: torch.device, log=print) -> tuple:
+    """(model, tok, state) from the newest checkpoint that loads; a damaged one is reported in one line and the
+    previous one tried. Nothing is unpickled: state.pt is read with weights_only=True. OSError if none loads."""
+    for ck in reversed(checkpoints(out)):
+        try:
+            model, tok = load_model(ck, device)
+            state = torch.load(os.path.join(ck, "state.pt"), map_location="cpu", weights_only=True)
+            if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "opt" in state):
+                raise ValueError("state.pt holds no step and optimiser")
+            log(f"resuming from {ck}")
+            return model, tok, state
+        except Exception as e:  # truncated, empty or foreign files: fall back to the previous checkpoint
+            log(f"{ck} does not load ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                "trying the previous checkpoint")
+    raise OSError(f"--resume {out}: no loadable checkpoint (ckpt-*) in that folder")
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
@@ -1162,32 +1169,24 @@ def save_final(out: str, model, tok):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    names = sorted(os.listdir(tmp), key=lambda n: n == "config.json")
-    for n in names:
+    for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
 
-def make_reporter(kind: str, cfg: Config):
-    """An optional external logger, imported lazily; a function (record, step) -> None, or None."""
-    if kind == "none":
-        return None
-    try:
-        if kind == "wandb":
-            import wandb
-            run = wandb.init(project="gmts", config=dataclasses.asdict(cfg))
-            return lambda rec, step: run.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
-        from torch.utils.tensorboard import SummaryWriter
-        w = SummaryWriter(os.path.join(cfg.out, "tb"))
-        return lambda rec, step: [w.add_scalar(k, v, step) for k, v in rec.items() if isinstance(v, (int, float))]
-    except ImportError as e:
-        raise ValueError(f"--report-to {kind} needs a package that is not installed ({e.name}): pip install {e.name}")
+def plot_metrics(out: str):
+    """OUT/metrics.png: held-out accuracy and batch reward vs step."""
+    from matplotlib.figure import Figure  # no pyplot: an importing notebook keeps its own backend
 
-OOM_HINT = ("out of GPU memory in {}: lower --micro-batch, --group-size or --max-new-tokens "
-            "(the last checkpoint is kept)")
-
+    recs = read_metrics(out)
+    fig = Figure(figsize=(10, 3.6))
+    for ax, key in zip(fig.subplots(1, 2), ("eval_acc", "reward_mean")):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in recs if key in r]), marker=".")
+        ax.set(xlabel="step", ylabel=key)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
 # ---------------------------------------------------------------------------------------------------------------
-# Training loop [paper: algorithm box; the numbers match the header]
+# Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps]
 # ---------------------------------------------------------------------------------------------------------------
 
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
@@ -1196,354 +1195,137 @@ def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     up = (i + 1) / max(warmup, 1)
     return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
 
-def split_rows(task: dict, cfg: Config) -> tuple:
-    """(train rows, held-out eval rows): the FIRST eval_size rows are held out, so they stay the same whatever
-    --steps asks for (rows come from a seeded generator or a seeded shuffle); train drops any repeat of them."""
-    rows = task["load"](cfg.data, max(cfg.steps * cfg.prompts_per_step, 2000) + cfg.eval_size, cfg.seed)
-    if len(rows) <= cfg.eval_size:
-        raise ValueError(f"--data {cfg.data}: {len(rows)} rows, need more than --eval-size {cfg.eval_size}")
-    held = rows[:cfg.eval_size]
-    seen = {task["prompt"](r) for r in held}
-    return [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen], held
-
-def sample_and_score(model, tok, task: dict, train_rows: list, chat: bool, cfg: Config) -> tuple:
-    """Steps 1-4: B prompts, G answers each, rewards from the verifier, group advantages -> (batch, rewards, adv)."""
-    rows = random.sample(train_rows, min(cfg.prompts_per_step, len(train_rows)))
-    prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-    try:
-        batch = rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-    except torch.OutOfMemoryError:
-        raise RuntimeError(OOM_HINT.format("generation")) from None
-    group_rows = [r for r in rows for _ in range(cfg.group_size)]
-    rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # (N,)
-    adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
-    return batch, rewards, adv
-
-
-def train(cfg: Config, log=print) -> str:
-    """GRPO with token selection. Returns the output folder (metrics.jsonl, checkpoints, the final model)."""
-    from tqdm import tqdm
-
-    if cfg.resume:
-        cfg.out = cfg.resume
-        ckpt = last_checkpoint(cfg.resume)
-        if ckpt is None:
-            raise ValueError(f"--resume {cfg.resume}: no complete checkpoint (ckpt-*) in that folder")
-    else:
-        ckpt = None
+def start_run(cfg: Config, log=print) -> dict:
+    """Everything before the loop: data, model, optimiser, the KL reference and the run folder. --resume loads the
+    newest loadable checkpoint and drops the metrics after it; a new run logs the starting model's held-out
+    accuracy as step 0 and saves ckpt-000000. run_config.json is written only once model and data have loaded."""
     device = pick_device(cfg.device)
     set_seed(cfg.seed)
-    task = get_task(cfg.task)
-    train_rows, eval_rows = split_rows(task, cfg)
-    os.makedirs(cfg.out, exist_ok=True)
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    log(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-    with open(os.path.join(cfg.out, "run_config.json"), "w") as f:  # --resume reads it back
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
-    model, tok = load_model(ckpt or cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    chat = use_chat(tok, cfg.chat)
-    log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
-        f"params) | chat template {chat} | {len(train_rows)} train / {len(eval_rows)} eval rows | N = "
-        f"{cfg.prompts_per_step}x{cfg.group_size} = {cfg.prompts_per_step * cfg.group_size} answers per step")
+    draw, eval_rows = split_rows(cfg)
+    if cfg.resume:
+        model, tok, state = load_checkpoint(cfg.out, device, log)
+        if state["step"] > cfg.steps:
+            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
+    else:
+        model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+        state = dict(step=0, skipped=0)
+        for n in run_files(cfg.out):  # only with --overwrite (check_config refuses a folder holding a run)
+            shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
     ref = None
-    if cfg.kl_beta > 0:  # the frozen reference: the starting weights (before any warm-up)
+    if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts (deviation 7)
         ref = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)[0].eval().requires_grad_(False)
     if cfg.grad_ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
-        lr_factor, total=cfg.steps * cfg.inner_updates, warmup=cfg.warmup_steps, decay=cfg.lr_decay))
-    ev = lambda: evaluate(model, tok, task, eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens)  # noqa: E731
-    report = make_reporter(cfg.report_to, cfg)
-    start, skipped_steps = 1, 0
-    if ckpt:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+    if "opt" in state:
         opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        start = state["step"] + 1
-        trim_metrics(metrics_path, state["step"])
-        if os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                skipped_steps = max([json.loads(line).get("skipped_steps", 0) for line in f] or [0])
-        log(f"resumed from {ckpt} at step {start}")
-    else:
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)
-        warm_up(model, tok, task, train_rows, chat, cfg, log)
-        if cfg.eval_every > 0:  # the starting accuracy is the first eval_acc, logged at step 0
-            rec = dict(step=0, **ev())
-            log_metrics(metrics_path, rec)
-            log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
-        save_checkpoint(cfg.out, 0, model, tok, opt, sched)
+    os.makedirs(cfg.out, exist_ok=True)
+    kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
+    with open(os.path.join(cfg.out, "metrics.jsonl.tmp"), "w") as f:
+        f.write(kept)  # resume: the steps after the checkpoint will rerun
+    os.replace(os.path.join(cfg.out, "metrics.jsonl.tmp"), os.path.join(cfg.out, "metrics.jsonl"))
+    with open(os.path.join(cfg.out, "run_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    chat = use_chat(tok, cfg.chat_template)
+    log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
+        f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
+        f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if cfg.resume else ""))
+    run = dict(model=model, tok=tok, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat, opt=opt,
+               ref=ref, start=state["step"] + 1, skipped=state["skipped"])
+    if not cfg.resume:
+        rec = dict(step=0, **evaluate(model, tok, run["task"], eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
+        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+        log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
+        save_checkpoint(cfg.out, 0, model, tok, opt, 0)
+    return run
+
+def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict, **extra) -> dict:
+    """One line of metrics.jsonl (the README's glossary explains each key)."""
+    n_valid, n_sel = max(int(mask.sum()), 1), max(int(sel_mask.sum()), 1)
+    sampled = torch.cat([informative(r, G) for _, r, _ in parts])  # every group sampled this step
+    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
+                selected_frac=int(sel_mask.sum()) / n_valid, entropy_mean=float((entropy * mask).sum()) / n_valid,
+                entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
+                zero_adv_selected_frac=float((sel_mask & (adv == 0)[:, None]).sum()) / n_sel,
+                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
+                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
+                groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
+
+def train(cfg: Config, log=print, score_fn=None) -> str:
+    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder (metrics.jsonl,
+    metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm, om) -> (N, T) scores, if given,
+    replaces token_scores(cfg.select, ...): the notebook trains its own score through it."""
+    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: the newest loadable checkpoint
+    model, tok, task, opt, chat = (run[k] for k in ("model", "tok", "task", "opt", "chat"))
+    B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
+    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
     model.train()
-    bar = tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not sys.stderr.isatty(),
-               desc="gmts")
-    for step in bar:
+    for step in range(run["start"], cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
-        # 1.-4. sample B prompts, roll out G answers each, verify -> rewards, group advantages
-        batch, rewards, adv = sample_and_score(model, tok, task, train_rows, chat, cfg)  # (N,) each
-        t_roll = time.time() - t0
-        mask = batch["resp_mask"]  # (N, T)
-        zero_group = (adv == 0)[:, None] & mask  # (N, T) tokens of answers with A = 0
-        n_valid = int(mask.sum())
-        try:
-            for inner in range(cfg.inner_updates):
-                # 5. token statistics of the current policy, scores, top-rho selection over the whole batch
-                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
-                                                             cfg.stats_chunk)  # 3 x (N, T)
-                if inner == 0:
-                    old_logp = logp  # pi_old: the policy that sampled the batch
-                    ref_logp = (batch_token_stats(ref, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)[0]
-                                if ref is not None else None)
-                om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
-                scores = token_scores(cfg.select, entropy, grad_norm, om)
-                sel_mask = select_tokens(scores, mask, 1.0 if cfg.select == "all" else cfg.rho, nonzero=cfg.select in ("gmts", "gradnorm"))
-                denom = float(n_valid if cfg.loss_norm == "all" else max(int(sel_mask.sum()), 1))
-                # 6. PPO-clip update on the selected tokens only
-                stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
-                                      temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                      micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk,
-                                      max_grad_norm=cfg.max_grad_norm, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
-                skipped_steps += stats["skipped"]
-                if stats["stepped"] and not stats["skipped"]:
-                    sched.step()
-        except torch.OutOfMemoryError:
-            raise RuntimeError(OOM_HINT.format("the update")) from None
-        # 7. log, evaluate, checkpoint
-        n_sel = max(int(sel_mask.sum()), 1)
-        ent_sel = select_tokens(entropy, mask, cfg.rho)
-        gmts_sel = select_tokens(token_scores("gmts", entropy, grad_norm, om), mask, cfg.rho, nonzero=True)
+        parts = []  # --filter-groups (deviation 5): more prompts until B groups have unequal rewards
+        while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
+            rows = run["draw"](B, step, len(parts))  # 1. B training prompts
+            prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
+            batch = rollout(model, tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)  # 2.
+            group_rows = [r for r in rows for _ in range(G)]  # answer n belongs to prompt n // G
+            rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # 3. (N,)
+            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
+            parts.append((batch, rewards, adv))
+            if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
+                break
+        batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
+        mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
+        for inner in range(cfg.inner_updates):
+            # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
+            logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+            if inner == 0:  # pi_old: the policy that sampled the batch
+                old_logp = logp
+                ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
+            # 6. scores, and the top rho of the WHOLE batch (gmts/gradnorm never keep a zero score: deviation 9)
+            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
+            scores = score_fn(logp, entropy, grad_norm, om) if score_fn else token_scores(cfg.select, entropy,
+                                                                                          grad_norm, om)
+            sel_mask = select_tokens(scores, mask, rho, nonzero=score_fn is None and cfg.select in ("gmts", "gradnorm"))
+            # 7. PPO-clip update on the kept tokens; the lr follows GRPO steps, the step rule is the same for all
+            i = (step - 1) * cfg.inner_updates + inner
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * lr_factor(i, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
+            denom = float(mask.sum()) if cfg.loss_norm == "all" else max(float(sel_mask.sum()), 1.0)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
+                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
+            run["skipped"] += stats["skipped"]
+        # 8. log, evaluate, checkpoint
         dt = time.time() - t0
-        rec = dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
-                   selected_frac=int(sel_mask.sum()) / max(n_valid, 1),
-                   entropy_mean=float((entropy * mask).sum()) / max(n_valid, 1),
-                   entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
-                   zero_adv_selected_frac=float((sel_mask & zero_group).sum()) / n_sel,
-                   entropy_gmts_overlap=float((ent_sel & gmts_sel).sum()) / max(int((ent_sel | gmts_sel).sum()), 1),
-                   selected_abs_adv_mean=float((adv.abs()[:, None] * sel_mask).sum()) / n_sel,
-                   grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
-                   completion_len=n_valid / mask.shape[0], truncated_frac=batch["truncated"].float().mean().item(),
-                   lr=sched.get_last_lr()[0], skipped_steps=skipped_steps, rollout_time_s=t_roll, step_time_s=dt,
-                   tokens_per_s=n_valid / dt)
+        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
+                          skipped_steps=run["skipped"], truncated_frac=batch["truncated"].float().mean().item(),
+                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(ev())
-        log_metrics(metrics_path, rec)
-        if report:
-            report(rec, step)
-        msg = (f"step {step} | reward {rec['reward_mean']:.3f} | acc {rec['acc']:.3f} | kept {rec['selected_frac']:.2f}"
-               f" | H {rec['entropy_mean']:.3f} | gnorm {rec['grad_norm']:.3f} | len {rec['completion_len']:.1f}"
-               f" | {dt:.2f} s" + (f" | eval_acc {rec['eval_acc']:.3f}" if "eval_acc" in rec else ""))
-        tqdm.write(msg) if not bar.disable else log(msg)
+            rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
+        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+        log(f"step {step} | reward {rec['reward_mean']:.3f} | acc {rec['acc']:.3f} | kept {rec['selected_frac']:.2f}"
+            f" | filtered {rec['groups_filtered_frac']:.2f} | H {rec['entropy_mean']:.3f} | gnorm {rec['grad_norm']:.3f}"
+            f" | {dt:.2f} s" + (f" | eval_acc {rec['eval_acc']:.3f}" if "eval_acc" in rec else ""))
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(cfg.out, step, model, tok, opt, sched)
+            save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
     save_final(cfg.out, model, tok)
-    plot_runs({cfg.select: [cfg.out]}, os.path.join(cfg.out, "metrics.png"))
+    plot_metrics(cfg.out)
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
-
-def read_metrics(out: str) -> list:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-def plot_runs(runs: dict, png: str):
-    """runs: label -> list of run folders (seeds). Held-out accuracy and batch reward vs step, mean over seeds."""
-    from matplotlib.figure import Figure  # no pyplot: an importing notebook keeps its own backend
-
-    fig = Figure(figsize=(10, 3.6))
-    axes = fig.subplots(1, 2)
-    for label, outs in runs.items():
-        for ax, key in zip(axes, ("eval_acc", "reward_mean")):
-            series = [{r["step"]: r[key] for r in read_metrics(o) if key in r} for o in outs]
-            steps = sorted(set.intersection(*(set(x) for x in series)))
-            ax.plot(steps, [sum(x[t] for x in series) / len(series) for t in steps], label=label, marker=".")
-            ax.set_xlabel("step")
-            ax.set_ylabel(key + (f" (mean of {len(outs)} seeds)" if len(outs) > 1 else ""))
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=90)
-
-def _compare_job(job: tuple) -> str:
-    """One unit of --compare, run in a worker process: ("warm", cfg, threads) warms up and saves the model to
-    cfg.out, ("train", cfg, threads) is one silent training run."""
-    kind, cfg, threads = job
-    torch.set_num_threads(threads)
-    if kind == "train":
-        return train(cfg, log=lambda *a: None)
-    model, tok = load_model(cfg.model, pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    task = get_task(cfg.task)
-    warm_up(model, tok, task, split_rows(task, cfg)[0], use_chat(tok, cfg.chat), cfg, log=None)  # no evals
-    model.save_pretrained(cfg.out)
-    tok.save_pretrained(cfg.out)
-    return cfg.out
-
-def compare(cfg: Config, log=print) -> dict:
-    """--compare all,entropy,gmts --seeds 3: the same seeds with each method; a plot and a table of final accuracy.
-    The warm-up is done once per seed and shared by the methods; runs go to --workers parallel processes."""
-    methods = [m.strip() for m in cfg.compare.split(",") if m.strip()]
-    bad = [m for m in methods if m not in CHOICES["select"]]
-    if bad or not methods:
-        raise ValueError(f"--compare {cfg.compare!r}: methods must be from {', '.join(CHOICES['select'])}")
-    seeds = range(cfg.seed, cfg.seed + cfg.seeds)
-    workers = cfg.workers or (torch.get_num_threads() if pick_device(cfg.device).type == "cpu" else 1)
-    threads = max(1, torch.get_num_threads() // workers)  # two 1-thread processes beat one 2-thread one on 2 cores
-    starts = {s: dataclasses.replace(cfg, seed=s, compare="") for s in seeds}
-    warm = {s: dataclasses.replace(starts[s], out=os.path.join(cfg.out, f"warm-s{s}")) for s in seeds}
-    runs = [dataclasses.replace(starts[s], select=m, out=os.path.join(cfg.out, f"{m}-s{s}")) for m in methods
-            for s in seeds]
-    if cfg.sft_steps > 0:  # the warm-up is done once per seed; every method starts from the same saved model
-        runs = [dataclasses.replace(c, model=warm[c.seed].out, sft_steps=0) for c in runs]
-    log(f"{len(runs)} runs ({cfg.seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
-        f"{threads} thread(s) each" + (", after a warm-up per seed" if cfg.sft_steps > 0 else ""))
-    import concurrent.futures as cf
-    import multiprocessing
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-        def submit(kind, cs):
-            return {ex.submit(_compare_job, (kind, c, threads)): (kind, c) for c in cs}
-        pending = submit("warm", warm.values()) if cfg.sft_steps > 0 else submit("train", runs)
-        recs = {}  # run folder -> its metrics, read once as it finishes
-        while pending:  # a seed's runs start as soon as its warm-up is saved
-            finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            for f in finished:
-                kind, c = pending.pop(f)
-                f.result()  # a worker's exception is raised here, with its type
-                if kind == "warm":
-                    log(f"warm-up of seed {c.seed} saved to {c.out}")
-                    pending.update(submit("train", [r for r in runs if r.seed == c.seed]))
-                else:
-                    rec = recs[c.out] = read_metrics(c.out)
-                    log(f"{c.select} seed {c.seed}: eval_acc {rec[0]['eval_acc']:.3f} -> {rec[-1]['eval_acc']:.3f}")
-    outs, table = {}, {}
-    for c in runs:  # in method, seed order, whatever order the processes finished in
-        rec = recs[c.out]
-        outs.setdefault(c.select, []).append(c.out)
-        table.setdefault(c.select, []).append((rec[0]["eval_acc"], rec[-1]["eval_acc"]))
-    lines = ["| method | eval_acc at step 0 | final eval_acc (mean +- std over seeds) | per seed |",
-             "|---|---|---|---|"]
-    for m, v in table.items():
-        fin = torch.tensor([b for _, b in v])
-        sd = float(fin.std(unbiased=False))
-        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | {float(fin.mean()):.3f} +- {sd:.3f} | "
-                     + ", ".join(f"{b:.3f}" for _, b in v) + " |")
-    with open(os.path.join(cfg.out, "compare.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    plot_runs(outs, os.path.join(cfg.out, "compare.png"))
-    log("\n".join(lines))
-    return table
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Analysis [paper: the claim] does |H * omega| rank tokens by their true gradient magnitude better than H does?
-# ---------------------------------------------------------------------------------------------------------------
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman rank correlation with average ranks for ties; NaN when either side is constant. (n,), (n,) -> float"""
-    def ranks(x):
-        r = torch.empty(len(x), dtype=torch.float64)
-        r[x.argsort()] = torch.arange(len(x), dtype=torch.float64)
-        _, inv = torch.unique(x, return_inverse=True)
-        return (torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, r) / inv.bincount())[inv]
-    if len(a) < 3:
-        return float("nan")
-    ra, rb = ranks(a.double().cpu()), ranks(b.double().cpu())
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    den = float((ra.square().sum() * rb.square().sum()).sqrt())
-    return float((ra * rb).sum()) / den if den > 0 else float("nan")
-
-def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                     temperature: float = 1.0) -> torch.Tensor:
-    """TRUE per-token gradient norm w.r.t. all parameters, ||d l_t / d theta|| = |A_i| * ||d logp_t / d theta||
-    (on-policy: ratio = 1, omega = A), by one autograd backward per token. rows, cols (K,) index tokens -> (K,)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    head = model.get_output_embeddings()
-    uniq, where = torch.unique(rows, return_inverse=True)
-    h = response_hidden(model, batch, uniq)  # (u, T, d)
-    logp = head_logp(h[where, cols], head, batch["comp_ids"][rows, cols], temperature)  # (K,)
-    out = []
-    for k in range(len(rows)):
-        g = torch.autograd.grad(logp[k], params, retain_graph=k < len(rows) - 1, allow_unused=True)
-        out.append(float(torch.sqrt(sum((x.float() ** 2).sum() for x in g if x is not None))))
-    return adv[rows].abs().cpu() * torch.tensor(out)
-
-def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max_tokens: int = 256,
-                  per_answer: int = 24, seed: int = 0) -> dict:
-    """Spearman correlation of each score (entropy, gmts, gradnorm, random) with (a) the exact logit-gradient norm
-    and (b) the parameter-gradient norm, within answers (mean over answers whose target is not constant) and
-    across the sampled tokens of the whole batch. Tokens: up to per_answer random ones from random answers."""
-    g = torch.Generator().manual_seed(seed)
-    logp, entropy, grad_norm = batch_token_stats(model, batch, temperature, 8, 1024)
-    mask = batch["resp_mask"].cpu()
-    rows, cols = [], []
-    for i in torch.randperm(mask.shape[0], generator=g).tolist():
-        valid = mask[i].nonzero().squeeze(1)
-        take = valid[torch.randperm(len(valid), generator=g)[:per_answer]]
-        rows += [i] * len(take)
-        cols += take.tolist()
-        if len(rows) >= max_tokens:
-            break
-    rows, cols = torch.tensor(rows[:max_tokens]), torch.tensor(cols[:max_tokens])
-    om = adv[:, None].expand_as(entropy)  # omega = A on-policy
-    dev = entropy.device
-    r_, c_ = rows.to(dev), cols.to(dev)
-    targets = dict(logit=(om.abs() * grad_norm)[r_, c_].cpu(),
-                   param=param_grad_norms(model, batch, adv, r_, c_, temperature))
-    methods = ("entropy", "gmts", "gradnorm", "random")
-    scores = {m: token_scores(m, entropy, grad_norm, om, g)[r_, c_].cpu() for m in methods}
-    res = {}
-    for m, s in scores.items():
-        for t, y in targets.items():
-            within = [spearman(s[rows == i], y[rows == i]) for i in rows.unique().tolist()]
-            within = [w for w in within if not math.isnan(w)]
-            res[(m, f"{t}_within")] = sum(within) / len(within) if within else float("nan")
-            res[(m, f"{t}_batch")] = spearman(s, y)
-    return res
-
-def analyze(cfg: Config, log=print) -> dict:
-    """--analyze: roll out cfg.batches batches and print the ranking study averaged over them."""
-    device = pick_device(cfg.device)
-    set_seed(cfg.seed)
-    task = get_task(cfg.task)
-    train_rows, _ = split_rows(task, cfg)
-    model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    chat = use_chat(tok, cfg.chat)
-    warm_up(model, tok, task, train_rows, chat, cfg, log)
-    acc = {}
-    for b in range(cfg.batches):
-        batch, rewards, adv = sample_and_score(model, tok, task, train_rows, chat, cfg)
-        log(f"batch {b + 1}/{cfg.batches}: reward {rewards.mean():.3f}, {int((adv == 0).sum())}/{len(adv)} "
-            f"answers with A = 0")
-        for k, v in ranking_study(model, batch, adv, cfg.temperature, seed=cfg.seed + b).items():
-            acc.setdefault(k, []).append(v)
-    mean = lambda v: sum(x for x in v if not math.isnan(x)) / max(sum(not math.isnan(x) for x in v), 1)  # noqa: E731
-    res = {k: mean(v) for k, v in acc.items()}
-    cols = ["logit_within", "logit_batch", "param_within", "param_batch"]
-    log("score     | " + " | ".join(f"spearman {c:<12}" for c in cols))
-    for m in ("entropy", "gmts", "gradnorm", "random"):
-        log(f"{m:<9} | " + " | ".join(f"{res[(m, c)]:>21.3f}" for c in cols))
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "analysis.json"), "w") as f:
-        json.dump({f"{m}/{c}": v for (m, c), v in res.items()}, f, indent=1)
-    return res
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # CLI [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> Config:
-    """Config fields become --flags (bools get --no-x too); --preset NAME sets defaults that explicit flags override."""
+    """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
+    --resume OUT starts from that run's saved config, and changing its task, data or model needs --allow-change."""
     p = argparse.ArgumentParser(description="GRPO with GMTS token selection (see the module docstring).")
     p.error = die  # one line and exit 2, no usage dump
-    comments = {}
-    src = open(__file__).read()
-    for f in dataclasses.fields(Config):  # the trailing comment of each field is its help text
-        m = re.search(rf"^\s+{f.name}: [^=]+= [^#\n]*#\s*(.*)$", src, re.M)
-        comments[f.name] = m.group(1) if m else ""
+    p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f"{comments[f.name]} (default: {f.default})"
+        flag, help_ = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
         if f.type in (bool, "bool"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
@@ -1551,32 +1333,40 @@ def parse_args(argv=None) -> Config:
             p.add_argument(flag, type=typ, default=f.default, choices=CHOICES.get(f.name), help=help_)
     pre, _ = p.parse_known_args(argv)
     if pre.preset:
-        if pre.preset not in PRESETS:
-            die(f"unknown --preset {pre.preset!r}; choose one of: {', '.join(PRESETS)}")
         p.set_defaults(**PRESETS[pre.preset])
-    if pre.resume and os.path.exists(os.path.join(pre.resume, "run_config.json")):
-        with open(os.path.join(pre.resume, "run_config.json")) as f:  # --resume: the run's own config; flags win
-            p.set_defaults(**{k: v for k, v in json.load(f).items() if k not in ("resume", "preset")})
-    return Config(**vars(p.parse_args(argv)))
+    saved = read_run_config(pre.resume) if pre.resume else {}
+    names = {f.name for f in dataclasses.fields(Config)}
+    p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change"}})
+    args = vars(p.parse_args(argv))
+    args.pop("preset")
+    cfg = Config(**args)
+    if cfg.resume:
+        changed = [k for k in ("task", "data", "model") if k in saved and getattr(cfg, k) != saved[k]]
+        if changed and not cfg.allow_change:
+            k = changed[0]
+            raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k} {saved[k]}, not "
+                             f"{getattr(cfg, k)}; pass --allow-change to change it")
+        cfg.out = cfg.resume
+    elif run_files(cfg.out) and not cfg.overwrite:
+        raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
+    return cfg
+
+OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
 
 def main(argv=None):
-    cfg = parse_args(argv)
     try:
+        cfg = parse_args(argv)
         check_config(cfg)
-        if cfg.analyze:
-            analyze(cfg)
-        elif cfg.compare:
-            compare(cfg)
-        else:
-            train(cfg)
-    except ValueError as e:  # bad input: flags, data files, --resume without a checkpoint
+        defaults = Config()
+        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(defaults, k)}
+        print(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
+        train(cfg)
+    except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
-    except OSError as e:  # a model that cannot be loaded, a full disk
+    except torch.OutOfMemoryError:
+        die(OOM_HINT, 1)
+    except OSError as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
-    except RuntimeError as e:
-        if not str(e).startswith("out of GPU memory"):
-            raise  # a bug: keep its traceback
-        die(str(e), 1)
     except KeyboardInterrupt:
         die("interrupted; the checkpoints in --out are intact (continue with --resume)", 130)
 

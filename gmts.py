@@ -21,20 +21,19 @@ Axis legend: B prompts per step, G answers per prompt, N = B*G answers, P prompt
 T response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
 column t holds the statistics of the t-th generated token, predicted from the hidden state one position earlier.
 
-Deviations from the papers and choices they leave open (the README lists them too):
+Deviations from the papers and choices they leave open:
   1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in the 80/20 code.
-  2. omega = ratio * A, zeroed where the clip is active; on the first inner update ratio == 1, so omega == A.
-     Scores are recomputed before every inner update.
-  3. Loss normaliser (--loss-norm): 'all' (default) divides by all valid response tokens of the batch, as the
-     80/20 paper's equation and TRL do; 'selected' by the kept tokens, as the official 80/20 code (5x the step at
-     rho = 0.2). With 'all', selection is a pure masking of one sum, so every method runs at the same lr.
-  4. Std of the group advantage: population std (divide by G), see group_advantages.
-  5. --filter-groups (DAPO's dynamic sampling, on by default, for every method): groups whose rewards are all
-     equal are dropped and more prompts drawn, up to --max-resample rollout batches per step.
-  6. One step rule for every method: the optimiser steps iff a kept token has a non-zero gradient, and the lr
-     schedule follows GRPO steps whatever happened.
-  7. KL (beta > 0, k3 estimator) covers all valid tokens, divided by their count whatever the selection; the
-     reference is the model --model loads (where RL starts). beta = 0 by default: no reference is loaded.
+  2. omega = ratio * A, 0 where the clip is active (== A on the first inner update); scores are recomputed before
+     every inner update.
+  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL: selection is
+     a pure mask of one sum, so every method runs at one lr; 'selected' divides by the kept tokens (80/20 code).
+  4. Population std in the group advantage (divide by G).
+  5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose rewards are all
+     equal and draws more prompts, up to --max-resample rollout batches per step.
+  6. One step rule for every method: the optimiser steps iff a kept token has a non-zero gradient; the lr follows
+     GRPO steps whatever happened.
+  7. KL (beta > 0, k3) covers all valid tokens, divided by their count whatever the selection; its reference is
+     the model --model loads (where RL starts).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always in fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
  10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
@@ -148,44 +147,32 @@ def die(msg: str, code: int = 2):
     print(f"gmts: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
+RULES = {  # field -> (test, what the value must be); NaN fails every test
+    **dict.fromkeys(["rho", "top_p"], (lambda v: 0 < v <= 1, "in (0, 1]")),
+    **dict.fromkeys(["lr", "temperature", "max_grad_norm"], (lambda v: 0 < v < math.inf, "finite and > 0")),
+    **dict.fromkeys(["clip_low", "clip_high"], (lambda v: 0 <= v < 1, "in [0, 1)")),
+    **dict.fromkeys(["kl_beta", "weight_decay"], (lambda v: 0 <= v < math.inf, "finite and >= 0")),
+    **dict.fromkeys(["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
+                     "eval_size", "max_resample", "tiny_layers"], (lambda v: v >= 1, ">= 1")),
+    **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k"], (lambda v: v >= 0, ">= 0")),
+    "group_size": (lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
+    "tiny_hidden": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
+}
+
 def check_config(cfg: Config):
     """Raise ValueError (one line) for any value no run can use, before any work is done."""
-    bad = lambda k, want: ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")  # noqa: E731
-    for k, allowed in CHOICES.items():
-        if getattr(cfg, k) not in allowed:
-            raise bad(k, "one of " + ", ".join(allowed))
+    rules = {k: (lambda v, a=allowed: v in a, "one of " + ", ".join(allowed)) for k, allowed in CHOICES.items()}
+    for k, (ok, want) in {**rules, **RULES}.items():
+        if not ok(getattr(cfg, k)):
+            raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")
     get_task(cfg.task)
-    ranges = {"rho": (0, 1, "in (0, 1]"), "top_p": (0, 1, "in (0, 1]"), "lr": (0, math.inf, "finite and > 0"),
-              "temperature": (0, math.inf, "finite and > 0"), "max_grad_norm": (0, math.inf, "finite and > 0")}
-    for k, (lo, hi, want) in ranges.items():
-        if not (lo < getattr(cfg, k) <= hi and math.isfinite(getattr(cfg, k))):
-            raise bad(k, want)
-    for k in ("clip_low", "clip_high"):
-        if not 0 <= getattr(cfg, k) < 1:
-            raise bad(k, "in [0, 1)")
-    for k in ("kl_beta", "weight_decay"):
-        if not (getattr(cfg, k) >= 0 and math.isfinite(getattr(cfg, k))):
-            raise bad(k, "finite and >= 0")
-    for k in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
-              "eval_size", "max_resample", "tiny_layers"):
-        if getattr(cfg, k) < 1:
-            raise bad(k, ">= 1")
-    for k in ("save_every", "eval_every", "warmup_steps", "top_k"):
-        if getattr(cfg, k) < 0:
-            raise bad(k, ">= 0")
-    if cfg.group_size < 2:
-        raise bad("group_size", ">= 2 (an advantage needs a group)")
-    if cfg.tiny_hidden < 8 or cfg.tiny_hidden % 8:
-        raise bad("tiny_hidden", "a multiple of 8 (4 heads of even size)")
     if cfg.data in ("gen", "easy") and cfg.eval_size > 100_000:
-        raise bad("eval_size", "<= 100000 with generated data")
-    if not cfg.out or os.path.isfile(cfg.out):
-        raise ValueError(f"--out {cfg.out!r} is not a folder name")
-    parent = os.path.abspath(cfg.out)
+        raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
+    parent = os.path.abspath(cfg.out or ".")
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {cfg.out}: {parent} is not a writable folder")
+    if not cfg.out or os.path.isfile(cfg.out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {cfg.out!r} is not a folder that can be written")
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
@@ -195,13 +182,9 @@ def check_config(cfg: Config):
 # ---------------------------------------------------------------------------------------------------------------
 
 def pick_device(name: str = "auto") -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name)
 
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
@@ -220,16 +203,15 @@ def set_seed(seed: int):
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
 def _never_raise(fn=None, fallback=0.0):
-    if fn is None:  # used as @_never_raise(fallback=...)
+    """A last-resort net (expected failures are handled inside each verifier); @_never_raise(fallback=x) works too."""
+    if fn is None:
         return functools.partial(_never_raise, fallback=fallback)
-
-    @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except Exception:  # last-resort net only: expected failures are handled inside each verifier
+        except Exception:
             return fallback
-    return wrapped
+    return functools.wraps(fn)(wrapped)
 
 def _last_answer(text: str):
     """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear, no regex backtracking."""

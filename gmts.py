@@ -1189,9 +1189,11 @@ def start_run(cfg: Config, log=print) -> dict:
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
     else:
+        if run_files(cfg.out) and not cfg.overwrite:
+            raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
         model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
         state = dict(step=0, skipped=0)
-        for n in run_files(cfg.out):  # only with --overwrite (check_config refuses a folder holding a run)
+        for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
             shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
     ref = None
     if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts (deviation 7)
@@ -1329,8 +1331,6 @@ def parse_args(argv=None) -> Config:
             raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k} {saved[k]}, not "
                              f"{getattr(cfg, k)}; pass --allow-change to change it")
         cfg.out = cfg.resume
-    elif run_files(cfg.out) and not cfg.overwrite:
-        raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
     return cfg
 
 OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"

@@ -15,9 +15,10 @@ The hook (trl 1.16.0, GRPOTrainer._compute_loss):
      call, and overrides the method with gmts.select_tokens over gmts.token_scores. H is TRL's entropy, from the same
      forward as the loss's log-probs, at the sampling temperature.
   2. A _compute_loss override (calls super) hands the hook the micro-batch's inputs: "advantages" (B,),
-     "old_per_token_logps" when TRL has them, "importance_sampling_ratio" with vLLM; a _get_per_token_logps_and_entropies
-     override (calls super) the current log-probs. omega = ratio * A, 0 where the clip is active (gmts.omega with TRL's
-     epsilon_low / epsilon_high); ratio = 1 without old log-probs (num_iterations = 1, no vLLM), as in TRL's loss.
+     "old_per_token_logps" when TRL has them, "importance_sampling_ratio" with vLLM; a
+     _get_per_token_logps_and_entropies override (calls super) the current log-probs. omega = ratio * A, 0 where
+     the clip is active (gmts.omega with TRL's epsilon_low / epsilon_high); ratio = 1 without old log-probs
+     (num_iterations = 1, no vLLM), as in TRL's loss.
   3. gradnorm needs sum_j p_j^2 too. TRL's fused LM head can return log sum_j p_j^2 ("log_sum_sq_probs") but
      GRPOTrainer doesn't ask for it, so with token_selection="gradnorm" the head is added again with that output and
      the forward is wrapped to keep it (one more vocabulary reduction per token).
@@ -48,6 +49,7 @@ import inspect
 import json
 import math
 import sys
+import tempfile
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -87,7 +89,8 @@ class GMTSConfig(GRPOConfig):
 
 def check_trl():
     """RuntimeError if a hook this file overrides is gone or changed; a warning on an untested TRL version."""
-    want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"], "_compute_loss": ["self", "model", "inputs"],
+    want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
+            "_compute_loss": ["self", "model", "inputs"],
             "_get_per_token_logps_and_entropies": None}
     for name, params in want.items():
         fn = getattr(GRPOTrainer, name, None)
@@ -112,13 +115,15 @@ def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor, temperature: fl
 
 
 def select_global(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator):
-    """gmts.select_tokens (nonzero for gmts/gradnorm) over the valid tokens of ALL processes; returns (this process's (B, T) bool mask, the
-    kept share of the global pool). Every process must call it (two gathers), as with TRL's get_high_entropy_mask."""
+    """gmts.select_tokens (nonzero for gmts/gradnorm) over the valid tokens of ALL processes; returns (this
+    process's (B, T) bool mask, the kept share of the global pool). Every process must call it (two gathers), as
+    with TRL's get_high_entropy_mask."""
     local = scores[mask].float()  # (n,) this process's valid tokens, row-major
     counts = accelerator.gather(torch.tensor([local.numel()], device=local.device))  # (W,)
     pool = accelerator.gather(accelerator.pad_across_processes(local, dim=0)).view(counts.numel(), -1)  # (W, L)
     valid = torch.arange(pool.shape[1], device=pool.device)[None, :] < counts[:, None]  # (W, L)
-    keep = gmts.select_tokens(pool, valid, 1.0 if method == "all" else rho, nonzero=method in ("gmts", "gradnorm"))  # (W, L), the same on every process
+    keep = gmts.select_tokens(pool, valid, 1.0 if method == "all" else rho,
+                              nonzero=method in ("gmts", "gradnorm"))  # (W, L), the same on every process
     sel = torch.zeros_like(mask)
     sel[mask] = keep[accelerator.process_index, :local.numel()]
     return sel, float(keep.sum()) / max(int(valid.sum()), 1)
@@ -247,13 +252,42 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL then goes over them again, epoch by epoch
+RUN_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "training_args.bin",
+             "trainer_state.json", "metrics.jsonl")  # what a gmts_trl.py (or gmts.py) run leaves in its --out
+
+
 def die(msg: str, code: int = 2):
+    """Bad input: one line on stderr and a non-zero exit (2: input, 1: a model that cannot be loaded), no traceback."""
     print(f"gmts_trl: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
 
+def check_out(out: str, overwrite: bool = False):
+    """ValueError unless --out is (or can be made) a writable folder holding no earlier run (unless overwrite)."""
+    if not out.strip():
+        raise ValueError("--out must not be empty")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is an existing file, not a folder")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest folder that exists: it must be a folder we can write in
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=parent):  # a real write (os.access says yes to root on a read-only mount)
+            pass
+        names = os.listdir(out) if os.path.isdir(out) else []
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from None
+    if not overwrite and any(n in RUN_FILES or n.startswith("checkpoint-") for n in names):
+        raise ValueError(f"--out {out} holds a run; choose another --out, or pass --overwrite to write over it")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gmts_trl.py", description="GRPO + GMTS token selection on TRL (see the docstring).")
+    """Flags -> Namespace; every range is checked here, before any work (one line and exit 2 otherwise)."""
+    p = argparse.ArgumentParser(prog="gmts_trl.py",
+                                description="GRPO + GMTS token selection on TRL (see the docstring).")
     p.error = die  # one line and exit 2, no usage dump
     a = p.add_argument
     a("--model", default="tiny", help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
@@ -264,10 +298,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
     a("--steps", type=int, default=200, help="optimizer steps")
     a("--out", default="out/trl", help="output folder (checkpoints every 50 steps, the final model)")
+    a("--overwrite", action="store_true", help="write into an --out that already holds a run")
     a("--num-generations", type=int, default=8, help="G, answers per prompt")
     a("--per-device-batch-size", type=int, default=8, help="answers per process per micro-batch (the selection pool)")
     a("--grad-accum", type=int, default=8, help="micro-batches per optimizer step")
-    a("--max-completion-length", type=int, default=256)
+    a("--max-completion-length", type=int, default=256, help="new tokens per answer at most")
     a("--lr", type=float, default=1e-6)
     a("--loss-type", default="dapo", choices=LOSS_TYPES, help="TRL loss_type")
     a("--use-vllm", action="store_true", help="generate with vLLM colocated with training (vllm_mode='colocate')")
@@ -276,42 +311,82 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, ok, need in [("rho", 0 < args.rho <= 1, "in (0, 1]"), ("steps", args.steps >= 1, ">= 1"),
                            ("num-generations", args.num_generations >= 2, ">= 2 (an advantage needs a group)"),
                            ("per-device-batch-size", args.per_device_batch_size >= 1, ">= 1"),
-                           ("grad-accum", args.grad_accum >= 1, ">= 1"), ("lr", args.lr > 0, "> 0"),
-                           ("max-completion-length", args.max_completion_length >= 1, ">= 1")]:
+                           ("grad-accum", args.grad_accum >= 1, ">= 1"),
+                           ("lr", math.isfinite(args.lr) and args.lr > 0, "finite and > 0"),
+                           ("max-completion-length", args.max_completion_length >= 1, ">= 1"),
+                           ("seed", 0 <= args.seed < 2**32, "in [0, 2**32)")]:  # numpy's seed range (TRL seeds it)
         if not ok:
             die(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
-    if os.path.isfile(args.out):
-        die(f"--out {args.out} is an existing file, not a folder")
+    try:
+        check_out(args.out, args.overwrite)
+    except ValueError as e:
+        die(str(e))
     return args
 
 
+def load_hub_model(path: str, cfg: GMTSConfig):
+    """A local folder or hub id -> (tokenizer, max positions or None, a loader for the model), as TRL would load it
+    from the name (fp32; no device_map when distributed). OSError with one line if any part cannot be loaded."""
+    from transformers import AutoConfig, AutoTokenizer
+    from trl.trainer.utils import create_model_from_path
+
+    def why(e: Exception) -> OSError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200].rstrip(".")
+        hint = "" if os.path.isdir(path) else "; try --model tiny for an offline run"
+        return OSError(f"cannot load model '{path}': {first}{hint}")
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except Exception as e:  # OSError, ValueError, a damaged json, ...: whatever it is, the folder is unusable
+        raise why(e) from None
+    kw = {"trust_remote_code": cfg.trust_remote_code}
+    if cfg.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        kw["device_map"] = None
+
+    def load():
+        try:
+            return create_model_from_path(path, **kw)
+        except Exception as e:  # no weights, truncated safetensors, an unknown architecture
+            raise why(e) from None
+
+    return tok, positions, load
+
+
 def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
-    """Flags -> a GMTSTrainer. ValueError: bad input; OSError: a model that cannot be loaded."""
+    """Flags -> a GMTSTrainer. ValueError: bad input (data, lengths, TRL's own checks); OSError: a model that cannot
+    be loaded. Cheap checks first: the config, the data, the tokenizer and positions, then the weights."""
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():  # TRL's default gradient_checkpointing=True trips a transformers deprecation
+        warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
+        cfg = GMTSConfig(
+            output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
+            per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
+            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+            loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
+            lr_scheduler_type="constant_with_warmup", warmup_steps=10,  # gmts.py: 10 warm-up steps, then constant
+            use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
+            use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
+            save_strategy="steps", save_steps=50)
+    per_step = cfg.generation_batch_size // cfg.num_generations  # prompts per optimizer step, all processes
+    task = gmts.get_task(args.task)
+    rows = task["load"](args.data, min(max(2000, args.steps * per_step), ROWS_CAP), args.seed)
+    distinct = len({task["prompt"](r) for r in rows})
+    if distinct < per_step:  # TRL's sampler drops an incomplete batch: it would train 0 steps and exit 0
+        raise ValueError(f"--data {args.data}: {distinct} distinct problem(s), but one step takes {per_step} "
+                         "(--per-device-batch-size x --grad-accum x processes / --num-generations)")
     if args.model == "tiny":
         model, tok = gmts.build_tiny(seed=args.seed)
+        positions, load = model.config.max_position_embeddings, lambda: model
     else:
-        from transformers import AutoTokenizer
-
-        model = gmts.resolve_model_name(args.model)  # TRL loads it from the name, in fp32 by default
-        try:
-            tok = AutoTokenizer.from_pretrained(model)
-        except (OSError, ValueError) as e:
-            raise OSError(f"cannot load '{model}': {str(e).splitlines()[0][:200]}; try --model tiny") from None
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-    per_step = args.per_device_batch_size * args.grad_accum * world // args.num_generations  # prompts per step
-    rows = gmts.get_task(args.task)["load"](args.data, max(2000, args.steps * per_step), args.seed)
-    cuda = torch.cuda.is_available()
-    cfg = GMTSConfig(
-        output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
-        per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
-        num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-        loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
-        lr_scheduler_type="constant_with_warmup", warmup_steps=10,  # gmts.py: 10 warm-up steps, then constant
-        use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
-        use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
-        save_strategy="steps", save_steps=50)
+        tok, positions, load = load_hub_model(gmts.resolve_model_name(args.model), cfg)
     data = make_dataset(tok, args.task, rows, gmts.use_chat(tok), args.short_prompt)
-    return GMTSTrainer(model=model, reward_funcs=make_reward(args.task), args=cfg, train_dataset=data,
+    if positions:  # the longest prompts by characters, in tokens (tokenizing every row costs seconds)
+        longest = max(len(ids) for ids in tok(sorted(data["prompt"], key=len)[-16:])["input_ids"])
+        if longest + args.max_completion_length > positions:
+            raise ValueError(f"--max-completion-length {args.max_completion_length} plus the longest prompt "
+                             f"({longest} tokens) is more than the model's {positions} positions")
+    return GMTSTrainer(model=load(), reward_funcs=make_reward(args.task), args=cfg, train_dataset=data,
                        processing_class=tok)
 
 
@@ -319,11 +394,13 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         trainer = build_trainer(args)
-    except ValueError as e:  # flags TRL rejects (e.g. a batch not divisible by G), data files
+    except ValueError as e:  # flags TRL rejects (e.g. a batch not divisible by G), data files, lengths
         die(str(e).strip().splitlines()[0] if str(e).strip() else "invalid configuration", 2)
     except (OSError, RuntimeError, ImportError) as e:  # a model that can't be loaded, an unsupported TRL, no vLLM
         die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
     trainer.train()
+    if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
+        die(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of batches; nothing saved", 1)
     trainer.save_model(args.out)
 
 

@@ -17,6 +17,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -119,7 +120,8 @@ def test_hook_mask_equals_select_tokens(tmp_path, select, off_policy, rho):
     tr._noise.manual_seed(5)
     got = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
     scores = gmts.token_scores(select, ent, gn, om, torch.Generator().manual_seed(5))
-    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho, nonzero=select in ("gmts", "gradnorm"))  # as gmts.train: zero-gradient tokens are never kept
+    # as gmts.train: gmts and gradnorm never keep a zero-gradient token
+    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho, nonzero=select in ("gmts", "gradnorm"))
     assert got.dtype == torch.bool and torch.equal(got, want)
     if select in ("entropy", "random"):
         assert int(got.sum()) == math.ceil(rho * int(mask.sum()))
@@ -149,6 +151,29 @@ class FakeAccelerator:
         return torch.cat([t, t.new_zeros(n - t.shape[0])])
 
 
+def run_processes(fn, *per_rank, timeout=60):
+    """fn(rank, accelerator, *args) in one thread per rank, gathering through a barrier with a timeout. A thread
+    that raises aborts the barrier, so the others fail at once instead of waiting; its exception is raised here
+    (the first that is not just the broken barrier). -> [fn's result per rank]."""
+    world = len(per_rank)
+    box, barrier, out, errors = [None] * world, threading.Barrier(world, timeout=timeout), [None] * world, []
+
+    def proc(rank, args):
+        try:
+            out[rank] = fn(rank, FakeAccelerator(rank, world, box, barrier), *args)
+        except BaseException as e:  # noqa: B036  (re-raised in the test's thread below)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=proc, args=(r, a), daemon=True) for r, a in enumerate(per_rank)]
+    [t.start() for t in threads]
+    [t.join(timeout + 10) for t in threads]
+    assert not any(t.is_alive() for t in threads), "a process thread is stuck past the barrier timeout"
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return out
+
+
 def test_selection_is_global_across_processes():
     """Two processes with different completion lengths: the union of their slices is exactly gmts.select_tokens
     over both micro-batches together (one global top-rho, not a top-rho per process)."""
@@ -156,19 +181,27 @@ def test_selection_is_global_across_processes():
     s0, s1 = torch.rand(3, 5, generator=g), torch.rand(3, 8, generator=g) + 0.3  # process 1 scores higher
     m0, m1 = torch.rand(3, 5, generator=g) > 0.2, torch.rand(3, 8, generator=g) > 0.2
     s0[0, :2] = s1[1, :2] = 0.9  # ties across processes
-    box, barrier, out = [None, None], threading.Barrier(2), [None, None]
-
-    def proc(rank, s, m):
-        out[rank] = gmts_trl.select_global("entropy", s, m, 0.3, FakeAccelerator(rank, 2, box, barrier))
-
-    threads = [threading.Thread(target=proc, args=a) for a in [(0, s0, m0), (1, s1, m1)]]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    out = run_processes(lambda rank, acc, s, m: gmts_trl.select_global("entropy", s, m, 0.3, acc),
+                        (s0, m0), (s1, m1))
     pad = lambda x: torch.cat([x, x.new_zeros(3, 3)], 1)  # noqa: E731  (3, 5) -> (3, 8)
     want = gmts.select_tokens(torch.cat([pad(s0), s1]), torch.cat([pad(m0), m1]), 0.3)
     assert torch.equal(torch.cat([pad(out[0][0]), out[1][0]]), want)
     assert out[0][1] == out[1][1] == int(want.sum()) / int(m0.sum() + m1.sum())
     assert int(out[0][0].sum()) != math.ceil(0.3 * int(m0.sum()))  # not a per-process top-rho
+
+
+def test_a_failing_process_fails_fast():
+    """One process raises before its gather: the test gets that error within seconds, not a hang on the barrier."""
+    def fn(rank, acc, s, m):
+        if rank == 1:
+            raise ValueError("process 1 broke")
+        return gmts_trl.select_global("entropy", s, m, 0.3, acc)
+
+    s, m = torch.rand(2, 4), torch.ones(2, 4, dtype=torch.bool)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="process 1 broke"):
+        run_processes(fn, (s, m), (s, m), timeout=30)
+    assert time.monotonic() - t0 < 10
 
 
 # ---- through TRL's real loss: unselected tokens get zero gradient ---------------------------------------------
@@ -235,24 +268,107 @@ def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
 
-
-def test_cli_bad_select_exits_2_with_one_line():
-    """The real command line: one line on stderr (no traceback, no import noise), exit status 2."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "gmts_trl.py"), "--select", "bogus"], capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gmts_trl: error: argument --select: invalid choice")
+FAST = ["--short-prompt", "--steps", "1", "--num-generations", "2", "--per-device-batch-size", "2", "--grad-accum", "1",
+        "--max-completion-length", "8"]  # a case whose check is missing trains 1 tiny step and fails, not 200
 
 
-@pytest.mark.parametrize("argv, msg", [(["--rho", "0"], "--rho"), (["--num-generations", "1"], "--num-generations"),
-                                       (["--task", "chess"], "--task"),
-                                       (["--per-device-batch-size", "3", "--num-generations", "2", "--grad-accum", "1"],
-                                        "divisible")])
-def test_cli_bad_flag_one_line_exit_2(capsys, argv, msg, tmp_path):
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """Bad data files, model folders and output folders, built once."""
+    d = tmp_path_factory.mktemp("bad")
+    row = json.dumps({"nums": [1, 2, 3], "target": 6})
+    files = {"one.jsonl": row + "\n", "dup.jsonl": (row + "\n") * 20, "bad.jsonl": "not json\n", "empty.jsonl": "",
+             "schema.jsonl": json.dumps({"nums": [1, 2]}) + "\n", "afile": "x"}
+    for name, text in files.items():
+        (d / name).write_text(text)
+    (d / "hasrun").mkdir()
+    (d / "hasrun" / "model.safetensors").write_bytes(b"")
+    model, tok = gmts.build_tiny(hidden=16, layers=1)
+    model.save_pretrained(d / "cfgonly")  # then only config.json (and generation_config.json) stays
+    os.remove(d / "cfgonly" / "model.safetensors")
+    model.save_pretrained(d / "trunc")
+    tok.save_pretrained(d / "trunc")
+    weights = (d / "trunc" / "model.safetensors").read_bytes()
+    (d / "trunc" / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    return d
+
+
+BAD_INPUTS = [  # (argv, exit code, part of the message); {d}: the `bad` folder
+    (["--lr", "inf"], 2, "--lr must be finite and > 0"), (["--lr", "0"], 2, "--lr"), (["--lr", "nan"], 2, "--lr"),
+    (["--rho", "0"], 2, "--rho must be in (0, 1]"), (["--rho", "1.5"], 2, "--rho"), (["--rho", "nan"], 2, "--rho"),
+    (["--steps", "0"], 2, "--steps must be >= 1"), (["--steps", "x"], 2, "invalid int value"),
+    (["--num-generations", "1"], 2, "--num-generations"), (["--per-device-batch-size", "0"], 2, "--per-device"),
+    (["--grad-accum", "0"], 2, "--grad-accum"), (["--max-completion-length", "0"], 2, "--max-completion-length"),
+    (["--max-completion-length", "5000"], 2, "the model's 4096 positions"), (["--seed", "-1"], 2, "--seed"),
+    (["--seed", str(2**32)], 2, "--seed"), (["--task", "chess"], 2, "--task"),
+    (["--select", "bogus"], 2, "--select"), (["--loss-type", "ppo"], 2, "--loss-type"),
+    (["--per-device-batch-size", "3"], 2, "divisible"),
+    (["--data", "{d}/missing.jsonl"], 2, "cannot read"), (["--data", "{d}/bad.jsonl"], 2, "invalid JSON"),
+    (["--data", "{d}/empty.jsonl"], 2, "no rows"), (["--data", "{d}/schema.jsonl"], 2, 'missing key "target"'),
+    (["--data", "{d}/one.jsonl", "--per-device-batch-size", "4"], 2, "1 distinct problem(s), but one step takes 2"),
+    (["--data", "{d}/dup.jsonl", "--per-device-batch-size", "4"], 2, "1 distinct problem(s)"),
+    (["--out", "{d}/afile"], 2, "is an existing file"), (["--out", "{d}/afile/sub"], 2, "is a file, not a folder"),
+    (["--out", ""], 2, "--out must not be empty"), (["--out", "{d}/hasrun"], 2, "holds a run"),
+    (["--model", "{d}/cfgonly"], 1, "cannot load model"), (["--model", "{d}/trunc"], 1, "cannot load model"),
+]
+
+
+@pytest.mark.parametrize("argv, code, msg", BAD_INPUTS, ids=[" ".join(c[0]).replace("{d}/", "") for c in BAD_INPUTS])
+def test_cli_bad_input_one_line(capsys, tmp_path, bad, argv, code, msg):
+    """Each bad input: exactly one stderr line 'gmts_trl: error: ...', no traceback, the exit code (2: input, 1: a
+    model that cannot be loaded), before any training."""
     with pytest.raises(SystemExit) as e:
-        gmts_trl.main(argv + ["--out", str(tmp_path), "--steps", "1"])
+        gmts_trl.main(FAST + ["--out", str(tmp_path / "run")] + [a.format(d=bad) for a in argv])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err and err.startswith("gmts_trl: error:") and err.count("\n") == 1
+    assert e.value.code == code, err
+    assert err.startswith("gmts_trl: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert msg in err
+
+
+def test_cli_one_row_file_is_an_error_not_zero_steps(capsys, tmp_path, bad):
+    """TRL's sampler drops an incomplete batch: a 1-row file used to 'train' 0 steps and exit 0. With the default
+    8 prompts per step it is an error; with 1 prompt per step the same file trains its step."""
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(["--data", str(bad / "one.jsonl"), "--out", str(tmp_path / "a"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "1 distinct problem(s), but one step takes 8" in err
+    gmts_trl.main(FAST + ["--data", str(bad / "one.jsonl"), "--out", str(tmp_path / "b")])
+    assert os.path.exists(tmp_path / "b" / "model.safetensors")
+
+
+def test_cli_fewer_steps_than_asked_is_an_error(capsys, tmp_path, monkeypatch):
+    """Whatever the cause, a run that ends before --steps exits 1 with one line and saves nothing."""
+    monkeypatch.setattr(GMTSTrainer, "train", lambda self: None)
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(FAST + ["--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "trained 0 of 1 steps" in err
+    assert not os.path.exists(tmp_path / "run" / "model.safetensors")
+
+
+def test_cli_out_checks(tmp_path, bad):
+    gmts_trl.check_out(str(bad / "hasrun"), overwrite=True)  # the deliberate case
+    gmts_trl.check_out(str(tmp_path / "new" / "deeper"))  # created later, by TRL; nothing is made now
+    assert not os.path.exists(tmp_path / "new")
+
+
+def test_cli_huge_steps_builds_at_once(tmp_path):
+    """--steps far beyond the data: at most ROWS_CAP problems are built (TRL repeats them), no hang up front."""
+    args = gmts_trl.parse_args(FAST + ["--data", "easy", "--steps", str(10**20), "--out", str(tmp_path / "run")])
+    t0 = time.monotonic()
+    tr = gmts_trl.build_trainer(args)
+    assert len(tr.train_dataset) == gmts_trl.ROWS_CAP and tr.args.max_steps == 10**20
+    assert time.monotonic() - t0 < 60
+
+
+def test_cli_model_folder_one_line_exit_1(bad):
+    """The real command line, for an error raised after TRL's config is built: one stderr line (no traceback, no
+    import or deprecation noise), exit status 1."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "gmts_trl.py"), "--model", str(bad / "cfgonly"),
+                        "--steps", "1", "--out", str(bad / "cli-run")], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gmts_trl: error: cannot load model")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")

@@ -6,19 +6,29 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
        naive  full torch.log_softmax over (tokens, V) + gather + entropy
        trl    trl.trainer.utils.selective_log_softmax + entropy_from_logits (its default chunk is 128 rows), the
               head applied --chunk rows at a time and entropy_from_logits given the same chunk
-       ours   gmts.head_stats at --chunk rows, and at its default 1024 (Config.stats_chunk)
+       ours   gmts.token_stats on --chunk rows of logits at a time, as gmts.batch_token_stats runs it, and at
+              its default 1024 (Config.stats_chunk)
   b. loss head forward + backward (d hidden and d lm_head): gmts.head_logp (chunk 1024) on all tokens vs on the
      rho share of rows gathered from the hidden states first, as policy_update does.
   c. gmts.select_tokens on 1M and 32M random scores with a mask, beside torch.quantile (TRL's threshold; it
      refuses inputs above 2^24 elements: "fails").
-  d. one training step of the tiny model (gmts.build_tiny, PRESETS["cpu"] sizes): rollout (gmts.rollout on
+  d. one training step of a random-init tiny model of warm/cpu's shape (gmts.build_tiny(96, 3), PRESETS["cpu"]
+     batch sizes): rollout (gmts.rollout on
      countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, select_tokens,
      policy_update and the two selections train() logs) for --select all, random and gmts on one fixed
      batch. A random model earns no reward, so rewards are random 0/1 with one right and one wrong answer per
      group (no answer has A = 0). Its entropy is nearly flat, so gmts keeps whole answers of the largest |A| and
      the update runs few answers; random spreads the kept tokens over every answer: gmts' worst case.
   e. the same step for a random-init model with the Qwen2.5-0.5B config (--device cuda), rollouts forced to a
-     fixed length (min_new_tokens); --small runs it with a tiny config so the path is exercised on CPU.
+     fixed length (min_new_tokens); --small runs it with a tiny config so the path is exercised on CPU. Beside it,
+     interleaved in the same process: (1) today's rollout path (gmts.rollout on the fp32 master weights under bf16
+     autocast, dynamic KV cache) and the new one (a bf16 copy of the weights, static KV cache, decoding compiled by
+     HF generate on CUDA): rollout_speedup = new tokens/s / old tokens/s, and sampler_logp_gap (_max) = mean (max)
+     of |log p_sampler - log p_old| over response tokens, log p_old being train()'s fp32 recompute
+     (gmts.batch_token_stats); (2) when trl is installed, TRL's GRPOTrainer steps (HF generate, all tokens; no
+     gradient checkpointing, as gmts.py; bf16 weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of the
+     same starting model, the same B x G prompts and completion length: step_ratio_gmts_trl = (new rollout + gmts
+     update) / TRL's median step (steps 2..n).
 Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and ratios of
 medians. Peak memory is the growth over the state before the call: CUDA: torch.cuda.max_memory_allocated after
 reset_peak_memory_stats, minus memory_allocated before. CPU: torch's CPU allocations are invisible to
@@ -40,13 +50,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import argparse
+import copy
 import ctypes
 import functools
 import gc
+import itertools
 import json
 import math
+import random
 import statistics
+import string
 import sys
+import tempfile
 import time
 
 import torch
@@ -153,9 +168,14 @@ def sec_stats(args, meter, dev) -> dict:
                  for z, yc in ((F.linear(hc, W), yc) for hc, yc in zip(h.split(C), y.split(C)))]
         return tuple(torch.cat(p) for p in zip(*parts))
 
+    @torch.no_grad()
+    def ours(h, y, chunk):  # gmts.batch_token_stats' head loop: token_stats on `chunk` rows of logits at a time
+        parts = [gmts.token_stats(F.linear(hc, W), yc, 1.0) for hc, yc in zip(h.split(chunk), y.split(chunk))]
+        return tuple(torch.cat(p) for p in zip(*parts))
+
     fns = {"naive": naive, "trl": trl if selective_log_softmax else None,
-           f"ours@{C}": lambda h, y: gmts.head_stats(h, head, y, 1.0, C),
-           "ours@1024": (lambda h, y: gmts.head_stats(h, head, y, 1.0, 1024)) if args.extra else None}
+           f"ours@{C}": functools.partial(ours, chunk=C),
+           "ours@1024": functools.partial(ours, chunk=1024) if args.extra else None}
     variants = {}
     for k, fn in fns.items():
         if fn is not None:
@@ -263,7 +283,8 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high)  # inner update 0: old = logp
         scores = gmts.token_scores(method, ent, gn, om)
         t = clock()
-        sel = gmts.select_tokens(scores, mask, 1.0 if method == "all" else cfg.rho, nonzero=method in ("gmts", "gradnorm"))  # select_tokens + the keep rules, as train()
+        sel = gmts.select_tokens(scores, mask, 1.0 if method == "all" else cfg.rho,  # as train() selects
+                                 nonzero=method in ("gmts", "gradnorm"))
         dt = clock() - t
         gmts.policy_update(model, opt, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=cfg.micro_batch,
@@ -298,10 +319,11 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
 
 
 def sec_tiny_step(args, meter, dev) -> dict:
-    cfg = gmts.Config(**gmts.PRESETS["smoke" if args.quick else "cpu"])
-    model, tok = gmts.build_tiny(cfg.tiny_hidden, cfg.tiny_layers, seed=0)
+    keys = ("task", "data", "short_prompt", "prompts_per_step", "group_size", "max_new_tokens", "lr", "micro_batch")
+    cfg = gmts.Config(**{k: v for k, v in gmts.PRESETS["smoke" if args.quick else "cpu"].items() if k in keys})
+    model, tok = gmts.build_tiny(96, 3, seed=0)  # warm/cpu's shape, random weights
     model.to(dev).train()
-    task = gmts.get_task("countdown")
+    task = gmts.get_task(cfg.task)
     prompts = gmts.build_prompts(tok, task, task["load"](cfg.data, cfg.prompts_per_step, 0), gmts.use_chat(tok),
                                  cfg.short_prompt)
 
@@ -310,8 +332,112 @@ def sec_tiny_step(args, meter, dev) -> dict:
         return gmts.rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
 
     out = step_bench(model, make_batch, cfg, meter, args.repeats)
-    out["model"] = f"tiny hidden {cfg.tiny_hidden}, {cfg.tiny_layers} layers"
+    out["model"] = "tiny hidden 96, 3 layers"
     return out
+
+
+def bf16_copy(model):
+    """What gmts.train samples from on CUDA: a bf16 copy of the parameters (buffers such as RoPE's inv_freq stay
+    fp32, as from_pretrained(dtype=bf16) leaves them)."""
+    out = copy.deepcopy(model).eval().requires_grad_(False)
+    for p in out.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return out
+
+
+def text_prompts(B: int, P: int, seed: int) -> list:
+    """B printable-ASCII prompts of P - P//8 .. P bytes: as many tokens with the byte-level tokenizer, so the rows
+    are left-padded as real prompts are."""
+    r = random.Random(seed)
+    return ["".join(r.choice(string.ascii_letters + " ") for _ in range(r.randint(P - P // 8, P))) for _ in range(B)]
+
+
+def rollout_paths(model, tok, prompts, cfg, meter, args) -> dict:
+    """Today's rollout (the fp32 master weights under autocast, dynamic KV cache) beside the new one (a bf16 copy,
+    static KV cache, compiled decoding on CUDA), interleaved. Both return the sampler's log-probs (the bookkeeping
+    train() now does on every rollout); the gap is taken against train()'s recompute of log pi_old."""
+    sampler = bf16_copy(model) if args.sampler_dtype == "bf16" else model
+    fast = args.fast_generate
+    seeds = itertools.count()
+
+    def run(m, fast_path):
+        gmts.set_seed(next(seeds))
+        return gmts.rollout(m, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature, fast=fast_path,
+                            sampler_logp=True)
+
+    variants = {"old": lambda: run(model, False), "new": lambda: run(sampler, fast)}
+    first = {k: meter(fn)[0] for k, fn in variants.items()}  # compilation and CUDA-graph capture: not in medians
+    res = interleave(meter, variants, args.repeats)
+    for k, r in res.items():
+        b = r.pop("out")
+        logp = gmts.batch_token_stats(model, b, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)[0]
+        gap = (b["sampler_logp"] - logp).abs()[b["resp_mask"]]
+        N, T = b["comp_ids"].shape
+        r.update(first_call_ms=first[k], N=N, T=T, tokens_per_s=N * T / (r["ms"] / 1e3),
+                 sampler_logp_gap=float(gap.mean()), sampler_logp_gap_max=float(gap.max()))
+    res["new"].update(sampler_dtype=args.sampler_dtype, fast_generate=fast)
+    res["old"].update(sampler_dtype="fp32", fast_generate=False)
+    res["speedup"] = res["new"]["tokens_per_s"] / res["old"]["tokens_per_s"]
+    return res, sampler
+
+
+def trl_step(model, tok, prompts, cfg, dev, steps: int) -> dict:
+    """TRL's GRPOTrainer (HF generate, all tokens) on a copy of `model`: the same prompts, G, completion length
+    and micro-batch as gmts.py; random 0/1 rewards (seeded) so that advantages are not 0. Median step of 2..n."""
+    try:
+        import datasets
+        from transformers import PrinterCallback, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        return dict(error=f"trl not importable: {e}")
+    cuda = dev.type == "cuda"
+    N = cfg.prompts_per_step * cfg.group_size
+    mb = math.gcd(cfg.micro_batch, N)
+    rng = random.Random(0)
+    times = []
+
+    def reward(completions, **kw):
+        return [float(rng.random() < 0.5) for _ in completions]
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            meter_sync(dev)
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            meter_sync(dev)
+            times.append((time.perf_counter() - self.t) * 1e3)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(output_dir=tmp, max_steps=steps, learning_rate=cfg.lr, seed=0,
+                          per_device_train_batch_size=mb, gradient_accumulation_steps=N // mb,
+                          num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
+                          temperature=cfg.temperature, top_p=1.0, top_k=0, epsilon=cfg.clip_low,
+                          epsilon_high=cfg.clip_high, gradient_checkpointing=False, use_cpu=not cuda,
+                          bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
+                          save_strategy="no", disable_tqdm=True)
+        m = bf16_copy(model).train().requires_grad_(True) if cuda else copy.deepcopy(model)
+        data = datasets.Dataset.from_list([{"prompt": p} for p in prompts])
+        trainer = GRPOTrainer(model=m, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(Clock())
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+        out = dict(step_ms=statistics.median(times[1:] or times), step_ms_runs=[round(t, 1) for t in times],
+                   completion_len=lens, micro_batch=mb, weights="bf16" if cuda else "fp32",
+                   peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None)
+    del trainer, m
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def meter_sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def sec_model_step(args, meter, dev) -> dict:
@@ -324,10 +450,21 @@ def sec_model_step(args, meter, dev) -> dict:
         model = Qwen2ForCausalLM(Qwen2Config(**(SMALL if small else QWEN05), eos_token_id=151645,
                                              pad_token_id=151643, bos_token_id=None))
     P = 8 if small else 64
+    tok = gmts.build_tiny()[1]  # byte-level: its ids (< 259) are valid in any Qwen vocabulary
+    prompts = text_prompts(cfg.prompts_per_step, P, seed=0)
+    trl = trl_step(model, tok, prompts, cfg, dev, args.trl_steps) if args.trl_steps else dict(error="--trl-steps 0")
+    paths, sampler = rollout_paths(model, tok, prompts, cfg, meter, args)  # the copy stays for the peak below
     out = step_bench(model, lambda s: qwen_batch(model, cfg.prompts_per_step, cfg.group_size, P,
                                                  cfg.max_new_tokens, s), cfg, meter, args.repeats)
     out["model"] = ("small Qwen2 (smoke)" if small else "Qwen2.5-0.5B config, random init") + \
         f", {cfg.prompts_per_step}x{cfg.group_size} prompts x {cfg.max_new_tokens} new tokens, prompt {P}"
+    out["rollout_paths"], out["trl"] = paths, trl
+    for m in ("all", "gmts"):  # a step on the new rollout path: its median rollout + the update on the same shapes
+        out[m]["step_ms_new"] = paths["new"]["ms"] + out[m]["ms"]
+    if "step_ms" in trl:
+        out["step_ratio_gmts_trl"] = out["gmts"]["step_ms_new"] / trl["step_ms"]
+        out["step_ratio_all_trl"] = out["all"]["step_ms_new"] / trl["step_ms"]
+    del sampler
     return out
 
 
@@ -352,6 +489,12 @@ def targets(R: dict, C: int) -> list:
         if key in R:
             add(f"{key}: select_tokens share of a gmts step", R[key]["gmts"]["select_share"], 0.01)
             add(f"{key}: step time gmts / all", R[key]["step_ratio_gmts_all"], 1.05)
+    S = R.get("step_model", {})
+    if "rollout_paths" in S and R["meta"]["device"] != "cpu":  # issue 16's GPU targets (a CPU run has none)
+        add("rollout tokens/s old / new path (new >= 5x)", 1 / S["rollout_paths"]["speedup"], 0.2)
+        if "step_ratio_gmts_trl" in S:
+            add("step gmts (new rollout) / TRL GRPOTrainer", S["step_ratio_gmts_trl"], 0.4)
+        add("process peak GB (fp32 + AdamW + bf16 copy)", S["process_peak_mb"] / 1024, 15.9)
     return t
 
 
@@ -376,6 +519,23 @@ def table(R: dict) -> str:
                 lines.append(f"{sec:<12} {'update --select ' + m:<26} {r['ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}"
                              f"  step {r['step_ms']:.0f} ms, stats pass {r['stats_share']:.0%}, select "
                              f"{r['select_ms']:.1f} ms, kept {r['kept_frac']:.2f} in {r['active_frac']:.0%} of answers")
+    S = R.get("step_model", {})
+    for k, r in S.get("rollout_paths", {}).items():
+        if k in ("old", "new"):
+            cache = ("static+compile" if R["meta"]["device"] != "cpu" else "static") if r.get("fast_generate") \
+                else "dynamic"
+            what = f"{k} ({r.get('sampler_dtype', 'fp32')}, {cache})"
+            lines.append(f"{'e rollout':<12} {what:<26} {r['ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}  "
+                         f"{r['tokens_per_s']:.0f} tok/s, first call {r['first_call_ms']:.0f} ms, |d logp| vs "
+                         f"recompute mean {r['sampler_logp_gap']:.1e} max {r['sampler_logp_gap_max']:.1e}")
+    if "rollout_paths" in S:
+        lines.append(f"{'e rollout':<12} {'speedup new / old':<26} {S['rollout_paths']['speedup']:10.2f}")
+    if "trl" in S:
+        r = S["trl"]
+        lines.append(f"{'e trl':<12} {'GRPOTrainer step':<26} " + (
+            f"{r['step_ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}  {r['weights']} weights; gmts step (new rollout) / "
+            f"trl {S['step_ratio_gmts_trl']:.2f}, all / trl {S['step_ratio_all_trl']:.2f}"
+            if "step_ms" in r else f"{'-':>10} {'-':>9}  {r['error']}"))
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
         lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  (<= {t['limit']})")
@@ -398,11 +558,21 @@ def parse_args(argv=None):
     p.add_argument("--sections", default="abcde", help="which sections to run (e runs on CUDA or with --small)")
     p.add_argument("--small", action="store_true", help="section e with a tiny Qwen2 config (CPU smoke of the path)")
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere, implies --small")
+    p.add_argument("--sampler-dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="section e's new rollout path samples from a copy in this dtype (bf16) or the master (fp32)")
+    p.add_argument("--fast-generate", default=None, action=argparse.BooleanOptionalAction,
+                   help="section e's new path: static KV cache + compiled decoding (default: on with CUDA or "
+                        "--quick; HF generate compiles on CUDA only)")
+    p.add_argument("--trl-steps", type=int, default=-1,
+                   help="TRL GRPOTrainer steps in section e, median of steps 2..n (-1: 4, --quick 2; 0: none)")
     p.add_argument("--json", default="", help="write all measurements here")
     a = p.parse_args(argv)
     a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
     a.head_repeats = a.head_repeats or (a.repeats if a.device == "cuda" or a.quick else 2)
     a.select_sizes = [2 ** 14, 2 ** 16] if a.quick else [2 ** 20, 2 ** 25]
+    a.trl_steps = (2 if a.quick else 4) if a.trl_steps < 0 else a.trl_steps
+    if a.fast_generate is None:
+        a.fast_generate = a.quick or a.device == "cuda"
     if a.quick:
         a.vocab, a.repeats, a.small, a.extra = min(a.vocab, 8192), min(a.repeats, 2), True, True
     return a
@@ -432,12 +602,18 @@ def main(argv=None):
             t = time.time()
             R[key] = fn(args, meter, dev)
             print(f"[{letter}] {key}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    S = R.get("step_model", {})  # issue 16's headline figures, at the top level of the JSON
+    if "rollout_paths" in S:
+        new = S["rollout_paths"]["new"]
+        R.update(rollout_speedup=S["rollout_paths"]["speedup"], sampler_logp_gap=new["sampler_logp_gap"],
+                 sampler_logp_gap_max=new["sampler_logp_gap_max"], step_ratio_gmts_trl=S.get("step_ratio_gmts_trl"))
     R["targets"] = targets(R, args.chunk)
     R["meta"].update(loadavg_end=os.getloadavg(), seconds=round(time.time() - t0, 1))
     m = R["meta"]
     print(f"device {m['device']} | torch {m['torch']} | {m['threads']} thread(s) of {m['cpus']} CPUs | tokens "
           f"{m['tokens']} x vocab {m['vocab']} x hidden {HIDDEN} | chunk {m['chunk']} | rho {m['rho']} | medians of "
-          f"{m['repeats']} (a, b: {args.head_repeats}) | load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s",
+          f"{m['repeats']} (a, b: {args.head_repeats}) | load {m['loadavg_start'][0]:.1f} -> "
+          f"{m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s",
           flush=True)
     print(table(R), flush=True)
     if args.json:

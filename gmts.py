@@ -48,6 +48,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
 import ast
+import copy
 import dataclasses
 import functools
 import glob
@@ -102,6 +103,9 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
+    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed after each step), "
+                             "fp32 (the master weights); auto: bf16 on CUDA")
+    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
     filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
     # GRPO
@@ -128,6 +132,7 @@ CHOICES = {
     "device": ["auto", "cuda", "mps", "cpu"],
     "chat_template": ["auto", "yes", "no"],
     "loss_norm": ["all", "selected"],
+    "sampler_dtype": ["auto", "bf16", "fp32"],
 }
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
@@ -738,13 +743,16 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     return resp_mask, ~has_end
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> dict:
+            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
+            sampler_logp: bool = False) -> dict:
     """Sample group_size answers for each prompt string. Returns a batch dict of tensors on the model's device.
 
     generate() fills every knob we leave unset from the checkpoint's generation_config (Qwen instruct: top_k 20,
     top_p 0.8, repetition_penalty 1.1, and min_p, typical_p, no_repeat_ngram_size where set), which would sample
     from another distribution than the policy whose log-probs we train on. So the call sees a complete config of
-    our own and a blank model default.
+    our own and a blank model default. fast: a static KV cache (length rounded up to 64: few shapes), whose decoding
+    step generate compiles on CUDA. sampler_logp: also `sampler_logp` (N, T), the sampler's log_softmax(logits / T)
+    at each drawn token (before top-k/p, as the learner's log-probs; 0 after the end).
     """
     from transformers import GenerationConfig
 
@@ -758,21 +766,34 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
                          f"{limit} positions")
     end_ids = end_token_ids(tok)
     knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    if fast:
+        knobs.update(cache_implementation="static", max_cache_len=-(-(ids.shape[1] + max_new_tokens) // 64) * 64)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
+    seen, pending = [], []  # generate calls record() before each draw, on the ids drawn so far
+
+    def record(drawn, logits):  # the previous draw's log-probs, read at the token it drew
+        seen.extend(p.gather(1, drawn[:, -1:]) for p in pending[-1:])
+        pending[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
+        return logits
     was_training, saved = model.training, model.generation_config
     model.eval()
     model.generation_config = GenerationConfig()  # the checkpoint's sampling knobs never reach this call
     try:
         with autocast(device):
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen)  # (N, P + T)
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
+                                 logits_processor=[record] if sampler_logp else None)  # (N, P + T)
     finally:
         model.generation_config = saved
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
     texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
-    return dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
-                truncated=truncated, texts=texts)
+    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
+                 truncated=truncated, texts=texts)
+    if sampler_logp:  # the last draw is read here (unless generate ran steps past the end and cut them)
+        seen.extend(p.gather(1, comp[:, -1:]) for p in pending[:comp.shape[1] - len(seen)])
+        batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1244,6 +1265,12 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
     rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
     model.train()
+    cuda = next(model.parameters()).device.type == "cuda"
+    fast, sampler = cuda if cfg.fast_generate is None else cfg.fast_generate, model
+    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and cuda):  # generate reads a bf16 copy
+        sampler = copy.deepcopy(model).eval().requires_grad_(False)
+        for p in sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16) has it
+            p.data = p.data.to(torch.bfloat16)
     for step in range(run["start"], cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
@@ -1251,7 +1278,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
             rows = run["draw"](B, step, len(parts))  # 1. B training prompts
             prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-            batch = rollout(model, tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)  # 2.
+            batch = rollout(sampler, tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
+                            fast=fast, sampler_logp=True)  # 2.
             group_rows = [r for r in rows for _ in range(G)]  # answer n belongs to prompt n // G
             rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # 3. (N,)
             adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
@@ -1259,12 +1287,15 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
                 break
         batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
+        if cfg.filter_groups:  # the kept answers' sampler log-probs, picked and padded as keep_groups picks the batch
+            batch["sampler_logp"] = keep_groups([(dict(b, comp_ids=b["sampler_logp"]), r, a) for b, r, a in parts],
+                                                G, B, 0)[0]["comp_ids"]
         mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
         for inner in range(cfg.inner_updates):
             # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
             logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             if inner == 0:  # pi_old: the policy that sampled the batch
-                old_logp = logp
+                old_logp, gap = logp, (batch["sampler_logp"] - logp).abs()[mask]  # sampler vs learner precision
                 ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
             # 6. scores, and the top rho of the WHOLE batch (gmts/gradnorm never keep a zero score: deviation 9)
             om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
@@ -1280,11 +1311,15 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                   micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
             run["skipped"] += stats["skipped"]
+        if sampler is not model:  # the bf16 copy follows the fp32 master weights, in place (no reallocation)
+            with torch.no_grad():
+                torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
         # 8. log, evaluate, checkpoint
         dt = time.time() - t0
         rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
                           skipped_steps=run["skipped"], truncated_frac=batch["truncated"].float().mean().item(),
-                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt)
+                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
+                          sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)

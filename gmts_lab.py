@@ -1,0 +1,441 @@
+"""
+gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
+
+  python gmts_lab.py warm [--out warm/cpu]        rebuild the CPU preset's committed warm start (1 thread, ~3 min)
+  python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
+  python gmts_lab.py analyze --preset cpu --batches 4 --out out/analyze
+  python gmts_lab.py decoy --model out/cpu        held-out accuracy with the real and with another problem's target
+
+Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches) goes to gmts.parse_args:
+--preset, --model, --out, --seed, --no-filter-groups, --steps ...
+
+  warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by supervision to
+           answer easy countdown problems with RANDOM well-formed answers (the prompt's numbers joined by random
+           signs). It learns the format and to copy the numbers, nothing that links its signs to the target:
+           whatever RL gains over its accuracy is learned from the reward.
+  compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes; a table of
+           final held-out accuracy and a plot.
+  analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio, per method,
+           with and without dynamic sampling), and how each score ranks tokens by their true gradient norm.
+  decoy    How much of a model's accuracy it reads from the target: the same held-out problems, each prompt
+           showing another problem's target, scored against its own.
+"""
+import argparse
+import collections
+import concurrent.futures as cf
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import random
+
+import torch
+
+import gmts
+
+# ---------------------------------------------------------------------------------------------------------------
+# Warm start [plumbing]: supervised warm-up on reference answers, so that a tiny random model earns some reward
+# ---------------------------------------------------------------------------------------------------------------
+
+def countdown_reference(row: dict) -> str:
+    if "expr" not in row:
+        raise ValueError("a countdown reference needs a generated row (with its 'expr'): use --data gen or easy")
+    return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
+
+def math_reference(row: dict) -> str:
+    return "\n".join(row.get("steps", [])) + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>"
+
+def logic_reference(row: dict) -> str:
+    roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
+    return f"Only one assignment is consistent.</think>\n<answer>{roles}</answer>"
+
+REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference}
+
+def countdown_blind(row: dict, rng: random.Random) -> dict:
+    """The row with a random well-formed answer in place of its solution: its numbers in their order joined by + or
+    -, each sign pattern whose value is >= 0 equally likely; that value becomes the row's target, so the reference's
+    `expr = value` line is true. The row's own target is never read."""
+    nums = row["nums"]
+    if not nums:
+        return row
+    for _ in range(100):  # uniform signs, redrawn until the value is >= 0: each such pattern equally likely
+        value, expr = gmts._sign_chain(nums, [rng.choice("+-") for _ in nums[1:]])
+        if value >= 0:
+            break
+    return dict(row, expr=expr, target=value)
+
+def well_formed(text: str, row: dict) -> bool:
+    """A countdown answer that uses each given number once in a valid expression, right or wrong."""
+    return gmts.countdown_value(text, row["nums"]) is not None
+
+def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int, lr: float, batch_size: int,
+               seed: int, blind: bool = False, log=print):
+    """Cross-entropy on the answer tokens of reference completions, after each row's own prompt.
+
+    draw(n, *key) -> n training rows (gmts.split_rows). blind=True (countdown) teaches countdown_blind's random
+    answers instead of the solutions: the model learns the format and to copy and add up the numbers, while its
+    choice of signs stays spread out and unrelated to the target shown in the prompt."""
+    if blind and task != "countdown":
+        raise ValueError(f"a blind warm-up is defined for countdown only, not {task}")
+    t = gmts.get_task(task)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)  # the blind answers' signs
+    model.train()
+    for step in range(1, steps + 1):
+        rows = draw(batch_size, "warm-up", step)
+        prompts = gmts.build_prompts(tok, t, rows, chat, short)
+        taught = [countdown_blind(r, rng) for r in rows] if blind else rows
+        answers = [REFERENCES[task](r) + tok.eos_token for r in taught]
+        p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
+        L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids))
+        ids = torch.full((batch_size, L), tok.pad_token_id)  # (n, L), right padded: no generation here
+        labels = torch.full((batch_size, L), -100)  # (n, L), -100: no loss on the prompt and the padding
+        for i, (p, a) in enumerate(zip(p_ids, a_ids)):
+            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+        attn = (labels != -100) | (torch.arange(L)[None, :] < torch.tensor([len(p) for p in p_ids])[:, None])
+        loss = model(input_ids=ids.to(device), attention_mask=attn.long().to(device), labels=labels.to(device)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if log and (step % 100 == 0 or step == steps):
+            log(f"warm-up {step}/{steps} | loss {loss.item():.3f}")
+
+# The recipe of warm/cpu. The loss drops (the copying appears) suddenly, between steps 250 and 400 at this lr.
+WARM_CPU = dict(hidden=96, layers=3, steps=1000, lr=1e-3, batch_size=32)
+
+def warm_start(out: str = gmts.WARM_CPU, log=print):
+    """Rebuild the CPU preset's warm start into `out` (safetensors + tokenizer), bit for bit: one thread, fixed seeds.
+    Its rows are the preset's training rows (seed 0). Other seeds hold out other rows, which the warm-up may have
+    shown, but only with random answers: it learned nothing about their solutions. -> (model, tok)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # another thread count may sum in another order: other bits
+    try:
+        cfg = gmts.Config(**gmts.PRESETS["cpu"])
+        draw, _ = gmts.split_rows(cfg)
+        model, tok = gmts.build_tiny(WARM_CPU["hidden"], WARM_CPU["layers"], seed=0)
+        sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
+                   WARM_CPU["steps"], WARM_CPU["lr"], WARM_CPU["batch_size"], seed=0, blind=True, log=log)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return model.eval(), tok
+
+def greedy_texts(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int) -> list:
+    return [t for i in range(0, len(rows), 64) for t in gmts.rollout(
+        model, tok, gmts.build_prompts(tok, task, rows[i:i + 64], chat, short), 1, max_new_tokens, greedy=True)["texts"]]
+
+def decoy_eval(model, tok, rows: list, chat: bool, short: bool, max_new_tokens: int) -> dict:
+    """Greedy accuracy and well-formed share on countdown rows as posed (real) and with each prompt showing the
+    previous row's target (decoy), both scored against the row's own target. real - decoy is what is read from it."""
+    task = gmts.get_task("countdown")
+    shown = {"real": rows, "decoy": [dict(r, target=rows[i - 1]["target"]) for i, r in enumerate(rows)]}
+    res = {}
+    for name, prompts_rows in shown.items():
+        texts = greedy_texts(model, tok, task, prompts_rows, chat, short, max_new_tokens)
+        res[f"{name}_acc"] = sum(task["reward"](t, r) == 1.0 for t, r in zip(texts, rows)) / len(rows)
+        res[f"{name}_valid"] = sum(well_formed(t, r) for t, r in zip(texts, rows)) / len(rows)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Comparison [plumbing]: methods x seeds, each a full gmts.train run from the same starting model
+# ---------------------------------------------------------------------------------------------------------------
+
+def plot_runs(runs: dict, png: str):
+    """runs: label -> list of run folders (seeds). Held-out accuracy and batch reward vs step, mean over seeds."""
+    from matplotlib.figure import Figure  # no pyplot: an importing notebook keeps its own backend
+
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
+    for label, outs in runs.items():
+        for ax, key in zip(axes, ("eval_acc", "reward_mean")):
+            series = [{r["step"]: r[key] for r in gmts.read_metrics(o) if key in r} for o in outs]
+            steps = sorted(set.intersection(*(set(x) for x in series)))
+            ax.plot(steps, [sum(x[t] for x in series) / len(series) for t in steps], label=label, marker=".")
+            ax.set(xlabel="step", ylabel=key + (f" (mean of {len(outs)} seeds)" if len(outs) > 1 else ""))
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+
+def _train_quietly(job: tuple) -> str:
+    """One run of compare, in a worker process."""
+    cfg, threads = job
+    torch.set_num_threads(threads)
+    return gmts.train(cfg, log=lambda *a: None)
+
+def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=print) -> dict:
+    """Each method with seeds cfg.seed, cfg.seed + 1, ... into OUT/<method>-s<seed>, all from cfg.model, in `workers`
+    processes (0: one per CPU core on a CPU, 1 on a GPU); two 1-thread processes beat one 2-thread one on 2 cores.
+    Writes OUT/compare.md and OUT/compare.png -> {method: [(eval_acc at step 0, final eval_acc) per seed]}."""
+    bad = [m for m in methods if m not in gmts.CHOICES["select"]]
+    if bad or not methods:
+        raise ValueError(f"--methods {','.join(methods)!r}: methods must be from {', '.join(gmts.CHOICES['select'])}")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
+    threads = max(1, torch.get_num_threads() // workers)
+    runs = [dataclasses.replace(cfg, select=m, seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
+            for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
+    for c in runs:
+        if gmts.run_files(c.out) and not cfg.overwrite:
+            raise ValueError(f"{c.out} holds a run; pass --overwrite to replace the comparison's runs")
+    log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
+        f"{threads} thread(s) each, all from {cfg.model}")
+    os.makedirs(cfg.out, exist_ok=True)
+    evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        pending = {ex.submit(_train_quietly, (c, threads)): c for c in runs}
+        for f in cf.as_completed(pending):
+            c = pending[f]
+            f.result()  # a worker's exception is raised here, with its type
+            evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out) if "eval_acc" in r]
+            log(f"{c.select} seed {c.seed}: eval_acc {evals[c.out][0][1]:.3f} -> {evals[c.out][-1][1]:.3f}")
+    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if c.select == m] for m in methods}
+    lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) | standard error of one "
+             f"accuracy (eval_size {cfg.eval_size}) | per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
+             "|---|---|---|---|---|"]
+    for m, v in table.items():
+        fin = torch.tensor([b for _, b in v], dtype=torch.float64)
+        p = float(fin.mean())
+        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | {p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
+                     f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | " + ", ".join(f"{b:.3f}" for _, b in v) + " |")
+    with open(os.path.join(cfg.out, "compare.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot_runs({m: [c.out for c in runs if c.select == m] for m in methods}, os.path.join(cfg.out, "compare.png"))
+    log("\n".join(lines))
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Analysis [paper: the claim] what does the kept tokens' gradient keep of the whole batch's, and does |H * omega|
+# rank tokens by their true gradient norm better than H does?
+# ---------------------------------------------------------------------------------------------------------------
+ANALYZED = ("random", "entropy", "gmts", "gradnorm")
+
+def flat_grad(model) -> torch.Tensor:
+    """Every parameter's .grad (zeros where None) as one fp64 vector, (P,)."""
+    return torch.cat([p.grad.flatten().double() if p.grad is not None else torch.zeros(p.numel(), dtype=torch.float64,
+                      device=p.device) for p in model.parameters()])
+
+def gradient_retention(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, methods=ANALYZED,
+                       seed: int = 0) -> dict:
+    """{method: (cos(g_S, g_all), |g_S| / |g_all|)} on one batch, on-policy (ratio = 1, omega = A).
+
+    g_S is the parameter gradient of the kept tokens' loss, g_all that of every valid token's, both divided by the
+    number of valid tokens (--loss-norm all: selection is then a pure masking of one sum). Tokens add and cancel,
+    so this is what an update keeps, not a per-token ranking. NaN where g_all is 0 (every A = 0)."""
+    mask = batch["resp_mask"]  # (N, T)
+    logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
+    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high)  # (N, T)
+
+    def grad(sel):
+        model.zero_grad(set_to_none=True)
+        gmts.loss_backward(model, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
+                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=cfg.micro_batch,
+                           chunk=cfg.stats_chunk)
+        return flat_grad(model)
+    g_all = grad(mask)
+    gen, res = torch.Generator().manual_seed(seed), {}
+    for m in methods:
+        sel = gmts.select_tokens(gmts.token_scores(m, entropy, grad_norm, om, gen), mask,
+                                 1.0 if m == "all" else cfg.rho, nonzero=m in ("gmts", "gradnorm"))
+        g, n_all = grad(sel), float(g_all.norm())
+        res[m] = ((float(g @ g_all) / (float(g.norm()) * n_all) if g.norm() > 0 else 0.0, float(g.norm()) / n_all)
+                  if n_all > 0 else (math.nan, math.nan))
+    model.zero_grad(set_to_none=True)
+    return res
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman rank correlation with average ranks for ties; NaN when either side is constant. (n,), (n,) -> float"""
+    def ranks(x):
+        r = torch.empty(len(x), dtype=torch.float64)
+        r[x.argsort()] = torch.arange(len(x), dtype=torch.float64)
+        _, inv = torch.unique(x, return_inverse=True)
+        return (torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, r) / inv.bincount())[inv]
+    if len(a) < 3:
+        return float("nan")
+    ra, rb = ranks(a.double().cpu()), ranks(b.double().cpu())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = float((ra.square().sum() * rb.square().sum()).sqrt())
+    return float((ra * rb).sum()) / den if den > 0 else float("nan")
+
+def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """TRUE per-token gradient norm w.r.t. all parameters, ||d l_t / d theta|| = |A_i| * ||d logp_t / d theta||
+    (on-policy: ratio = 1, omega = A), by one autograd backward per token. rows, cols (K,) index tokens -> (K,)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    head = model.get_output_embeddings()
+    uniq, where = torch.unique(rows, return_inverse=True)
+    h = gmts.response_hidden(model, batch, uniq)  # (u, T, d)
+    logp = gmts.head_logp(h[where, cols], head, batch["comp_ids"][rows, cols], temperature)  # (K,)
+    out = []
+    for k in range(len(rows)):
+        g = torch.autograd.grad(logp[k], params, retain_graph=k < len(rows) - 1, allow_unused=True)
+        out.append(float(torch.sqrt(sum((x.float() ** 2).sum() for x in g if x is not None))))
+    return adv[rows].abs().cpu() * torch.tensor(out)
+
+def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max_tokens: int = 256,
+                  per_answer: int = 24, seed: int = 0) -> dict:
+    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * grad_norm and (b) the
+    parameter-gradient norm, within answers (mean over answers) and across the sampled tokens of the batch.
+    Tokens: up to per_answer random ones from random answers with A != 0 (an A = 0 token's norm is exactly 0, and
+    such ties would decide a batch ranking). -> {(method, 'logit_within' | ...): float}"""
+    g = torch.Generator().manual_seed(seed)
+    logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, temperature, 8, 1024)
+    mask = batch["resp_mask"].cpu()
+    live = (adv != 0).cpu()
+    rows, cols = [], []
+    for i in torch.randperm(mask.shape[0], generator=g).tolist():
+        valid = mask[i].nonzero().squeeze(1) if live[i] else torch.zeros(0, dtype=torch.long)
+        take = valid[torch.randperm(len(valid), generator=g)[:per_answer]]
+        rows += [i] * len(take)
+        cols += take.tolist()
+        if len(rows) >= max_tokens:
+            break
+    rows, cols = torch.tensor(rows[:max_tokens], dtype=torch.long), torch.tensor(cols[:max_tokens], dtype=torch.long)
+    om = adv[:, None].expand_as(entropy)  # omega = A on-policy
+    r_, c_ = rows.to(entropy.device), cols.to(entropy.device)
+    targets = dict(logit=(om.abs() * grad_norm)[r_, c_].cpu(),
+                   param=param_grad_norms(model, batch, adv, r_, c_, temperature) if len(rows) else torch.zeros(0))
+    res = {}
+    for m in ANALYZED:
+        s = gmts.token_scores(m, entropy, grad_norm, om, g)[r_, c_].cpu()
+        for t, y in targets.items():
+            within = [spearman(s[rows == i], y[rows == i]) for i in rows.unique().tolist()]
+            within = [w for w in within if not math.isnan(w)]
+            res[(m, f"{t}_within")] = sum(within) / len(within) if within else float("nan")
+            res[(m, f"{t}_batch")] = spearman(s, y)
+    return res
+
+def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key) -> list:
+    """Steps 1-4 of gmts.train with dynamic sampling: rollout batches [(batch, rewards, adv), ...] of B prompts
+    each, until B groups have unequal rewards or cfg.max_resample batches are drawn. parts[0] is the raw batch."""
+    B, G, parts = cfg.prompts_per_step, cfg.group_size, []
+    n_informative = lambda r: int((r.view(-1, G).amax(1) != r.view(-1, G).amin(1)).sum())  # noqa: E731
+    while len(parts) < cfg.max_resample:
+        rows = draw(B, key, len(parts))
+        batch = gmts.rollout(model, tok, gmts.build_prompts(tok, task, rows, chat, cfg.short_prompt), G,
+                             cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+        rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], [r for r in rows for _ in
+                                                                                       range(G)])])  # (N,)
+        adv = gmts.group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
+        parts.append((batch, rewards, adv))
+        if sum(n_informative(r) for _, r, _ in parts) >= B:
+            break
+    return parts
+
+SPEARMAN_COLS = ("logit_within", "logit_batch", "param_within", "param_batch")
+
+def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
+    """Roll out `batches` batches from cfg.model and print one table: per method, cos(g_S, g_all) and |g_S|/|g_all|
+    (mean +- std over batches) on the raw batch (filter off) and on its dynamic-sampling version (filter on:
+    informative groups only, more drawn as in train), and the ranking study on the raw batch. OUT/analysis.json."""
+    device = gmts.pick_device(cfg.device)
+    gmts.set_seed(cfg.seed)
+    task = gmts.get_task(cfg.task)
+    draw, _ = gmts.split_rows(cfg)
+    model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    chat = gmts.use_chat(tok, cfg.chat_template)
+    acc = collections.defaultdict(list)
+    for b in range(batches):
+        gmts.set_seed(cfg.seed * 1_000_003 + b)
+        parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
+        raw = parts[0]
+        on = gmts.keep_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
+        log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, {int((raw[2] == 0).sum())}/{len(raw[2])} answers "
+            f"with A = 0; filter on: {len(parts)} rollout batch(es), {len(on[2]) // cfg.group_size} informative groups")
+        for name, (batch, _, adv) in (("off", raw), ("on", on)):
+            for m, (cos, ratio) in gradient_retention(model, batch, adv, cfg, seed=cfg.seed + b).items():
+                acc[f"{m}/cos_{name}"].append(cos)
+                acc[f"{m}/ratio_{name}"].append(ratio)
+        for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature, seed=cfg.seed + b).items():
+            acc[f"{m}/{c}"].append(v)
+    res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
+    log(analysis_table(res))
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "analysis.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+def _mean(v: list) -> tuple:
+    """(mean, population std) of the non-NaN values; NaN, NaN if there are none."""
+    x = torch.tensor([a for a in v if not math.isnan(a)], dtype=torch.float64)
+    return (float(x.mean()), float(x.std(unbiased=False))) if len(x) else (math.nan, math.nan)
+
+def analysis_table(res: dict) -> str:
+    """The markdown table of analyze's result. gradnorm's score IS the logit-gradient norm: those cells are 1 by
+    construction, labelled as the identity, not a finding."""
+    head = ("| score | cos(g_S, g_all) filter off | \\|g_S\\|/\\|g_all\\| filter off | cos(g_S, g_all) filter on | "
+            "\\|g_S\\|/\\|g_all\\| filter on | Spearman vs logit-grad norm, within answers | same, batch (A != 0) | "
+            "Spearman vs param-grad norm, within answers | same, batch (A != 0) |")
+    lines = [head, "|---" * 9 + "|"]
+    for m in ANALYZED:
+        cells = ["{:.3f} +- {:.3f}".format(*_mean(res[f"{m}/{k}_{f}"])) for f in ("off", "on") for k in ("cos", "ratio")]
+        cells += ["1 (identity)" if m == "gradnorm" and c.startswith("logit") else f"{res[f'{m}/{c}']:.3f}"
+                  for c in SPEARMAN_COLS]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI [plumbing]
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="gmts_lab.py", description="The experiments around gmts.py (see the module "
+                                "docstring); flags not listed here go to gmts.py's parser.")
+    p.error = gmts.die
+    p.add_argument("command", choices=["warm", "compare", "analyze", "decoy"])
+    p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods")
+    p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
+    p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
+    p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
+    lab, rest = p.parse_known_args(argv)
+    try:
+        if lab.command == "warm":
+            w = argparse.ArgumentParser(prog="gmts_lab.py warm")
+            w.error = gmts.die
+            w.add_argument("--out", default=gmts.WARM_CPU, help="folder for the model and tokenizer")
+            out = w.parse_args(rest).out
+            model, tok = warm_start(out)
+            cfg = gmts.Config(**gmts.PRESETS["cpu"])
+            ev = decoy_eval(model, tok, gmts.split_rows(cfg)[1], gmts.use_chat(tok, cfg.chat_template),
+                            cfg.short_prompt, cfg.max_new_tokens)
+            print(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f}, well-formed "
+                  f"{ev['real_valid']:.3f}; another problem's target shown: acc {ev['decoy_acc']:.3f}")
+            return
+        cfg = gmts.parse_args(rest)
+        gmts.check_config(cfg)
+        if lab.command == "compare":
+            return compare(cfg, [m.strip() for m in lab.methods.split(",") if m.strip()], lab.seeds, lab.workers)
+        return analyze(cfg, lab.batches) if lab.command == "analyze" else decoy_main(cfg)
+    except ValueError as e:  # bad input
+        gmts.die(str(e), 2)
+    except OSError as e:  # a model that cannot be loaded, a full disk
+        gmts.die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+
+def decoy_main(cfg: gmts.Config):
+    """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json), else the flags'."""
+    if os.path.isfile(os.path.join(cfg.model, "run_config.json")):
+        saved = gmts.read_run_config(cfg.model)
+        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in ("task", "data", "seed", "eval_size", "short_prompt",
+                                                                 "chat_template", "max_new_tokens") if k in saved})
+    if cfg.task != "countdown":
+        raise ValueError(f"decoy is defined for countdown, not --task {cfg.task}")
+    model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    rows = gmts.split_rows(cfg)[1]
+    ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt, cfg.max_new_tokens)
+    print(f"| model | held-out greedy acc | same, other targets shown | read from the target | well-formed |\n"
+          f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
+          f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | {ev['real_valid']:.3f} |")
+    return ev
+
+
+if __name__ == "__main__":
+    main()

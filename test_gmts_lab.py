@@ -1,0 +1,296 @@
+"""Tests for gmts_lab.py, in the order of its sections. Offline, CPU:  python -m pytest -q test_gmts_lab.py
+
+test_warm_start_rebuilds_bit_identical retrains the committed warm start (about 3 minutes on one thread); the rest
+take seconds.
+"""
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
+
+import collections
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+
+import gmts
+import gmts_lab as lab
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    return model.float().eval(), tok
+
+
+def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
+    torch.manual_seed(seed)
+    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "x", "Use 9 9 to make 81.",
+                                                          "Make 5 from 1 2 2."]]
+    b = gmts.rollout(model, tok, prompts[:n_prompts], G, new)
+    adv = gmts.group_advantages(torch.tensor([float(i % 3 == 0) for i in range(n_prompts * G)]), G)
+    return b, adv
+
+
+# ---- warm start --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", sorted(gmts.TASKS))
+@pytest.mark.parametrize("data", ["gen", "easy"])
+def test_references_score_one_and_generators_are_deterministic(task, data):
+    t = gmts.get_task(task)
+    rows = t["load"](data, 200, 1)
+    assert rows == t["load"](data, 200, 1)
+    assert rows != t["load"](data, 200, 2)
+    for row in rows:
+        ref = lab.REFERENCES[task](row)
+        assert "**" not in ref and ref.count("</think>") == 1 and "<think>" not in ref
+        assert t["reward"](ref, row) == 1.0, (row, ref)
+        assert t["reward"]("no answer here", row) == 0.0
+        for short in (False, True):
+            assert isinstance(t["prompt"](row, short=short), str)
+        assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
+
+
+def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkeypatch):
+    """blind: every warm-up prompt is the row's own, and the answer it is trained on is a random well-formed one over
+    the same numbers (with its true value), not the solution; without blind it is the solution."""
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    task = gmts.get_task("countdown")
+    rows = gmts.load_rows("countdown", "easy", 40, seed=0)
+    draw = lambda n, *key: random.Random(str(key)).choices(rows, k=n)  # noqa: E731
+    seen = {"prompts": [], "answers": []}
+    build, ref = gmts.build_prompts, lab.REFERENCES["countdown"]
+
+    def spy_build(*a, **k):
+        prompts = build(*a, **k)
+        seen["prompts"] += prompts
+        return prompts
+
+    def spy_ref(row):
+        seen["answers"].append(row)
+        return ref(row)
+    monkeypatch.setattr(gmts, "build_prompts", spy_build)
+    monkeypatch.setitem(lab.REFERENCES, "countdown", spy_ref)
+    for blind in (True, False):
+        seen["prompts"].clear(), seen["answers"].clear()
+        lab.sft_warmup(model, tok, "countdown", draw, chat=True, short=True, steps=4, lr=1e-3, batch_size=8, seed=0,
+                       blind=blind, log=None)
+        assert len(seen["prompts"]) == len(seen["answers"]) == 32
+        same = 0
+        for prompt, ans in zip(seen["prompts"], seen["answers"]):
+            m = re.search(r"Make (\d+) from (\d) (\d) (\d)\.", prompt)
+            row = next(r for r in rows if task["prompt"](r, short=True) == m.group(0))  # the prompt is a row's own
+            assert ans["nums"] == row["nums"]
+            value = gmts.countdown_value(f"<answer>{ans['expr']}</answer>", row["nums"])
+            assert value == ans["target"] >= 0 and re.fullmatch(r"\d [+-] \d [+-] \d", ans["expr"]), ans
+            assert lab.well_formed(ref(ans), row)
+            same += ans == row
+        assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
+    with pytest.raises(ValueError, match="countdown only"):
+        lab.sft_warmup(model, tok, "math", draw, True, True, 1, 1e-3, 2, 0, blind=True, log=None)
+
+
+def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
+    def draws(nums, n=3000):
+        rng = random.Random(0)
+        return collections.Counter(lab.countdown_blind({"nums": nums, "target": 0}, rng)["expr"] for _ in range(n))
+    c = draws([4, 3, 2])  # 4 - 3 - 2 = -1 is never drawn; the other three patterns a third each
+    assert set(c) == {"4 + 3 + 2", "4 + 3 - 2", "4 - 3 + 2"} and all(900 < v < 1100 for v in c.values())
+    c = draws([50, 25, 3, 1], 4000)  # four numbers: all 8 patterns are >= 0, an eighth each
+    assert len(c) == 8 and all(400 < v < 600 for v in c.values())
+    for row in ({"nums": [7, 1, 5], "target": 3}, {"nums": [7, 1, 5], "target": 13}):  # the target is not read
+        assert lab.countdown_blind(row, random.Random(5))["expr"] == lab.countdown_blind(
+            {"nums": [7, 1, 5], "target": 1}, random.Random(5))["expr"]
+    got = lab.countdown_blind({"nums": [9, 8, 7], "target": 24}, random.Random(1))  # a .jsonl row: no 'expr'
+    assert lab.countdown_reference(got).endswith(f"<answer>{got['expr']}</answer>")
+    assert lab.countdown_blind({"nums": [], "target": 1}, random.Random(0)) == {"nums": [], "target": 1}
+    with pytest.raises(ValueError, match="generated row"):
+        lab.countdown_reference({"nums": [9, 8, 7], "target": 24})
+
+
+def test_committed_warm_start_is_small_and_is_the_cpu_preset_model():
+    files = os.listdir(gmts.WARM_CPU)
+    assert "model.safetensors" in files and "config.json" in files
+    assert sum(os.path.getsize(os.path.join(gmts.WARM_CPU, f)) for f in files) <= 2_000_000
+    assert gmts.PRESETS["cpu"]["model"] == gmts.WARM_CPU
+    model, tok = gmts.load_model(gmts.WARM_CPU, torch.device("cpu"))
+    assert model.config.hidden_size == 96 and model.config.num_hidden_layers == 3
+    assert sum(p.numel() for p in model.parameters()) == 274_944
+
+
+def test_warm_start_rebuilds_bit_identical(tmp_path):
+    """python gmts_lab.py warm reproduces the committed warm/cpu tensor for tensor, bit for bit (one thread)."""
+    from safetensors.torch import load_file
+
+    lab.warm_start(str(tmp_path), log=None)
+    new, old = load_file(tmp_path / "model.safetensors"), load_file(os.path.join(gmts.WARM_CPU, "model.safetensors"))
+    assert new.keys() == old.keys()
+    for k in old:
+        assert torch.equal(new[k], old[k]), k
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_text() == open(os.path.join(gmts.WARM_CPU, name)).read()
+
+
+def test_decoy_separates_reading_the_target_from_guessing(monkeypatch):
+    """An oracle that solves the prompt it is shown scores 1.0 on the real targets and falls on the decoys; a model
+    that ignores the target (always +, +) scores the same on both; both write well-formed answers."""
+    rows = gmts.load_rows("countdown", "easy", 64, seed=3)
+
+    def oracle(model, tok, task, shown, *a):
+        out = []
+        for r in shown:
+            signs = next((s for s in ("++", "+-", "-+", "--") if gmts._sign_chain(r["nums"], s)[0] == r["target"]),
+                         "++")
+            out.append(f"<answer>{gmts._sign_chain(r['nums'], signs)[1]}</answer>")
+        return out
+    monkeypatch.setattr(lab, "greedy_texts", oracle)
+    ev = lab.decoy_eval(None, None, rows, True, True, 64)
+    assert ev["real_acc"] == 1.0 and ev["decoy_acc"] < 0.5 and ev["real_valid"] == ev["decoy_valid"] == 1.0
+    monkeypatch.setattr(lab, "greedy_texts", lambda m, t, task, shown, *a: [
+        f"<answer>{gmts._sign_chain(r['nums'], '++')[1]}</answer>" for r in shown])
+    ev = lab.decoy_eval(None, None, rows, True, True, 64)
+    assert ev["real_acc"] == ev["decoy_acc"] > 0
+
+
+# ---- comparison --------------------------------------------------------------------------------------------------
+
+
+def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
+    out, lines = tmp_path / "cmp", []
+    cfg = gmts.parse_args(["--preset", "smoke", "--out", str(out)])
+    table = lab.compare(cfg, ["all", "gmts"], seeds=2, workers=2, log=lines.append)
+    assert lines[0].startswith("4 runs (2 seed(s) x 2 method(s)) in 2 process(es), 1 thread(s) each")
+    assert set(table) == {"all", "gmts"} and all(len(v) == 2 for v in table.values())
+    table = (out / "compare.md").read_text().splitlines()
+    assert table[0].startswith("| method") and "standard error" in table[0]
+    assert [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts"]
+    for row in table[2:]:  # mean +- std, and sqrt(p (1 - p) / eval_size) of that mean
+        p = float(row.split("|")[3].split("+-")[0])
+        assert float(row.split("|")[4]) == pytest.approx(math.sqrt(p * (1 - p) / 4), abs=1e-3)
+    assert (out / "compare.png").stat().st_size > 1000
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["all-s0", "all-s1", "gmts-s0", "gmts-s1"]
+    for run in ("all-s0", "gmts-s1"):  # every run starts from the same model
+        assert json.loads((out / run / "run_config.json").read_text())["model"] == gmts.WARM_CPU
+    for args, needle in ((["--methods", "all,best", "--out", str(tmp_path / "x")], "--methods"),
+                         (["--methods", "all,gmts", "--seeds", "2", "--out", str(out)], "--overwrite")):
+        with pytest.raises(SystemExit) as e:  # the second: finished runs are not replaced silently
+            lab.main(["compare", "--preset", "smoke", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1
+    ev = lab.main(["decoy", "--model", str(out / "gmts-s1")])  # the run's own held-out rows (seed 1, 4 problems)
+    assert "seed 1, 4 problems" in capsys.readouterr().out and set(ev) == {"real_acc", "decoy_acc", "real_valid",
+                                                                          "decoy_valid"}
+
+
+# ---- analysis ----------------------------------------------------------------------------------------------------
+
+
+def test_spearman_against_hand_values():
+    spearman = lab.spearman
+    assert spearman(torch.tensor([1., 2., 3., 4.]), torch.tensor([10., 20., 30., 40.])) == pytest.approx(1.0)
+    assert spearman(torch.tensor([1., 2., 3., 4.]), torch.tensor([4., 3., 2., 1.])) == pytest.approx(-1.0)
+    # ties get average ranks: x ranks [1, 2.5, 2.5, 4], y ranks [1, 2, 3, 4] -> r = 4.5 / sqrt(4.5 * 5)
+    assert spearman(torch.tensor([1., 2., 2., 3.]), torch.tensor([1., 2., 3., 4.])) == pytest.approx(
+        4.5 / math.sqrt(4.5 * 5))
+    assert math.isnan(spearman(torch.ones(5), torch.arange(5.)))
+
+
+def test_gmts_orders_like_entropy_within_an_answer():
+    torch.manual_seed(0)
+    H = torch.rand(4, 30)
+    om = gmts.omega(torch.tensor([2.0, -0.4, 1.0, -1.0]), torch.ones(4, 30), 0.2, 0.28)
+    g = gmts.token_scores("gmts", H, H, om)
+    for i in range(4):
+        assert lab.spearman(g[i], H[i]) == pytest.approx(1.0)
+
+
+def test_param_grad_norms_match_brute_force(tiny):
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=5)
+    rows = torch.tensor([0, 0, 4, 8])
+    cols = torch.tensor([0, 3, 1, 2])
+    ours = lab.param_grad_norms(model, b, adv, rows, cols, 1.0)
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    P = b["prompt_ids"].shape[1]
+    for k, (i, t) in enumerate(zip(rows.tolist(), cols.tolist())):
+        model.zero_grad()
+        out = model(input_ids=ids[i:i + 1], attention_mask=attn[i:i + 1],
+                    position_ids=(attn[i:i + 1].cumsum(-1) - 1).clamp_min(0)).logits
+        lp = torch.log_softmax(out[0, P - 1 + t].float(), -1)[b["comp_ids"][i, t]]
+        (-adv[i] * lp).backward()
+        assert ours[k].item() == pytest.approx(float(lab.flat_grad(model).norm()), rel=1e-4, abs=1e-7)
+    model.zero_grad()
+
+
+def test_full_gradient_equals_brute_force_autograd(tiny):
+    """g_all as analyze computes it (gmts.loss_backward over every valid token, then flat_grad) is the gradient of
+    -sum_t A * logp_t / n_valid written the plain way: one full forward, full log_softmax (on-policy, ratio 1)."""
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=2, n_prompts=4)
+    mask = b["resp_mask"]
+    logp = gmts.batch_token_stats(model, b, 1.0, 3, 7)[0]
+    model.zero_grad(set_to_none=True)
+    gmts.loss_backward(model, b, adv, mask, logp, float(mask.sum()), temperature=1.0, clip_low=0.2, clip_high=0.28,
+                       micro_batch=3, chunk=7)
+    ours = lab.flat_grad(model)
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    P = b["prompt_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    lp = torch.log_softmax(logits[:, P - 1:-1].float(), -1).gather(-1, b["comp_ids"][..., None]).squeeze(-1)
+    (-(adv[:, None] * lp * mask).sum() / mask.sum()).backward()
+    brute = lab.flat_grad(model)
+    model.zero_grad(set_to_none=True)
+    assert brute.norm() > 0 and torch.allclose(ours, brute, rtol=1e-4, atol=1e-7)
+
+
+def test_all_tokens_retain_the_whole_gradient(tiny):
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=3, n_prompts=4)
+    cfg = gmts.Config(micro_batch=5, stats_chunk=11)
+    res = lab.gradient_retention(model, b, adv, cfg, methods=("all",))
+    assert res["all"] == (pytest.approx(1.0, abs=1e-9), pytest.approx(1.0, abs=1e-9))
+    res = lab.gradient_retention(model, b, torch.zeros_like(adv), cfg, methods=("all", "gmts"))
+    assert all(math.isnan(x) for v in res.values() for x in v)  # every A = 0: there is no gradient to retain
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_gmts_retains_more_of_the_gradient_than_random(tiny):
+    """Half the groups have all-equal rewards (A = 0, no gradient) and the other half one clear right answer each:
+    random spends about half its budget on dead tokens, gmts none, and its kept gradient points closer to g_all."""
+    model, tok = tiny
+    torch.manual_seed(7)
+    prompts = [gmts.render_prompt(tok, f"Make {t} from 1 2 3.", True) for t in (0, 2, 4, 6)]
+    b = gmts.rollout(model, tok, prompts, 4, 12)
+    adv = gmts.group_advantages(torch.tensor([0., 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0]), 4)  # (16,)
+    cfg = gmts.Config(rho=0.2)
+    cos = {m: [] for m in ("random", "gmts")}
+    for seed in range(4):
+        for m, (c, _) in lab.gradient_retention(model, b, adv, cfg, methods=tuple(cos), seed=seed).items():
+            cos[m].append(c)
+    assert min(cos["gmts"]) >= max(cos["random"]), cos
+
+
+def test_analyze_cli_prints_the_table(tmp_path, capsys):
+    lab.main(["analyze", "--preset", "smoke", "--batches", "1", "--out", str(tmp_path / "a")])
+    table = [x for x in capsys.readouterr().out.splitlines() if x.startswith("|")]
+    assert "cos(g_S, g_all) filter off" in table[0] and "filter on" in table[0] and "Spearman" in table[0]
+    assert [x.split("|")[1].strip() for x in table[2:]] == ["random", "entropy", "gmts", "gradnorm"]
+    assert table[-1].count("1 (identity)") == 2  # gradnorm's score is the logit-gradient norm itself
+    res = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert set(res) == {f"{m}/{c}" for m in ("entropy", "gmts", "gradnorm", "random")
+                        for c in ("logit_within", "logit_batch", "param_within", "param_batch", "cos_off", "cos_on",
+                                  "ratio_off", "ratio_on")}
+    assert len(res["gmts/cos_on"]) == 1

@@ -1,6 +1,8 @@
-"""Tests for gmts.py, in the order of its sections. Offline, CPU:  python -m pytest -q
+"""Tests for gmts.py, in the order of its sections. Offline, CPU:  python -m pytest -q test_gmts.py
 
-Every hand-derived formula is checked against autograd or a slow reference loop (micrograd style).
+Every hand-derived formula is checked against autograd or a slow reference loop (micrograd style). Runs go through
+gmts.main(argv) in this process (no torch import per run); the real CLI and SIGKILL run in subprocesses.
+Hypothesis: a CI profile (500 examples per verifier); HYPOTHESIS_PROFILE=thorough runs the old 3400.
 """
 import os
 import tempfile
@@ -10,61 +12,60 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
 
-import json
-import math
-import shutil
-import subprocess
-import sys
-
-import pytest
-import torch
 import ast
 import collections
 import gc
 import importlib.util
 import inspect
 import itertools
+import json
+import math
 import random
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from fractions import Fraction
 
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import gmts
 from gmts import (TASKS, countdown_problem, countdown_reward, get_task, load_rows, logic_problem, logic_reward,
                   math_problem, math_reward, _CD_CHARS, _DEC, _FRAC, _NUM_TOKEN)
-
-import gmts
-from gmts import (completion_mask, group_advantages, omega, select_tokens, spearman, token_scores, token_stats)
+from gmts import completion_mask, group_advantages, omega, select_tokens, token_scores, token_stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ENV1 = dict(os.environ, OMP_NUM_THREADS="1")  # every subprocess runs on one thread
+
+settings.register_profile("ci", max_examples=500, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck))
+settings.register_profile("thorough", max_examples=3400, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck))
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+PROPS = settings(settings.get_profile("thorough" if THOROUGH else "ci"))
 
 
 # ---- tasks and verifiers ---------------------------------------------------------------------------------------
-# Verifiers must be right on the table cases, never raise and stay under 100 ms per call on anything
-# (hypothesis feeds them > 10,000 adversarial inputs).
+# Verifiers must be right on the table cases, never raise and return a float on anything (hypothesis feeds them
+# adversarial inputs). Timing: a generous bound that only catches a runaway (the benchmark measures speed).
 
-FAST = 0.1  # seconds: the bound on every verifier call
-PROPS = settings(max_examples=3400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+SLOW = 2.0  # seconds: no single verifier call may take this long
 
 
 def timed(fn, *args):
-    """Call a verifier, check it returns a float within FAST seconds (one retry, GC off: a stray pause of the
-    interpreter is not the verifier's doing), return the score. Calls past the last-resort except-net
-    (functools.wraps' __wrapped__), so "never raises" is checked on the verifier's own code."""
+    """Call a verifier past its last-resort except-net (functools.wraps' __wrapped__), so "never raises" is checked
+    on the verifier's own code; check it returns a float well within SLOW seconds; return the score."""
     fn = getattr(fn, "__wrapped__", fn)
-    for _ in range(2):
-        gc.disable()
-        try:
-            t = time.perf_counter()
-            out = fn(*args)
-            dt = time.perf_counter() - t
-        finally:
-            gc.enable()
-        assert isinstance(out, float), out
-        if dt < FAST:
-            return out
-    raise AssertionError(f"{fn.__name__} took {dt * 1e3:.0f} ms")
+    t = time.perf_counter()
+    out = fn(*args)
+    dt = time.perf_counter() - t
+    assert isinstance(out, float), out
+    assert dt < SLOW, f"{fn.__name__} took {dt:.1f} s"
+    return out
 
 
 def A(s):
@@ -146,8 +147,6 @@ def test_countdown_value_hand_computed():
     assert gmts.countdown_value(A("8 + 3"), [1, 3, 8]) is None  # a number left out: not well-formed
     assert gmts.countdown_value(A("8 + 3 + 1") + " <answer>8 + 3</answer>", [1, 3, 8]) is None  # the LAST answer
     assert gmts.countdown_value("8 + 3 + 1", [1, 3, 8]) is None
-    valid = TASKS["countdown"]["valid"]
-    assert valid(A("9 - 3 - 1"), {"nums": [9, 3, 1]}) and not valid(A("9 - 3 - 2"), {"nums": [9, 3, 1]})
 
 
 # ---- math: (completion, reference answer, expected) ----
@@ -235,7 +234,7 @@ def test_logic_reward(text, want):
     assert timed(logic_reward, text, SOL) == want
 
 
-# ---- property tests: never raise, always fast ----
+# ---- property tests: never raise, never run away ----
 VERIFIERS = {
     "countdown": lambda s: timed(countdown_reward, s, N, T),
     "math": lambda s: timed(math_reward, s, "72"),
@@ -263,7 +262,7 @@ def test_adversarial_never_raises(task, s):
     assert VERIFIERS[task](s) in (0.0, 0.1, 1.0)
 
 
-@settings(max_examples=500, deadline=None, database=None)
+@settings(PROPS, max_examples=500 if THOROUGH else 200)
 @given(seed=st.integers(0, 10 ** 9), gaps=st.lists(st.text(alphabet=" \n\t", max_size=3), min_size=64, max_size=64),
        sep=st.sampled_from([",", "\n", ";", " , ", ",\n"]))
 def test_whitespace_inside_answers_is_ignored(seed, gaps, sep):
@@ -287,7 +286,7 @@ def test_regexes_do_not_backtrack():
     for s in nasty:
         t = time.perf_counter()
         _CD_CHARS.fullmatch(s), _DEC.fullmatch(s), _FRAC.fullmatch(s), _NUM_TOKEN.search(s)
-        assert time.perf_counter() - t < FAST, s[:20]
+        assert time.perf_counter() - t < SLOW, s[:20]  # backtracking on 40k characters would take minutes
 
 
 # ---- generators ----
@@ -367,15 +366,12 @@ def test_math_problems():
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 @pytest.mark.parametrize("data", ["gen", "easy"])
-def test_references_score_one_and_generators_are_deterministic(task, data):
-    t = get_task(task)
+def test_generators_are_deterministic_and_prompts_ask_for_the_format(task, data):
+    t = get_task(task)  # (the reference answers and their test moved to gmts_lab.py)
     rows = t["load"](data, 200, 1)
     assert rows == t["load"](data, 200, 1)
     assert rows != t["load"](data, 200, 2)
     for row in rows:
-        ref = t["reference"](row)
-        assert "**" not in ref and ref.count("</think>") == 1 and "<think>" not in ref
-        assert t["reward"](ref, row) == 1.0, (row, ref)
         assert t["reward"]("no answer here", row) == 0.0
         for short in (False, True):
             assert isinstance(t["prompt"](row, short=short), str)
@@ -395,7 +391,7 @@ def test_prompts():
 def test_tasks_and_get_task():
     assert sorted(TASKS) == ["countdown", "logic", "math"]
     for t in TASKS.values():
-        assert {"load", "prompt", "reward", "reference"} <= set(t) and all(callable(t[k]) for k in t)
+        assert set(t) == {"load", "prompt", "reward"} and all(callable(t[k]) for k in t)
     with pytest.raises(ValueError, match="unknown task 'x'; choose one of: countdown, logic, math"):
         get_task("x")
     with pytest.raises(ValueError, match="choose one of"):
@@ -423,7 +419,7 @@ def test_jsonl_good_files(tmp_path):
                                      json.dumps({"question": "q2", "answer": 72})])
     rows = load_rows("math", p, 0, 0)
     assert [r["answer"] for r in rows] == ["1450", "72"] and rows[0]["steps"] == ["He has 2 apples"]
-    assert get_task("math")["reward"](get_task("math")["reference"](rows[0]), rows[0]) == 1.0
+    assert get_task("math")["reward"]("<answer>\\boxed{1,450}</answer>", rows[0]) == 1.0
     lg = logic_problem(random.Random(3))
     p = write(tmp_path, "l.jsonl", [json.dumps(lg)])
     assert load_rows("logic", p, 0, 0) == [lg]
@@ -462,15 +458,16 @@ def test_logic_has_no_hub_set_and_splits_are_checked():
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets is not installed")
 @pytest.mark.parametrize("task", ["countdown", "math"])
 def test_hub_offline_gives_a_clean_error(task):
+    import datasets  # noqa: F401  (a cold import is not what is timed)
     t = time.perf_counter()
     with pytest.raises(ValueError, match=r"could not load .* from the hub \(no network\?\): .*; use --data gen"):
         load_rows(task, "hf", 10, 0)
-    assert time.perf_counter() - t < 20
+    assert time.perf_counter() - t < 20  # offline fails at once: no network retries
 
 
 def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, os.path.join(HERE, "gmts.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=HERE)
+                          timeout=timeout, cwd=HERE, env=ENV1)
 
 
 @pytest.fixture(scope="module")
@@ -504,11 +501,13 @@ def test_model_name_resolution():
 
 def test_chat_decision(tiny):
     _, tok = tiny
-    assert gmts.use_chat(tok) is True  # eos <|im_end|> + a template: instruct-style
-    assert gmts.use_chat(tok, "no") is False
+    assert gmts.use_chat(tok) is True and gmts.use_chat(tok, "auto") is True  # eos <|im_end|> + a template
+    assert gmts.use_chat(tok, "no") is False and gmts.use_chat(tok, "yes") is True
     prompt = gmts.render_prompt(tok, "Q?", chat=True)
     assert prompt.startswith("<|im_start|>system") and prompt.endswith(gmts.ASSISTANT_PREFIX)
     assert gmts.render_prompt(tok, "Q?", chat=False).endswith("Assistant: " + gmts.ASSISTANT_PREFIX)
+    assert gmts.parse_args(["--chat-template", "no"]).chat_template == "no"
+    assert gmts.Config().chat_template == "auto"
 
 
 # ---- rollouts --------------------------------------------------------------------------------------------------
@@ -557,7 +556,40 @@ def test_rollout_shapes_and_flags(tiny):
     assert (b["resp_mask"][:, 0]).all()  # every answer has at least one token
 
 
-# ---- group advantages ------------------------------------------------------------------------------------------
+def test_rollout_passes_no_logits_processor_whatever_the_checkpoint_sets(tmp_path, monkeypatch):
+    """A checkpoint's generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...) must not
+    reach rollout's sampling: at T = 1 generate() builds an EMPTY logits-processor list, so answers are drawn from
+    the policy whose log-probs are trained on. Spied on generate's own processor builder, through rollout."""
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerationMixin
+
+    model, tok = gmts.build_tiny(hidden=32, layers=1, seed=0)
+    knobs = dict(top_k=20, top_p=0.8, repetition_penalty=1.1, min_p=0.05, typical_p=0.9, no_repeat_ngram_size=3,
+                 temperature=0.7)
+    model.generation_config = GenerationConfig(do_sample=True, **knobs)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, tok = gmts.load_model(str(tmp_path), torch.device("cpu"))
+    assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # the checkpoint sets them all
+    seen, real = [], GenerationMixin._get_logits_processor
+
+    def spy(self, *a, **k):
+        procs = real(self, *a, **k)
+        seen.append(sorted(type(p).__name__ for p in procs))
+        return procs
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
+    model.generate(**tok(["a"], return_tensors="pt"), max_new_tokens=2)  # the knobs do act when left to leak
+    assert len(seen[-1]) >= 6, seen[-1]
+    for kw, want in [({}, []), (dict(greedy=True), []), (dict(temperature=0.7), ["TemperatureLogitsWarper"]),
+                     (dict(top_k=5), ["TopKLogitsWarper"]), (dict(top_p=0.9), ["TopPLogitsWarper"])]:
+        seen.clear()
+        b = gmts.rollout(model, tok, ["a", "bb"], 2, 4, **kw)
+        assert seen == [want], (kw, seen)
+        assert len(b["texts"]) == 4
+    assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # restored afterwards
+
+
+# ---- group advantages and dynamic sampling -------------------------------------------------------------------
 
 
 def test_group_advantages_hand_computed():
@@ -571,6 +603,48 @@ def test_group_advantages_hand_computed():
     assert (same == 0).all() and not torch.isnan(same).any()
     mixed = group_advantages(torch.tensor([1.0, 0.1, 0.0, 0.1]), 4)
     assert mixed.sum().abs() < 1e-6 and (mixed.std(unbiased=False) - 1).abs() < 1e-4
+    assert gmts.informative(r, 8).tolist() == [True, False, False]
+
+
+PAD = 258
+
+
+def _part(tag, P, T, rewards, G=2):
+    """A hand-built rollout part: prompts of width P (first column padding), responses of width T (last column
+    invalid), every entry tagged so that each row can be recognised after keep_groups."""
+    N = len(rewards)
+    prompt_mask = torch.ones(N, P, dtype=torch.bool)
+    prompt_mask[:, 0] = False
+    resp_mask = torch.ones(N, T, dtype=torch.bool)
+    resp_mask[:, -1] = False
+    r = torch.tensor(rewards)
+    return (dict(prompt_ids=torch.arange(N * P).view(N, P) + 1000 * tag, prompt_mask=prompt_mask,
+                 comp_ids=torch.arange(N * T).view(N, T) + 100 * tag, resp_mask=resp_mask,
+                 truncated=torch.arange(N) % 3 == tag, texts=[f"{tag}-{i}" for i in range(N)]),
+            r, group_advantages(r, G))
+
+
+def test_keep_groups_keeps_the_first_b_informative_groups():
+    a = _part(1, 3, 4, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups: equal, informative, equal
+    b = _part(2, 5, 2, [1.0, 0.0, 1.0, 1.0, 0.1, 1.0])  # informative, equal, informative
+    batch, rewards, adv = gmts.keep_groups([a, b], 2, 2, PAD)  # B = 2: a's group 1, then b's group 0
+    (ba, ra, aa), (bb, rb, ab) = a, b
+    assert batch["texts"] == ["1-2", "1-3", "2-0", "2-1"]
+    assert rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and adv.tolist() == aa[2:4].tolist() + ab[0:2].tolist()
+    pad2 = torch.full((2, 2), PAD)
+    assert torch.equal(batch["prompt_ids"], torch.cat([torch.cat([pad2, ba["prompt_ids"][2:4]], 1),
+                                                       bb["prompt_ids"][0:2]]))  # prompts: padded on the LEFT
+    no2 = torch.zeros(2, 2, dtype=torch.bool)
+    assert torch.equal(batch["prompt_mask"], torch.cat([torch.cat([no2, ba["prompt_mask"][2:4]], 1),
+                                                        bb["prompt_mask"][0:2]]))
+    assert torch.equal(batch["comp_ids"], torch.cat([ba["comp_ids"][2:4],
+                                                     torch.cat([bb["comp_ids"][0:2], pad2], 1)]))  # on the RIGHT
+    assert torch.equal(batch["resp_mask"], torch.cat([ba["resp_mask"][2:4], torch.cat([bb["resp_mask"][0:2], no2], 1)]))
+    assert batch["truncated"].tolist() == ba["truncated"][2:4].tolist() + bb["truncated"][0:2].tolist()
+    assert gmts.keep_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    assert gmts.keep_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    dead = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0])
+    assert gmts.keep_groups([dead, dead], 2, 2, PAD)[0] is dead[0]  # nothing informative: the first batch as is
 
 
 # ---- token statistics: the derivation, pinned --------------------------------------------------------------------
@@ -591,6 +665,23 @@ def test_token_stats_against_autograd_and_loop(V, T):
         p = [v / s for v in p]
         assert logp[i].item() == pytest.approx(math.log(p[y[i]]), abs=1e-5)
         assert ent[i].item() == pytest.approx(-sum(v * math.log(v) for v in p if v > 0), abs=1e-4)
+
+
+def test_token_stats_on_bf16_logits_is_fp32():
+    """CUDA autocast hands the head bf16 logits: the statistics come out in fp32, equal to an fp64 reference on the
+    bf16-rounded logits (only the input rounding remains, nothing is computed in bf16)."""
+    torch.manual_seed(0)
+    z = (torch.randn(64, 300) * 4).bfloat16()
+    y = torch.randint(0, 300, (64,))
+    T = 0.7
+    out = token_stats(z, y, T)
+    lp = torch.log_softmax(z.double() / T, -1)
+    p = lp.exp()
+    py = p.gather(-1, y[:, None]).squeeze(1)
+    ref = (lp.gather(-1, y[:, None]).squeeze(1), -(p * lp).sum(-1), (1 - 2 * py + (p * p).sum(-1)).sqrt() / T)
+    for got, want in zip(out, ref):
+        assert got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5), (got.double() - want).abs().max()
 
 
 def test_derivation_logit_gradient_of_clipped_loss():
@@ -615,31 +706,56 @@ def test_derivation_logit_gradient_of_clipped_loss():
     assert clipped.tolist() == [False, False, True, False, False, True, False, False]
 
 
+def rank_corr(a, b):
+    """Spearman's rank correlation for values without ties (continuous data)."""
+    ra, rb = (x.flatten().argsort().argsort().double() for x in (a, b))
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
 def test_derivation_bounds_and_entropy_link():
+    """Derivation step 4 on gmts's own numbers: token_stats' norm G and entropy H, and E_y[G^2] taken over y ~ p by
+    calling token_stats for EVERY token y (no formula of the test's own)."""
     torch.manual_seed(0)
-    z = torch.randn(4000, 50) * torch.rand(4000, 1) * 6
+    R, V = 2000, 50
+    z = torch.randn(R, V) * torch.rand(R, 1) * 6
     p = torch.softmax(z, -1)
     y = torch.multinomial(p, 1).squeeze(1)
     _, H, G = token_stats(z, y)
     py = p.gather(-1, y[:, None]).squeeze(1)
-    assert ((1 - py) ** 2 <= G ** 2 + 1e-6).all() and (G ** 2 <= 2 * (1 - py) ** 2 + 1e-6).all()
-    # E_y[G^2] = 1 - sum p^2 <= 1 - exp(-H): checked exactly per row by summing over all y
-    EG2 = (p * ((1 - 2 * p) + (p * p).sum(-1, keepdim=True))).sum(-1)
-    assert torch.allclose(EG2, 1 - (p * p).sum(-1), atol=1e-5)
-    assert (EG2 <= 1 - torch.exp(-H) + 1e-6).all()
-    assert spearman(H, G) > 0.5  # within one "answer" (a fixed omega), entropy tracks the gradient norm
+    assert ((1 - py) ** 2 <= G ** 2 + 1e-6).all() and (G ** 2 <= 2 * (1 - py) ** 2 + 1e-6).all()  # pointwise bounds
+    _, H_all, G_all = token_stats(z[:, None, :].expand(R, V, V), torch.arange(V).expand(R, V))  # (R, V): y = 0..V-1
+    assert torch.allclose(H_all, H[:, None].expand(R, V), atol=1e-5)  # H does not depend on the sampled token
+    EG2 = (p * G_all ** 2).sum(-1)  # E_{y ~ p}[G^2]
+    assert torch.allclose(EG2, 1 - (p * p).sum(-1), atol=1e-5)  # = 1 - sum p^2 (the Renyi-2 form)
+    assert (EG2 <= 1 - torch.exp(-H) + 1e-6).all()  # <= 1 - exp(-H): in expectation, low entropy = small norm
+    assert rank_corr(H, G) > 0.5  # within one "answer" (a fixed omega), entropy tracks the sampled token's norm
+    # ... but not pointwise: the module's counterexample, a rare token sampled at a near-certain position
+    p1 = torch.tensor([0.999] + [2e-5] * 50)
+    _, h1, g1 = token_stats(p1.log()[None], torch.tensor([1]))
+    assert h1.item() == pytest.approx(0.012, abs=5e-4) and g1.item() == pytest.approx(1.414, abs=1e-3)
 
 
-def test_head_stats_chunked_equals_full():
+def test_batch_token_stats_chunks_and_micro_batches_change_nothing(tiny):
+    """batch_token_stats (hidden-state gather, the head applied `chunk` tokens at a time) equals token_stats on the
+    full logits of a plain forward, for every chunk and micro-batch size; head_logp (autograd, recomputed chunks)
+    gives the same log-probs and the same head gradient."""
+    model, tok = tiny
+    b, _ = _batch_from(model, tok, seed=4)
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    P, m = b["prompt_ids"].shape[1], b["resp_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    full = token_stats(logits[:, P - 1:-1], b["comp_ids"], 0.9)
+    for mb, chunk in [(1, 1), (5, 7), (12, 1024)]:
+        got = gmts.batch_token_stats(model, b, 0.9, mb, chunk)
+        for g, f in zip(got, full):
+            assert torch.allclose(g[m], f[m], atol=1e-5) and (g[~m] == 0).all()
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=False)
     h, y = torch.randn(50, 16), torch.randint(0, 300, (50,))
-    full = token_stats(head(h), y, 0.9)
-    for chunk in (1, 7, 50, 64):
-        for a, b in zip(gmts.head_stats(h, head, y, 0.9, chunk), full):
-            assert torch.allclose(a, b, atol=1e-6)
     lp = gmts.head_logp(h.requires_grad_(True), head, y, 0.9, chunk=7)
-    assert torch.allclose(lp, full[0].detach(), atol=1e-6)
+    assert torch.allclose(lp, token_stats(head(h), y, 0.9)[0].detach(), atol=1e-6)
     lp.sum().backward()
     g_chunked = head.weight.grad.clone()
     head.weight.grad = None
@@ -650,11 +766,13 @@ def test_head_stats_chunked_equals_full():
 # ---- scores and selection --------------------------------------------------------------------------------------
 
 
-def slow_select(scores, mask, rho):
-    """Reference: sort valid tokens by (-score, flat index) and keep the first ceil(rho * n)."""
-    flat = [(-float(s), i) for i, (s, m) in enumerate(zip(scores.reshape(-1), mask.reshape(-1))) if m]
+def slow_select(scores, mask, rho, nonzero=False):
+    """Reference: sort valid tokens by (-score, flat index) and keep the first ceil(rho * n); nonzero: then keep
+    only positive scores. NaN ranks lowest (and is not positive)."""
+    flat = [(math.inf if math.isnan(s) else -float(s), i) for i, (s, m) in
+            enumerate(zip(scores.reshape(-1).tolist(), mask.reshape(-1).tolist())) if m]
     k = math.ceil(rho * len(flat) - 1e-9)
-    keep = {i for _, i in sorted(flat)[:k]}
+    keep = {i for s, i in sorted(flat)[:k] if not nonzero or -s > 0}
     return torch.tensor([i in keep for i in range(mask.numel())]).view_as(mask)
 
 
@@ -662,12 +780,14 @@ def slow_select(scores, mask, rho):
 @pytest.mark.parametrize("rho", [0.2, 0.5, 1.0, 0.01])
 def test_select_tokens_matches_slow_reference(seed, rho):
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 4, (7, 9), generator=g).float()  # many ties
+    scores = torch.randint(0, 4, (7, 9), generator=g).float()  # many ties, and zeros
+    scores[0, seed] = float("nan")
     mask = torch.rand(7, 9, generator=g) > 0.3
     sel = select_tokens(scores, mask, rho)
     assert sel.tolist() == slow_select(scores, mask, rho).tolist()
     assert int(sel.sum()) == math.ceil(rho * int(mask.sum()) - 1e-9)
     assert not (sel & ~mask).any()
+    assert select_tokens(scores, mask, rho, nonzero=True).tolist() == slow_select(scores, mask, rho, True).tolist()
 
 
 def test_select_tokens_edges():
@@ -677,8 +797,24 @@ def test_select_tokens_edges():
     assert not select_tokens(s, torch.zeros_like(m), 0.5).any()  # empty mask
     assert select_tokens(s, m, 0.5).tolist() == [[True, False, False], [True, True, False]]  # NaN ranks last
     assert select_tokens(s, m, 0.2).sum() == 2  # ceil(0.2 * 6) = 2
-    big = torch.rand(3_000_000)  # torch.quantile refuses > 2^24 elements; this path has no such limit
-    assert select_tokens(big, torch.ones_like(big, dtype=torch.bool), 0.2).sum() == 600_000
+    assert select_tokens(torch.ones(10), torch.ones(10, dtype=torch.bool), 0.2).sum() == 2  # not 3: 0.2*10 rounding
+
+
+def test_select_tokens_beyond_2_pow_24_elements():
+    """Above 2^24 elements torch.quantile refuses and an fp32 count of the tied values stalls at 2^24 (and would
+    keep every tie). Hand-computed: 2^24 + 5 tokens, index 1 masked out, three 1.0s at the end, zeros elsewhere;
+    keeping all valid tokens but one leaves out exactly the LAST valid zero (ties go to earlier positions)."""
+    n = 2 ** 24 + 5
+    scores = torch.zeros(n)
+    scores[-3:] = 1.0
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[1] = False
+    valid = n - 1
+    sel = select_tokens(scores, mask, (valid - 1) / valid)
+    assert int(sel.sum()) == valid - 1
+    assert not sel[1] and not sel[n - 4] and sel[-3:].all() and sel[:1].all() and sel[2:n - 4].all()
+    del sel
+    assert select_tokens(scores, mask, 0.5, nonzero=True).nonzero().squeeze(1).tolist() == [n - 3, n - 2, n - 1]
 
 
 def test_scores_definitions():
@@ -688,6 +824,9 @@ def test_scores_definitions():
     assert token_scores("entropy", H, G, om).tolist() == H.tolist()
     assert torch.allclose(token_scores("gmts", H, G, om), torch.tensor([[1.0, 4.0], [0.5, 0.05]]))
     assert torch.allclose(token_scores("gradnorm", H, G, om), torch.tensor([[0.6, 1.8], [0.3, 0.1]]))
+    assert token_scores("all", H, G, om).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    r = token_scores("random", H, G, om, generator=torch.Generator().manual_seed(0))
+    assert r.shape == H.shape and torch.equal(r, token_scores("random", H, G, om, torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match="choose one of"):
         token_scores("nope", H, G, om)
 
@@ -721,14 +860,21 @@ def test_gmts_spends_nothing_on_zero_advantage_groups():
         assert not ((sel & zero).any() and (~sel & ~zero).any())
 
 
-def test_gmts_orders_like_entropy_within_an_answer():
-    torch.manual_seed(0)
-    H = torch.rand(4, 30)
-    om = omega(torch.tensor([2.0, -0.4, 1.0, -1.0]), torch.ones(4, 30), 0.2, 0.28)
-    g = token_scores("gmts", H, H, om)
-    for i in range(4):
-        assert g[i].argsort().tolist() == H[i].argsort().tolist()
-        assert spearman(g[i], H[i]) == pytest.approx(1.0)
+def test_gmts_orders_like_entropy_within_an_answer(tiny):
+    """On a real batch (gmts's rollout, batch_token_stats, omega at the first update, token_scores, select_tokens):
+    within one answer omega is constant, so gmts orders and keeps that answer's tokens exactly as entropy does,
+    for positive AND negative advantages."""
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=2)
+    assert (adv > 0).any() and (adv < 0).any()
+    logp, H, gn = gmts.batch_token_stats(model, b, 1.0, 4, 64)
+    g = token_scores("gmts", H, gn, omega(adv, torch.exp(logp - logp), 0.2, 0.28))
+    m = b["resp_mask"]
+    for i in range(len(adv)):
+        assert torch.equal(g[i][m[i]].argsort(stable=True), H[i][m[i]].argsort(stable=True)), i
+        for rho in (0.1, 0.3, 0.6):
+            assert torch.equal(select_tokens(g[i:i + 1], m[i:i + 1], rho, nonzero=True),
+                               select_tokens(H[i:i + 1], m[i:i + 1], rho))
 
 
 # ---- loss and update -------------------------------------------------------------------------------------------
@@ -738,6 +884,13 @@ def test_k3_kl():
     a = torch.randn(100)
     assert (gmts.k3_kl(a, a) == 0).all()
     assert (gmts.k3_kl(a, a + torch.randn(100)) >= 0).all()
+    # E_{y ~ pi}[k3] = KL(pi || ref), exactly, on small categoricals (d**2, |d| or the reversed KL all fail this)
+    g = torch.Generator().manual_seed(0)
+    for V in (2, 5, 30):
+        pi = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, 0)
+        ref = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, 0)
+        expected_k3 = (pi * gmts.k3_kl(pi.log(), ref.log())).sum()
+        assert expected_k3.item() == pytest.approx((pi * (pi / ref).log()).sum().item(), rel=1e-12, abs=1e-15)
 
 
 def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
@@ -750,6 +903,15 @@ def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
 
 def _grads(model):
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
+
+
+def _plain_logp(model, b, T):
+    """log p of every response token from one plain forward: full logits, full log_softmax. (N, T)."""
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    P = b["prompt_ids"].shape[1]
+    return torch.log_softmax(logits[:, P - 1:-1].float() / T, -1).gather(-1, b["comp_ids"][..., None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("loss_norm", ["all", "selected"])
@@ -766,18 +928,50 @@ def test_update_equals_full_reinforce_gradient(tiny, loss_norm):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # step() is a no-op: the gradients stay for inspection
     stats = gmts.policy_update(model, opt, b, adv, sel, logp, denom, temperature=T, clip_low=.2, clip_high=.28,
                                micro_batch=2, chunk=3, max_grad_norm=1e9)
+    assert stats["stepped"] == 1 and stats["live"] == int(sel.sum())
+    opt.zero_grad()
+    gmts.loss_backward(model, b, adv, sel, logp, denom, temperature=T, clip_low=.2, clip_high=.28, micro_batch=2,
+                       chunk=3)  # policy_update clears .grad after its step: loss_backward leaves it for us
     g_ours = _grads(model)
     model.zero_grad()
-    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
-    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
-    P = b["prompt_ids"].shape[1]
-    lp = torch.log_softmax(logits[:, P - 1:-1].float() / T, -1).gather(-1, b["comp_ids"][..., None]).squeeze(-1)
-    (-(adv[:, None] * lp * sel).sum() / denom).backward()
+    (-(adv[:, None] * _plain_logp(model, b, T) * sel).sum() / denom).backward()
     g_ref = _grads(model)
     assert g_ref.abs().max() > 0
     assert torch.allclose(g_ours, g_ref, atol=1e-5), (g_ours - g_ref).abs().max()
     assert stats["grad_norm"] == pytest.approx(float(g_ref.norm()), rel=1e-4)
+    model.zero_grad()
+    model.eval()
+
+
+def test_kl_gradient_matches_autograd_and_ignores_the_selection(tiny):
+    """With kl_beta > 0 the loss is sum_kept l / denom + beta * sum_valid k3 / n_valid: the KL term's normaliser is
+    the valid-token count whatever rho or --loss-norm, so its gradient is the same at rho 0.2 and 1.0."""
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=11)
+    ref_model, _ = gmts.build_tiny(hidden=32, layers=2, seed=1)  # another model as pi_ref
+    T, beta, m = 1.0, 0.1, b["resp_mask"]
+    logp = gmts.batch_token_stats(model, b, T, 4, 64)[0]
+    ref_logp = gmts.batch_token_stats(ref_model, b, T, 4, 64)[0]
+    scores = torch.rand(m.shape, generator=torch.Generator().manual_seed(0))
+    kw = dict(temperature=T, clip_low=.2, clip_high=.28, micro_batch=3, chunk=5, kl_beta=beta, ref_logp=ref_logp)
+    kl_only = []  # the KL term's gradient (A = 0) at each rho
+    for rho in (0.2, 1.0):
+        sel = select_tokens(scores, m, rho)
+        denom = float(sel.sum())  # --loss-norm selected: the case whose KL used to scale by 1 / rho
+        for a in (torch.zeros_like(adv), adv):
+            model.zero_grad()
+            stats = gmts.loss_backward(model, b, a, sel, logp, denom, **kw)
+            g_ours = _grads(model)
+            model.zero_grad()
+            lp = _plain_logp(model, b, T)
+            k3 = gmts.k3_kl(lp, ref_logp) * m
+            (-(a[:, None] * lp * sel).sum() / denom + beta * k3.sum() / m.sum()).backward()
+            g_ref = _grads(model)
+            assert torch.allclose(g_ours, g_ref, atol=1e-6), (rho, (g_ours - g_ref).abs().max())
+            assert stats["kl"] == pytest.approx(float(k3.detach().sum() / m.sum()), rel=1e-5) and stats["kl"] > 0
+            if not a.any():
+                kl_only.append(g_ours)
+    assert kl_only[0].abs().max() > 0 and torch.allclose(kl_only[0], kl_only[1], atol=1e-7)
     model.zero_grad()
 
 
@@ -801,301 +995,28 @@ def test_nonfinite_gradient_skips_the_step(tiny):
     bad_old = torch.full(b["resp_mask"].shape, float("nan"))  # NaN ratios -> NaN loss and gradients
     stats = gmts.policy_update(model, opt, b, adv, b["resp_mask"], bad_old, 10.0, temperature=1.0, clip_low=.2,
                                clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
-    assert stats["skipped"] == 1
+    assert stats["skipped"] == 1 and stats["stepped"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert not opt.state  # Adam moments untouched too
 
 
-# ---- analysis ----------------------------------------------------------------------------------------------------
-
-
-def test_spearman_against_hand_values():
-    assert spearman(torch.tensor([1., 2., 3., 4.]), torch.tensor([10., 20., 30., 40.])) == pytest.approx(1.0)
-    assert spearman(torch.tensor([1., 2., 3., 4.]), torch.tensor([4., 3., 2., 1.])) == pytest.approx(-1.0)
-    # ties get average ranks: x ranks [1, 2.5, 2.5, 4], y ranks [1, 2, 3, 4] -> r = 4.5 / sqrt(4.5 * 5)
-    assert spearman(torch.tensor([1., 2., 2., 3.]), torch.tensor([1., 2., 3., 4.])) == pytest.approx(
-        4.5 / math.sqrt(4.5 * 5))
-    assert math.isnan(spearman(torch.ones(5), torch.arange(5.)))
-
-
-def test_param_grad_norms_match_brute_force(tiny):
-    model, tok = tiny
-    b, adv = _batch_from(model, tok, seed=5)
-    rows = torch.tensor([0, 0, 4, 8])
-    cols = torch.tensor([0, 3, 1, 2])
-    ours = gmts.param_grad_norms(model, b, adv, rows, cols, 1.0)
-    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
-    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
-    P = b["prompt_ids"].shape[1]
-    for k, (i, t) in enumerate(zip(rows.tolist(), cols.tolist())):
-        model.zero_grad()
-        out = model(input_ids=ids[i:i + 1], attention_mask=attn[i:i + 1],
-                    position_ids=(attn[i:i + 1].cumsum(-1) - 1).clamp_min(0)).logits
-        lp = torch.log_softmax(out[0, P - 1 + t].float(), -1)[b["comp_ids"][i, t]]
-        (-adv[i] * lp).backward()
-        assert ours[k].item() == pytest.approx(float(_grads(model).norm()), rel=1e-4, abs=1e-7)
-    model.zero_grad()
-
-
-# ---- CLI and end-to-end ------------------------------------------------------------------------------------------
-
-SMALL = ["--model", "tiny", "--task", "countdown", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
-         "--max-new-tokens", "24", "--eval-size", "4", "--short-prompt"]
-
-
-@pytest.mark.parametrize("method", ["all", "random", "entropy", "gmts", "gradnorm"])
-def test_cli_two_steps_every_method(tmp_path, method):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "run"
-    r = run_cli(*SMALL, "--select", method, "--out", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if x["step"] > 0]
-    assert [x["step"] for x in steps] == [1, 2]
-    for key in ("reward_mean", "selected_frac", "entropy_mean", "grad_norm", "completion_len", "step_time_s",
-                "tokens_per_s", "zero_adv_selected_frac", "entropy_gmts_overlap", "selected_abs_adv_mean"):
-        assert key in steps[0], key
-    assert "eval_acc" in steps[-1]
-    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen2"
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--task", "poetry"], "unknown task"),
-    (["--select", "best"], "invalid choice"),
-    (["--device", "tpu"], "invalid choice"),
-    (["--rho", "0"], "--rho"),
-    (["--rho", "1.5"], "--rho"),
-    (["--steps", "0"], "--steps"),
-    (["--group-size", "1"], "--group-size"),
-    (["--steps", "two"], "invalid int"),
-    (["--preset", "gpu9000"], "unknown --preset"),
-    (["--task", "math", "--sft-blind"], "--sft-blind"),
-])
-def test_bad_input_one_line_exit_2(args, needle):
-    r = run_cli(*args)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_cuda_is_exit_2():
-    r = run_cli("--device", "cuda")
-    assert r.returncode == 2 and "CUDA" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-
-
-def test_unloadable_model_is_one_line_exit_1(tmp_path):
-    r = run_cli("--model", "Qwen2.5-0.5B-Instrukt", "--steps", "1", "--out", str(tmp_path / "o"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "--model tiny" in r.stderr and "Qwen/Qwen2.5-0.5B-Instrukt" in r.stderr
-
-
-def test_preset_then_explicit_flag_wins():
-    cfg = gmts.parse_args(["--preset", "cpu", "--lr", "1e-5"])
-    assert cfg.lr == 1e-5 and cfg.model == "tiny" and cfg.data == "easy"
-    assert gmts.parse_args([]).rho == 0.2 and gmts.parse_args(["--no-std-normalize"]).std_normalize is False
-
-
-# ---- reliability: kill, resume, bad input -------------------------------------------------------------------------
-
-RUN = ["--preset", "smoke", "--steps", "6", "--save-every", "1", "--eval-every", "3"]
-VOLATILE = ("step_time_s", "tokens_per_s", "rollout_time_s")
-
-
-def _metrics(path):
-    lines = path.read_text().splitlines()
-    recs = [json.loads(x) for x in lines]  # a torn line would raise here
-    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in recs]
-
-
-def _start(out):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "gmts.py"), *RUN, "--out", str(out)], cwd=HERE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _kill_when(proc, cond, timeout=120):
-    import time as _t
-    t0 = _t.time()
-    while _t.time() - t0 < timeout and proc.poll() is None:
-        if cond():
-            proc.kill()  # SIGKILL: no handler, no cleanup
-            proc.wait()
-            return True
-        _t.sleep(0.0005)
-    proc.wait()
-    return False
-
-
-def _weights(out):
-    from safetensors.torch import load_file
-    return load_file(str(out / "model.safetensors"))
-
-
-def test_sigkill_mid_training_and_mid_checkpoint_then_resume(tmp_path):
-    import glob as _glob
-    ref = tmp_path / "ref"
-    assert run_cli(*RUN, "--out", str(ref)).returncode == 0
-    want = _metrics(ref / "metrics.jsonl")
-    # 1) killed in the middle of training (after step 3 was logged)
-    a = tmp_path / "a"
-    assert _kill_when(_start(a), lambda: (a / "metrics.jsonl").exists() and
-                      (a / "metrics.jsonl").read_text().count('"step": 3') > 0)
-    # 2) killed while a checkpoint is being written (a ckpt-*.tmp folder exists), tried a few times
-    b, caught = tmp_path / "b", False
-    for _ in range(5):
-        shutil.rmtree(b, ignore_errors=True)
-        p = _start(b)
-        if _kill_when(p, lambda: any(not x.endswith("000000.tmp") for x in _glob.glob(str(b / "ckpt-*.tmp")))):
-            caught = bool(_glob.glob(str(b / "ckpt-*.tmp")))
-            if caught:
-                break
-    assert caught, "never caught the process inside a checkpoint write"
-    for out in (a, b):
-        ck = gmts.last_checkpoint(str(out))
-        assert ck is not None and os.path.exists(os.path.join(ck, "state.pt"))  # only complete ones count
-        r = run_cli("--resume", str(out))
-        assert r.returncode == 0, r.stderr[-2000:]
-        got = _metrics(out / "metrics.jsonl")
-        assert [x["step"] for x in got] == list(range(0, 7))  # no duplicated, missing or torn lines
-        assert got == want  # the resumed run computes exactly what the uninterrupted one did
-        w, w_ref = _weights(out), _weights(ref)
-        assert all(torch.equal(w[k], w_ref[k]) for k in w_ref)
-
-
-def test_resume_ignores_partial_checkpoint_and_torn_line(tmp_path):
-    out = tmp_path / "run"
-    assert run_cli(*RUN, "--steps", "2", "--out", str(out)).returncode == 0
-    os.makedirs(out / "ckpt-000003.tmp")  # a write that died half way
-    (out / "ckpt-000003.tmp" / "config.json").write_text("{")
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "reward_mea')  # a torn line
-    assert gmts.last_checkpoint(str(out)).endswith("ckpt-000002")
-    r = run_cli("--resume", str(out), "--steps", "3")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert [x["step"] for x in _metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
-
-
-@pytest.mark.parametrize("content, needle", [
-    (None, "cannot read"),
-    ('{"nums": [1, 2, 3], "target": 6}\n{"nums": [1, 2], "target": }\n', "line 2: invalid JSON"),
-    ('{"nums": [1, 2, 3], "target": 6}\n{"nums": [1, 2, 3]}\n', 'line 2: missing key "target"'),
-])
-def test_bad_data_file_exit_2(tmp_path, content, needle):
-    path = tmp_path / "d.jsonl"
-    if content is not None:
-        path.write_text(content)
-    r = run_cli("--data", str(path), "--steps", "1", "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
-def test_out_is_a_file_and_resume_without_checkpoint_exit_2(tmp_path):
-    f = tmp_path / "file"
-    f.write_text("x")
-    r = run_cli("--out", str(f))
-    assert r.returncode == 2 and "existing file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    os.makedirs(tmp_path / "empty")
-    r = run_cli("--resume", str(tmp_path / "empty"))
-    assert r.returncode == 2 and "no complete checkpoint" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-
-
 def test_all_zero_advantage_batch_makes_no_update(tiny):
+    """The step rule: no kept token with a live gradient, no optimiser step, for every method (even 'all', which
+    keeps every token: a zero gradient would still move AdamW's moments and, with weight decay, the weights)."""
     model, tok = tiny
     b, _ = _batch_from(model, tok, seed=7)
     adv = torch.zeros(b["comp_ids"].shape[0])
     before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     H = torch.rand(b["resp_mask"].shape)
     om = omega(adv, torch.ones_like(H), 0.2, 0.28)
-    s = token_scores("gmts", H, H, om)
-    sel = gmts.select_tokens(s, b["resp_mask"], 0.2, nonzero=True)
-    assert not sel.any()
-    stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), 10.0, temperature=1.0, clip_low=.2,
-                               clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
-    assert stats["stepped"] == 0 and stats["skipped"] == 0
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-
-
-def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch, capsys):
-    def oom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    monkeypatch.setattr(gmts, "rollout", oom)
-    with pytest.raises(SystemExit) as e:
-        gmts.main(["--preset", "smoke", "--sft-steps", "0", "--eval-every", "0", "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 1 and len(err.splitlines()) == 1
-    assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
-    assert gmts.last_checkpoint(str(tmp_path / "o")) is not None  # the last checkpoint is kept
-
-
-def test_analyze_cli_prints_the_spearman_table(tmp_path):
-    r = run_cli("--analyze", "--preset", "smoke", "--batches", "1", "--out", str(tmp_path / "a"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "spearman" in r.stdout and all(m in r.stdout for m in ("entropy", "gmts", "gradnorm", "random"))
-    res = json.loads((tmp_path / "a" / "analysis.json").read_text())
-    assert set(res) == {f"{m}/{c}_{w}" for m in ("entropy", "gmts", "gradnorm", "random")
-                        for c in ("logit", "param") for w in ("within", "batch")}
-
-
-def test_cpu_preset_with_a_tiny_budget(tmp_path):
-    out = tmp_path / "cpu"
-    r = run_cli("--preset", "cpu", "--steps", "2", "--sft-steps", "3", "--prompts-per-step", "2", "--eval-size", "4",
-                "--eval-every", "1", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert recs[0]["step"] == 0 and "eval_acc" in recs[0]  # the warm-up's accuracy is the first eval_acc
-    assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
-
-
-def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkeypatch):
-    """--sft-blind: every warm-up prompt is the row's own, and the answer it is trained on is a random well-formed
-    one over the same numbers (with its true value), not the solution; without --sft-blind it is the solution."""
-    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
-    task = gmts.get_task("countdown")
-    rows = gmts.load_rows("countdown", "easy", 40, seed=0)
-    seen = {"prompts": [], "answers": []}
-    build, ref = gmts.build_prompts, task["reference"]
-
-    def spy_build(*a, **k):
-        prompts = build(*a, **k)
-        seen["prompts"] += prompts
-        return prompts
-
-    def spy_ref(row):
-        seen["answers"].append(row)
-        return ref(row)
-    monkeypatch.setattr(gmts, "build_prompts", spy_build)
-    monkeypatch.setitem(task, "reference", spy_ref)
-    monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: {"eval_acc": 0.0})  # its prompts are not the warm-up's
-    for blind in (True, False):
-        seen["prompts"].clear(), seen["answers"].clear()
-        gmts.sft_warmup(model, tok, task, rows, chat=True, short=True, steps=4, lr=1e-3, batch_size=8, seed=0,
-                        log=lambda *a: None, blind=blind)
-        assert len(seen["prompts"]) == len(seen["answers"]) == 32
-        same = 0
-        for prompt, ans in zip(seen["prompts"], seen["answers"]):
-            m = re.search(r"Make (\d+) from (\d) (\d) (\d)\.", prompt)
-            row = next(r for r in rows if task["prompt"](r, short=True) == m.group(0))  # the prompt is a row's own
-            assert ans["nums"] == row["nums"]
-            value = gmts.countdown_value(f"<answer>{ans['expr']}</answer>", row["nums"])
-            assert value == ans["target"] >= 0 and re.fullmatch(r"\d [+-] \d [+-] \d", ans["expr"]), ans
-            same += ans == row
-        assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
-
-
-def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
-    def draws(nums, n=3000):
-        rng = random.Random(0)
-        return collections.Counter(gmts.countdown_blind({"nums": nums, "target": 0}, rng)["expr"] for _ in range(n))
-    c = draws([4, 3, 2])  # 4 - 3 - 2 = -1 is never drawn; the other three patterns a third each
-    assert set(c) == {"4 + 3 + 2", "4 + 3 - 2", "4 - 3 + 2"} and all(900 < v < 1100 for v in c.values())
-    c = draws([50, 25, 3, 1], 4000)  # four numbers: all 8 patterns are >= 0, an eighth each
-    assert len(c) == 8 and all(400 < v < 600 for v in c.values())
-    for row in ({"nums": [7, 1, 5], "target": 3}, {"nums": [7, 1, 5], "target": 13}):  # the target is not read
-        assert gmts.countdown_blind(row, random.Random(5))["expr"] == gmts.countdown_blind(
-            {"nums": [7, 1, 5], "target": 1}, random.Random(5))["expr"]
-    got = gmts.countdown_blind({"nums": [9, 8, 7], "target": 24}, random.Random(1))  # a .jsonl row: no 'expr'
-    assert gmts.countdown_reference(got).endswith(f"<answer>{got['expr']}</answer>")
-    assert gmts.countdown_blind({"nums": [], "target": 1}, random.Random(0)) == {"nums": [], "target": 1}
+    assert not gmts.select_tokens(token_scores("gmts", H, H, om), b["resp_mask"], 0.2, nonzero=True).any()
+    for sel in (gmts.select_tokens(token_scores("gmts", H, H, om), b["resp_mask"], 0.2, nonzero=True),
+                b["resp_mask"]):  # gmts keeps nothing; 'all' keeps every token, all with A = 0
+        stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), 10.0, temperature=1.0, clip_low=.2,
+                                   clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
+        assert stats["stepped"] == 0 and stats["skipped"] == 0 and stats["live"] == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
 
 
 def test_lr_schedule_hand_computed():
@@ -1105,43 +1026,216 @@ def test_lr_schedule_hand_computed():
     assert gmts.lr_factor(0, 1, 10) == 0.1 and gmts.lr_factor(99, 100, 0) == pytest.approx(0.01)
 
 
-def test_held_out_rows_do_not_depend_on_steps_and_never_repeat_in_train():
-    task = get_task("countdown")
-    cfgs = [gmts.Config(data="easy", steps=n, prompts_per_step=32, eval_size=256) for n in (1, 60, 200)]
-    splits = [gmts.split_rows(task, c) for c in cfgs]
-    assert splits[0][1] == splits[1][1] == splits[2][1] and len(splits[0][1]) == 256
-    for train, held in splits:
-        assert not {task["prompt"](r) for r in held} & {task["prompt"](r) for r in train}
-    assert len(splits[2][0]) > len(splits[0][0])  # more steps, more training rows
+# ---- training runs (in this process, through gmts.main) ------------------------------------------------------------
+
+SMALL = ["--model", "tiny", "--task", "countdown", "--data", "easy", "--short-prompt", "--prompts-per-step", "2",
+         "--group-size", "4", "--max-new-tokens", "16", "--eval-size", "2", "--max-resample", "2",
+         "--eval-every", "0", "--save-every", "0"]
+VOLATILE = ("step_time_s", "tokens_per_s", "rollout_time_s")
+STEP_KEYS = ("step", "reward_mean", "acc", "selected_frac", "entropy_mean", "entropy_selected_mean",
+             "zero_adv_selected_frac", "grad_norm", "loss", "clip_frac", "kl", "completion_len", "truncated_frac", "lr",
+             "skipped_steps", "groups_filtered_frac", "rollout_batches", "rollout_time_s", "step_time_s",
+             "tokens_per_s")
 
 
-def test_warm_up_stop_rule(monkeypatch):
-    """--sft-target stops at the first check (every 50 steps) that reaches it: on accuracy, or when blind on the
-    share of well-formed answers (a blind warm-up cannot learn the signs from the target, so accuracy is no goal)."""
-    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
-    rows = load_rows("countdown", "easy", 20, seed=0)
-    calls = []
-    monkeypatch.setattr(gmts, "evaluate", lambda *a, **k: calls.append(1) or {"eval_acc": 0.1, "eval_valid": 0.95})
-    run = lambda blind, target, log=lambda *a: None: gmts.sft_warmup(  # noqa: E731
-        model, tok, get_task("countdown"), rows, True, True, 100, 1e-4, 2, 0, log=log, target_acc=target, blind=blind)
-    assert run(True, 0.9) == 50 and run(True, 0.99) == 100 and run(False, 0.9) == 100 and run(False, 0.1) == 50
-    calls.clear()
-    assert run(True, 0.0, log=None) == 100 and not calls  # nothing to log and no target: no greedy checks at all
-    assert run(True, 0.9, log=None) == 50 and len(calls) == 1  # the stop rule still checks
+def parity_reward(text, row):
+    """A reward that splits almost every group of the random tiny model: the parity of the answer's characters.
+    (The SIGKILL driver below spells out the same rule.)"""
+    return float(sum(map(ord, text)) % 2)
 
 
-def test_compare_writes_a_table_and_a_plot(tmp_path):
-    out = tmp_path / "cmp"
-    r = run_cli("--preset", "smoke", "--compare", "all,gmts", "--seeds", "2", "--workers", "2", "--out", str(out))
+@pytest.fixture
+def parity(monkeypatch):
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
+
+
+@pytest.fixture
+def one_thread():
+    """Runs compared bit for bit with a subprocess (OMP_NUM_THREADS=1) must use one thread here too."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def train_main(*argv):
+    """A run through gmts.main in this process; returns the metrics (the volatile timings dropped)."""
+    argv = [str(a) for a in argv]
+    gmts.main(argv)
+    out = argv[argv.index("--resume") + 1] if "--resume" in argv else argv[len(argv) - argv[::-1].index("--out")]
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in gmts.read_metrics(out)]
+
+
+def _metrics(path):
+    lines = path.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]  # a torn line would raise here
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in recs]
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(path / "model.safetensors"))
+
+
+def _same_weights(a, b):
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_every_method_honours_select_and_loss_norm(tmp_path, monkeypatch):
+    """Each --select method, 2 steps, no dynamic sampling, on batches of one live group (parity reward) and one dead
+    group (reward 0: A = 0). 'all' keeps every token; random/entropy keep ceil(rho * n) and spend some on the dead
+    group; gmts/gradnorm never keep an A = 0 token. --loss-norm selected divides the same step-1 loss (and gradient)
+    by the kept count instead of the valid count: n_valid / n_kept times larger."""
+    from transformers import AutoModelForCausalLM
+
+    real_split = gmts.split_rows
+
+    def split(cfg):  # every step: the first prompt live, the second dead
+        draw, held = real_split(cfg)
+        return (lambda n, *key: [dict(r, live=i % 2 == 0) for i, r in enumerate(draw(n, *key))]), held
+    monkeypatch.setattr(gmts, "split_rows", split)
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: parity_reward(t, row) if row.get("live")
+                        else 0.0)
+    base = [*SMALL, "--group-size", "8", "--steps", "2", "--no-filter-groups"]
+    runs = {m: train_main(*base, "--select", m, "--out", tmp_path / m)
+            for m in ("all", "random", "entropy", "gmts", "gradnorm")}
+    for method, recs in runs.items():
+        steps = recs[1:]
+        assert [r["step"] for r in recs] == [0, 1, 2] and "eval_acc" in recs[0] and "eval_acc" in steps[-1]
+        for r in steps:
+            assert set(STEP_KEYS) - set(VOLATILE) <= set(r), set(STEP_KEYS) - set(r)
+            assert r["groups_filtered_frac"] == 0.5 and r["rollout_batches"] == 1  # the setup: one dead group
+            n_valid = round(r["completion_len"] * 16)
+            n_kept = round(r["selected_frac"] * n_valid)
+            budget = math.ceil(0.2 * n_valid - 1e-9)
+            if method == "all":
+                assert r["selected_frac"] == 1.0 and r["zero_adv_selected_frac"] > 0
+            elif method in ("random", "entropy"):
+                assert n_kept == budget and r["zero_adv_selected_frac"] > 0, (method, r)
+            else:
+                assert r["zero_adv_selected_frac"] == 0.0 and 0 < n_kept <= budget, (method, r)
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / method).config.model_type == "qwen2"
+    sel = train_main(*base, "--select", "gmts", "--loss-norm", "selected", "--out", tmp_path / "gmts-selected")[1]
+    ref = runs["gmts"][1]  # the same step 1: same model, same batch, same kept tokens
+    assert sel["selected_frac"] == ref["selected_frac"] < 1 and ref["loss"] != 0
+    assert sel["loss"] == pytest.approx(ref["loss"] / ref["selected_frac"], rel=1e-4)
+    assert sel["grad_norm"] == pytest.approx(ref["grad_norm"] / ref["selected_frac"], rel=1e-4)
+
+
+def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, monkeypatch):
+    """Issue 14's one step rule: with a constant reward (every advantage 0) no method steps its optimiser, so all
+    five end with the starting weights, the same (empty) Adam state and the same lr, which follows GRPO steps.
+    Weight decay is on: an optimiser step on a zero gradient would still move the weights."""
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.5)
+    ends = {}
+    for m in ("all", "random", "entropy", "gmts", "gradnorm"):
+        out = tmp_path / m
+        recs = train_main(*SMALL, "--steps", "2", "--select", m, "--weight-decay", "0.1", "--lr", "1e-3", "--out", out)
+        steps = recs[1:]
+        assert [r["lr"] for r in steps] == pytest.approx([1e-4, 2e-4])  # warm-up 10: lr * 1/10, 2/10
+        assert all(r["groups_filtered_frac"] == 1.0 and r["rollout_batches"] == 2 for r in steps)  # resampled to cap
+        assert all(r["grad_norm"] == 0 and r["loss"] == 0 for r in steps)
+        for r in steps:  # 'all' keeps everything, random/entropy rho of it, gmts/gradnorm nothing (all scores 0)
+            want = {"all": 1.0, "gmts": 0.0, "gradnorm": 0.0}.get(m)
+            assert r["selected_frac"] == want if want is not None else 0 < r["selected_frac"] < 0.5, (m, r)
+        assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000000", "ckpt-000002"]
+        assert _same_weights(out, out / "ckpt-000000")  # unchanged from the start
+        state = torch.load(out / "ckpt-000002" / "state.pt", weights_only=True)
+        ends[m] = (_weights(out), state["opt"], [r["lr"] for r in steps])
+    w0, opt0, lr0 = ends["all"]
+    assert opt0["state"] == {}
+    for m, (w, opt, lr) in ends.items():
+        assert all(torch.equal(w[k], w0[k]) for k in w0) and opt == opt0 and lr == lr0, m
+
+
+def test_filter_groups_cli_writes_its_metrics(tmp_path):
+    """The real CLI (issue 14's command, small sizes). The random tiny model never answers, so no group is
+    informative: every step draws --max-resample (4) rollout batches and reports all groups filtered."""
+    out = tmp_path / "f"
+    r = run_cli("--model", "tiny", "--task", "countdown", "--steps", "2", "--filter-groups", "--prompts-per-step", "2",
+                "--group-size", "4", "--max-new-tokens", "12", "--eval-size", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "4 runs (2 seed(s) x 2 method(s)) in 2 process(es)" in r.stdout
-    table = (out / "compare.md").read_text().splitlines()
-    assert table[0].startswith("| method") and [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts"]
-    assert (out / "compare.png").stat().st_size > 1000
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["all-s0", "all-s1", "gmts-s0", "gmts-s1",
-                                                                      "warm-s0", "warm-s1"]
-    r = run_cli("--preset", "smoke", "--compare", "all,best", "--out", str(out))
-    assert r.returncode == 2 and "--compare" in r.stderr
+    recs = _metrics(out / "metrics.jsonl")
+    assert [x["step"] for x in recs] == [0, 1, 2]
+    assert all(x["groups_filtered_frac"] == 1.0 and x["rollout_batches"] == 4 for x in recs[1:])
+    assert (out / "metrics.png").stat().st_size > 1000
+
+
+def test_kl_run_loads_a_reference_and_logs_kl(tmp_path, monkeypatch, parity):
+    loaded, real = [], gmts.load_model
+    monkeypatch.setattr(gmts, "load_model", lambda *a, **k: loaded.append(a[0]) or real(*a, **k))
+    recs = train_main(*SMALL, "--steps", "2", "--kl-beta", "0.1", "--lr", "1e-2", "--warmup-steps", "0",
+                      "--out", tmp_path / "kl")
+    assert loaded == ["tiny", "tiny"]  # the policy and pi_ref
+    assert recs[1]["kl"] < 1e-6 < recs[2]["kl"]  # step 1: the policy is still pi_ref; step 2: it has moved
+    assert recs[1]["grad_norm"] > 0
+    loaded.clear()
+    train_main(*SMALL, "--steps", "1", "--out", tmp_path / "nokl")
+    assert loaded == ["tiny"]  # beta = 0: no reference model
+
+
+def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch, parity):
+    """--inner-updates 2: the statistics and scores are recomputed before the second update, whose ratio
+    pi_theta / pi_old has moved off 1 (the first is exactly 1)."""
+    ratios, entropies = [], []
+    real_omega, real_scores = gmts.omega, gmts.token_scores
+    monkeypatch.setattr(gmts, "omega", lambda adv, ratio, *a: ratios.append(ratio.clone()) or
+                        real_omega(adv, ratio, *a))
+    monkeypatch.setattr(gmts, "token_scores", lambda method, H, *a, **k: entropies.append(H.clone()) or
+                        real_scores(method, H, *a, **k))
+    recs = train_main(*SMALL, "--steps", "1", "--inner-updates", "2", "--lr", "1e-2", "--warmup-steps", "0",
+                      "--out", tmp_path / "mu")
+    assert len(ratios) == len(entropies) == 2
+    assert (ratios[0] == 1).all() and (ratios[1] - 1).abs().max() > 1e-3
+    assert not torch.equal(entropies[0], entropies[1])
+    assert recs[1]["grad_norm"] > 0
+
+
+def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):
+    """The first eval_size rows are held out whatever --steps is; training rows are drawn lazily per (seed, step,
+    resample) and never repeat a held-out prompt; nothing is built up front, even for --steps 10**20."""
+    task = get_task("countdown")
+    made, gen = [], gmts._GEN["countdown"]
+    monkeypatch.setitem(gmts._GEN, "countdown", lambda r, easy: made.append(1) or gen(r, easy))
+    splits = [gmts.split_rows(gmts.Config(data="easy", steps=n, prompts_per_step=32, eval_size=256))
+              for n in (1, 60, 10 ** 20)]
+    assert len(made) == 3 * 256  # only the held-out rows
+    held = splits[0][1]
+    assert len(held) == 256 and all(s[1] == held for s in splits)
+    seen = {task["prompt"](r) for r in held}
+    draw = splits[0][0]
+    for d, _ in splits:
+        for key in [(1, 0), (2, 0), (2, 1), (59, 0)]:
+            rows = d(32, *key)
+            assert len(rows) == 32 and not seen & {task["prompt"](r) for r in rows}
+            assert rows == draw(32, *key)  # a function of (seed, step, resample), not of --steps
+    assert draw(32, 1, 0) != draw(32, 1, 1) and draw(32, 1, 0) != draw(32, 2, 0)
+    assert gmts.split_rows(gmts.Config(data="easy", eval_size=256, seed=1))[0](32, 1, 0) != draw(32, 1, 0)
+    rows = [{"nums": [i, 1], "target": i + 1} for i in range(6)]
+    rows[3] = dict(rows[0])  # a duplicate of a held-out prompt
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    draw, held = gmts.split_rows(gmts.Config(data=str(path), eval_size=2))
+    assert held == rows[:2] and {r["nums"][0] for r in draw(300, 1, 0)} == {2, 4, 5}
+
+
+def test_preset_then_explicit_flag_wins():
+    cfg = gmts.parse_args(["--preset", "cpu", "--lr", "1e-5"])
+    assert cfg.lr == 1e-5 and cfg.model == gmts.WARM_CPU and cfg.data == "easy" and cfg.steps == 80
+    assert gmts.WARM_CPU == os.path.join(HERE, "warm", "cpu")
+    assert gmts.parse_args([]).rho == 0.2 and gmts.parse_args(["--no-std-normalize"]).std_normalize is False
+    assert gmts.parse_args(["--preset", "smoke"]).model == gmts.WARM_CPU
+
+
+@pytest.mark.skipif(not os.path.isdir(gmts.WARM_CPU), reason="warm/cpu is not committed yet (gmts_lab.py warm)")
+def test_cpu_preset_with_a_tiny_budget(tmp_path):
+    out = tmp_path / "cpu"
+    recs = train_main("--preset", "cpu", "--steps", "2", "--prompts-per-step", "2", "--eval-size", "4",
+                      "--eval-every", "1", "--out", out)
+    assert recs[0]["step"] == 0 and "eval_acc" in recs[0]  # the warm start's accuracy is the first eval_acc
+    assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
+    assert json.loads((out / "run_config.json").read_text())["model"] == gmts.WARM_CPU
 
 
 def test_every_config_field_is_a_flag_with_help(capsys):
@@ -1153,5 +1247,377 @@ def test_every_config_field_is_a_flag_with_help(capsys):
         flag = "--" + f.name.replace("_", "-")
         m = re.search(rf"^  {flag}[ ,](.*?)\(default:", opts, re.M | re.S)  # its entry, up to the default
         assert m, flag
-        words = [w for w in m.group(1).split() if not w.isupper() and not w.startswith("--")]
-        assert len(words) >= 2, f"{flag} has no help text"
+        help_ = f.metadata["help"]  # compared without whitespace: argparse wraps lines, also after a hyphen
+        assert len(help_.split()) >= 2 and re.sub(r"\s", "", help_) in re.sub(r"\s", "", m.group(1)), flag
+
+
+# ---- reliability: kill, resume, damaged checkpoints, bad input -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-step run (parity reward, so it trains) with its checkpoints ckpt-000001 and ckpt-000002. Tests
+    work on copies (run_copy)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
+        gmts.main([*SMALL, "--steps", "2", "--save-every", "1", "--lr", "1e-2", "--warmup-steps", "0", "--out",
+                   str(out)])
+    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000001", "ckpt-000002"]
+    return out
+
+
+def run_copy(finished, tmp_path, name="run"):
+    return shutil.copytree(finished, tmp_path / name)
+
+
+def snapshot(folder):
+    """Every file's bytes under folder, by relative path."""
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(folder) for f in fs}
+
+
+def fails(capsys, argv, code):
+    """gmts.main(argv) in this process must stop with `code` and exactly one stderr line, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        gmts.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == code and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gmts: error: "), err
+    return lines[0]
+
+
+KILL_DRIVER = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import torch
+import gmts
+
+gmts.TASKS["countdown"]["reward"] = lambda text, row: float(sum(map(ord, text)) % 2)  # test_gmts.parity_reward
+where, argv = sys.argv[1], sys.argv[2:]
+if where == "checkpoint":  # SIGKILL right after ckpt-000004.tmp is complete, before its rename
+    save = torch.save
+    def save_then_die(obj, path, *a, **k):
+        save(obj, path, *a, **k)
+        if os.path.basename(os.path.dirname(str(path))) == "ckpt-000004.tmp":
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save = save_then_die
+else:  # SIGKILL right after step 3's metrics line, before its checkpoint
+    log = gmts.log_metrics
+    def log_then_die(path, rec):
+        log(path, rec)
+        if rec["step"] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+    gmts.log_metrics = log_then_die
+gmts.main(argv)
+"""
+
+
+def test_sigkill_mid_training_and_mid_checkpoint_then_resume(tmp_path, one_thread, parity):
+    """A child killed (SIGKILL: no handler, no cleanup) after a metrics line, or inside a checkpoint write, then
+    --resume: the same metrics, line for line, and a bit-identical final model as the uninterrupted run."""
+    run = [*SMALL, "--steps", "6", "--save-every", "1", "--lr", "1e-2", "--warmup-steps", "0"]
+    want = train_main(*run, "--out", tmp_path / "ref")
+    assert any(r.get("grad_norm", 0) > 0 for r in want)  # it trains: the comparison means something
+    driver = tmp_path / "driver.py"
+    driver.write_text(KILL_DRIVER.format(here=HERE))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for where, out in (("metrics", a), ("checkpoint", b)):
+        r = subprocess.run([sys.executable, str(driver), where, *run, "--out", str(out)], capture_output=True,
+                           text=True, timeout=300, cwd=HERE, env=ENV1)
+        assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert [x["step"] for x in _metrics(a / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert gmts.checkpoints(str(a))[-1].endswith("ckpt-000002")  # step 3's checkpoint was never written
+    assert (b / "ckpt-000004.tmp" / "state.pt").exists()  # the temporary checkpoint is complete ...
+    assert gmts.checkpoints(str(b))[-1].endswith("ckpt-000003")  # ... but only a renamed one counts
+    for out in (a, b):
+        assert train_main("--resume", out) == want  # no duplicated, missing or torn lines; the same numbers
+        assert _same_weights(out, tmp_path / "ref")
+        assert not list(out.glob("*.tmp")) and not list(out.glob("ckpt-*.old"))
+
+
+def test_resume_ignores_partial_checkpoint_and_torn_line(tmp_path, finished, parity):
+    out = run_copy(finished, tmp_path)
+    os.makedirs(out / "ckpt-000003.tmp")  # a write that died half way
+    (out / "ckpt-000003.tmp" / "config.json").write_text("{")
+    shutil.copytree(out / "ckpt-000001", out / "ckpt-000009.old")  # a deletion that died half way
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_mea')  # a torn line
+    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000001", "ckpt-000002"]
+    recs = train_main("--resume", out, "--steps", "3")
+    assert [x["step"] for x in recs] == [0, 1, 2, 3]
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[:len(data) // 2], "empty": b"", "random": os.urandom(len(data))}[how])
+
+
+DAMAGES = {"truncated state.pt": ("state.pt", "truncated"), "0-byte state.pt": ("state.pt", "empty"),
+           "random state.pt": ("state.pt", "random"), "truncated model.safetensors": ("model.safetensors", "truncated")}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, finished, parity, capsys, damage):
+    """ckpt-000002 damaged: --resume says so in one line, falls back to ckpt-000001 and reruns step 2 exactly (the
+    whole config comes from run_config.json: only --resume is given)."""
+    out = run_copy(finished, tmp_path)
+    name, how = DAMAGES[damage]
+    _damage(out / "ckpt-000002" / name, how)
+    want = _metrics(out / "metrics.jsonl")
+    assert train_main("--resume", out) == want
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "ckpt-000002" in ln and "does not load" in ln]
+    assert len(said) == 1, said
+    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000001", "ckpt-000002"]
+    assert _same_weights(out, finished)
+
+
+def test_old_checkpoints_are_renamed_before_they_are_deleted(tmp_path, monkeypatch):
+    """save_checkpoint keeps the last 2: the new one is renamed into place first, then each old one is renamed to
+    *.old and only then deleted, so a kill at any moment leaves no half-deleted folder that looks complete."""
+    model, tok = gmts.build_tiny(hidden=16, layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    calls, replace, rmtree = [], os.replace, shutil.rmtree
+    name = os.path.basename
+
+    def spy_replace(a, b):
+        if name(str(a)).startswith("ckpt-"):
+            calls.append(("replace", name(str(a)), name(str(b))))
+        return replace(a, b)
+
+    def spy_rmtree(p, *a, **k):
+        if name(str(p)).startswith("ckpt-"):
+            calls.append(("rmtree", name(str(p))))
+        return rmtree(p, *a, **k)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
+    for step in range(3):
+        gmts.save_checkpoint(str(tmp_path), step, model, tok, opt, 0)
+    new = calls.index(("replace", "ckpt-000002.tmp", "ckpt-000002"))
+    old = calls.index(("replace", "ckpt-000000", "ckpt-000000.old"))
+    assert new < old < calls.index(("rmtree", "ckpt-000000.old"))
+    for k in range(3):  # a complete checkpoint is never deleted in place (only a leftover before its rename)
+        done = calls.index(("replace", f"ckpt-{k:06d}.tmp", f"ckpt-{k:06d}"))
+        assert ("rmtree", f"ckpt-{k:06d}") not in calls[done:]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "ckpt-000002"]
+    state = torch.load(tmp_path / "ckpt-000002" / "state.pt", weights_only=True)  # no pickle needed
+    assert state["step"] == 2 and "opt" in state
+
+
+def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch, capsys):
+    real = gmts.rollout
+
+    def oom_in_training(model, tok, prompts, group_size, *a, **k):  # the greedy step-0 eval (G = 1) still runs
+        if group_size > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, tok, prompts, group_size, *a, **k)
+    monkeypatch.setattr(gmts, "rollout", oom_in_training)
+    err = fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
+    assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
+    assert gmts.checkpoints(str(tmp_path / "o"))  # the last checkpoint is kept
+
+
+def test_out_of_memory_in_evaluation_and_interrupt_are_one_line(tmp_path, monkeypatch, capsys):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(gmts, "evaluate", oom)
+    assert "--micro-batch" in fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gmts, "evaluate", interrupt)
+    assert "--resume" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)
+
+
+def test_a_new_run_never_replaces_a_finished_one(tmp_path, finished, capsys, parity):
+    """Without --overwrite a new run into a run's folder stops (exit 2) and leaves every byte; a deliberate
+    --overwrite whose model cannot load (exit 1) leaves every byte too; a bad override with --resume is never
+    saved; --overwrite with a loadable model replaces the run."""
+    out = run_copy(finished, tmp_path)
+    before = snapshot(out)
+    assert "holds a run" in fails(capsys, [*SMALL, "--out", out], 2)
+    assert snapshot(out) == before
+    assert "cannot load model" in fails(capsys, [*SMALL, "--overwrite", "--model", tmp_path / "none", "--out", out], 1)
+    assert snapshot(out) == before
+    assert "--lr" in fails(capsys, ["--resume", out, "--lr", "-1"], 2)
+    assert snapshot(out) == before and gmts.parse_args(["--resume", str(out)]).lr == 1e-2
+    recs = train_main(*SMALL, "--steps", "1", "--overwrite", "--out", out)
+    assert [x["step"] for x in recs] == [0, 1]
+    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000000", "ckpt-000001"]
+
+
+# The bad-input table (issue 18): flags, data files, output folders, resume folders, model folders. Each case runs
+# gmts.main in this process and must end with exactly one stderr line, no traceback, and its exit code: 2 for bad
+# input, 1 for a model that cannot be loaded or no loadable checkpoint. A case that names an existing run ({run},
+# {norc}, ...) must leave that folder byte for byte as it was. Placeholders are built by PLACES.
+def _json_file(rows):
+    return lambda tmp, run: _write(tmp / "d.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _write(path, text, mode="w"):
+    with open(path, mode) as f:
+        f.write(text)
+    return path
+
+
+def _run_with(edit):
+    """A copy of the finished run, then edit(copy)."""
+    def build(tmp, run):
+        out = shutil.copytree(run, tmp / "r")
+        edit(out)
+        return out
+    return build
+
+
+def _model_folder(keep, edit=None):
+    def build(tmp, run):
+        out = tmp / "m"
+        os.makedirs(out)
+        for n in keep:
+            shutil.copy(run / "ckpt-000002" / n, out / n)
+        if edit:
+            edit(out)
+        return out
+    return build
+
+
+def _read_only(tmp, run):
+    os.makedirs(tmp / "ro")
+    os.chmod(tmp / "ro", 0o555)
+    return tmp / "ro"
+
+
+CD = {"nums": [3, 5, 2], "target": 16}
+PLACES = {
+    "tmp": lambda tmp, run: tmp,
+    "run": _run_with(lambda out: None),
+    "file": lambda tmp, run: _write(tmp / "file", "x"),
+    "ro": _read_only,
+    "bad_json": lambda tmp, run: _write(tmp / "d.jsonl", json.dumps(CD) + '\n{"nums": [1, 2], "target": }\n'),
+    "no_target": _json_file([CD, {"nums": [1, 2, 3]}]),
+    "str_nums": _json_file([{"nums": [1, "2"], "target": 3}]),
+    "list_row": lambda tmp, run: _write(tmp / "d.jsonl", "[1, 2, 3]\n"),
+    "blank": lambda tmp, run: _write(tmp / "d.jsonl", "\n\n"),
+    "latin1": lambda tmp, run: _write(tmp / "d.jsonl", b'{"nums": [1], "target": 1} \xff\n', "wb"),
+    "three_rows": _json_file([CD, {"nums": [1, 2], "target": 3}, {"nums": [4, 4], "target": 8}]),
+    "dup_rows": _json_file([CD, {"nums": [1, 2], "target": 3}, CD, {"nums": [1, 2], "target": 3}]),
+    "norc": _run_with(lambda out: os.remove(out / "run_config.json")),
+    "garbage": _run_with(lambda out: _write(out / "run_config.json", '{"lr": 1e-3, "steps"')),
+    "json_list": _run_with(lambda out: _write(out / "run_config.json", "[1, 2]")),
+    "null_lr": _run_with(lambda out: _write(out / "run_config.json", '{"lr": null}')),
+    "no_ckpt": _run_with(lambda out: [shutil.rmtree(c) for c in gmts.checkpoints(str(out))]),
+    "all_damaged": _run_with(lambda out: [_damage(out / os.path.basename(c) / "state.pt", "random")
+                                          for c in gmts.checkpoints(str(out))]),
+    "config_only": _model_folder(["config.json"]),
+    "no_weights": _model_folder(["config.json", "tokenizer.json", "tokenizer_config.json"]),
+    "trunc_weights": _model_folder(["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"],
+                                   lambda out: _damage(out / "model.safetensors", "truncated")),
+    "bad_config": _model_folder(["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"],
+                                lambda out: _write(out / "config.json", '{"model_type": "qwen2", "hidden_size": -3}')),
+}
+BAD_INPUT = [  # (id, argv, exit code, a piece of the message)
+    ("lr inf", ["--lr", "inf"], 2, "--lr"),
+    ("lr -1", ["--lr", "-1"], 2, "--lr"),
+    ("lr nan", ["--lr", "nan"], 2, "--lr"),
+    ("top-p 0", ["--top-p", "0"], 2, "--top-p"),
+    ("top-p 1.5", ["--top-p", "1.5"], 2, "--top-p"),
+    ("temperature inf", ["--temperature", "inf"], 2, "--temperature"),
+    ("temperature 0", ["--temperature", "0"], 2, "--temperature"),
+    ("clip-low -0.5", ["--clip-low", "-0.5"], 2, "--clip-low"),
+    ("clip-low 1.5", ["--clip-low", "1.5"], 2, "--clip-low"),
+    ("clip-high nan", ["--clip-high", "nan"], 2, "--clip-high"),
+    ("kl-beta -1", ["--kl-beta", "-1"], 2, "--kl-beta"),
+    ("kl-beta nan", ["--kl-beta", "nan"], 2, "--kl-beta"),
+    ("max-grad-norm -1", ["--max-grad-norm", "-1"], 2, "--max-grad-norm"),
+    ("save-every -1", ["--save-every", "-1"], 2, "--save-every"),
+    ("warmup-steps -5", ["--warmup-steps", "-5"], 2, "--warmup-steps"),
+    ("weight-decay -1", ["--weight-decay", "-1"], 2, "--weight-decay"),
+    ("tiny-hidden 0", ["--tiny-hidden", "0"], 2, "--tiny-hidden"),
+    ("tiny-hidden 12", ["--tiny-hidden", "12"], 2, "--tiny-hidden"),
+    ("tiny-layers -1", ["--tiny-layers", "-1"], 2, "--tiny-layers"),
+    ("rho 0", ["--rho", "0"], 2, "--rho"),
+    ("rho 1.5", ["--rho", "1.5"], 2, "--rho"),
+    ("group-size 1", ["--group-size", "1"], 2, "--group-size"),
+    ("steps 0", ["--steps", "0"], 2, "--steps"),
+    ("steps two", ["--steps", "two"], 2, "invalid int"),
+    ("inner-updates 0", ["--inner-updates", "0"], 2, "--inner-updates"),
+    ("micro-batch 0", ["--micro-batch", "0"], 2, "--micro-batch"),
+    ("max-resample 0", ["--max-resample", "0"], 2, "--max-resample"),
+    ("eval-every -1", ["--eval-every", "-1"], 2, "--eval-every"),
+    ("top-k -1", ["--top-k", "-1"], 2, "--top-k"),
+    ("unknown select", ["--select", "best"], 2, "invalid choice"),
+    ("unknown task", ["--task", "poetry"], 2, "unknown task"),
+    ("unknown preset", ["--preset", "gpu9000"], 2, "invalid choice"),
+    ("unknown device", ["--device", "tpu"], 2, "invalid choice"),
+    ("unknown loss-norm", ["--loss-norm", "tokens"], 2, "invalid choice"),
+    ("unknown chat-template", ["--chat-template", "maybe"], 2, "invalid choice"),
+    ("a lab flag", ["--sft-steps", "3"], 2, "unrecognized arguments"),
+    ("cuda without cuda", ["--device", "cuda"], 2, "no such device",
+     pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+    ("out empty", ["--out", ""], 2, "--out"),
+    ("out is a file", ["--out", "{file}"], 2, "--out"),
+    ("out under a file", ["--out", "{file}/sub"], 2, "--out"),
+    ("out read-only", ["--out", "{ro}/run"], 2, "--out",
+     pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")),
+    ("out holds a run", ["--out", "{run}"], 2, "holds a run"),
+    ("data missing", ["--data", "{tmp}/nope.jsonl"], 2, "cannot read"),
+    ("data is a folder", ["--data", "{tmp}"], 2, "cannot read"),
+    ("data bad json", ["--data", "{bad_json}"], 2, "line 2: invalid JSON"),
+    ("data missing key", ["--data", "{no_target}"], 2, 'line 2: missing key "target"'),
+    ("data wrong type", ["--data", "{str_nums}"], 2, 'line 1: "nums" must be'),
+    ("data not objects", ["--data", "{list_row}"], 2, "expected a JSON object"),
+    ("data no rows", ["--data", "{blank}"], 2, "no rows"),
+    ("data not utf-8", ["--data", "{latin1}"], 2, "cannot read"),
+    ("data rows of another task", ["--task", "math", "--data", "{three_rows}"], 2, 'missing key "question"'),
+    ("data all held out", ["--data", "{three_rows}", "--eval-size", "3"], 2, "no training rows"),
+    ("data duplicates of held out", ["--data", "{dup_rows}", "--eval-size", "2"], 2, "no training rows"),
+    ("data hf split", ["--data", "hf:dev"], 2, "hf:train or hf:test"),
+    ("data hf logic", ["--task", "logic", "--data", "hf"], 2, "logic has no hub data set"),
+    ("max-new-tokens past positions", ["--max-new-tokens", "5000"], 2, "positions"),
+    ("eval-size 10**12", ["--eval-size", str(10 ** 12)], 2, "--eval-size"),
+    ("steps 10**20 on a used-up file", ["--steps", str(10 ** 20), "--data", "{three_rows}", "--eval-size", "3"], 2,
+     "no training rows"),
+    ("steps 10**20 eval-size 10**12", ["--steps", str(10 ** 20), "--eval-size", str(10 ** 12)], 2, "--eval-size"),
+    ("resume missing folder", ["--resume", "{tmp}/missing"], 2, "no run_config.json"),
+    ("resume without run_config", ["--resume", "{norc}"], 2, "no run_config.json"),
+    ("resume garbage run_config", ["--resume", "{garbage}"], 2, "unreadable"),
+    ("resume run_config a list", ["--resume", "{json_list}"], 2, "not a JSON object"),
+    ("resume run_config lr null", ["--resume", "{null_lr}"], 2, "--lr"),
+    ("resume steps below the last", ["--resume", "{run}", "--steps", "1"], 2, "below"),
+    ("resume task changed", ["--resume", "{run}", "--task", "math"], 2, "--allow-change"),
+    ("resume data changed", ["--resume", "{run}", "--data", "gen"], 2, "--allow-change"),
+    ("resume bad override", ["--resume", "{run}", "--lr", "-1"], 2, "--lr"),
+    ("resume max-new-tokens past positions", ["--resume", "{run}", "--steps", "3", "--max-new-tokens", "5000"], 2,
+     "positions"),
+    ("resume no checkpoint", ["--resume", "{no_ckpt}"], 1, "no loadable checkpoint"),
+    ("resume every checkpoint damaged", ["--resume", "{all_damaged}"], 1, "no loadable checkpoint"),
+    ("model misspelled", ["--model", "Qwen2.5-0.5B-Instrukt"], 1, "Qwen/Qwen2.5-0.5B-Instrukt"),
+    ("model folder missing", ["--model", "{tmp}/no-model"], 1, "cannot load model"),
+    ("model folder config only", ["--model", "{config_only}"], 1, "cannot load model"),
+    ("model folder no weights", ["--model", "{no_weights}"], 1, "cannot load model"),
+    ("model folder truncated weights", ["--model", "{trunc_weights}"], 1, "cannot load model"),
+    ("model folder bad config", ["--model", "{bad_config}"], 1, "cannot load model"),
+]
+
+
+@pytest.mark.parametrize("argv, code, needle", [pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in BAD_INPUT])
+def test_bad_input_is_one_line_and_its_exit_code(tmp_path, finished, capsys, argv, code, needle):
+    built = {}
+
+    def place(m):
+        if m[1] not in built:
+            built[m[1]] = PLACES[m[1]](tmp_path, finished)
+        return str(built[m[1]])
+    argv = [re.sub(r"\{(\w+)\}", place, a) for a in argv]
+    if "--resume" not in argv:
+        argv = [*SMALL, "--out", str(tmp_path / "o"), *argv]  # the case's own --out comes last and wins
+    runs = {p: snapshot(p) for p in map(str, built.values()) if os.path.isdir(p) and p != str(tmp_path)}
+    try:
+        err = fails(capsys, argv, code)
+    finally:
+        if os.path.isdir(tmp_path / "ro"):
+            os.chmod(tmp_path / "ro", 0o755)
+    assert needle in err, err
+    for p, before in runs.items():
+        assert snapshot(p) == before, f"{p} changed"

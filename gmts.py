@@ -23,17 +23,14 @@ column t holds the statistics of the t-th generated token, predicted from the hi
 
 Deviations from the papers and choices they leave open:
   1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in the 80/20 code.
-  2. omega = ratio * A, 0 where the clip is active (== A on the first inner update); scores are recomputed before
-     every inner update.
+  2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before each inner update.
   3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL: selection is
      a pure mask of one sum, so every method runs at one lr; 'selected' divides by the kept tokens (80/20 code).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose rewards are all
      equal and draws more prompts, up to --max-resample rollout batches per step.
-  6. One step rule for every method: the optimiser steps iff a kept token has a non-zero gradient; the lr follows
-     GRPO steps whatever happened.
-  7. KL (beta > 0, k3) covers all valid tokens, divided by their count whatever the selection; its reference is
-     the model --model loads (where RL starts).
+  6. One step rule: the optimiser steps iff a kept token has a non-zero gradient; the lr follows GRPO steps regardless.
+  7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model --model loads.
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always in fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
  10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
@@ -66,10 +63,7 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------------------------------------------
-# Config [plumbing]: every field is a --flag (underscores become dashes); --preset NAME applies PRESETS[NAME] first.
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first =======================
 def arg(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
@@ -136,9 +130,8 @@ CHOICES = {
 }
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
-    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started on random well-formed answers to easy countdown
-    # (`python gmts_lab.py warm` rebuilds warm/cpu): it copies the numbers but picks the signs at random, and GRPO
-    # learns from the reward which signs hit the target.
+    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started (`python gmts_lab.py warm`) to copy the numbers of easy
+    # countdown with random signs; GRPO learns from the reward which signs hit the target.
     "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80, prompts_per_step=32,
                 group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256, eval_every=10, eval_size=256,
                 save_every=20, out="out/cpu"),
@@ -181,11 +174,7 @@ def check_config(cfg: Config):
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Small helpers [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Small helpers [plumbing] ====================================================================================
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
@@ -200,9 +189,7 @@ def set_seed(seed: int):
     random.seed(seed)
     torch.manual_seed(seed)
 
-# ---------------------------------------------------------------------------------------------------------------
-# Tasks and verifiers [paper: reward]
-# ---------------------------------------------------------------------------------------------------------------
+# ==== Tasks and verifiers [paper: reward] =========================================================================
 # Each task = offline generator + prompt + verifier + loader, collected in TASKS.
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
@@ -280,10 +267,7 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
 def countdown_value(completion: str, nums: list):
     """Exact value of the last <answer> if it is an equation that uses each given number once, else None
     (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other numbers, bad syntax)."""
-    ans = _last_answer(completion)
-    if ans is None:
-        return None
-    ans = ans.strip()
+    ans = (_last_answer(completion) or "").strip()
     if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
         return None
     lits = []
@@ -300,7 +284,6 @@ def countdown_reward(completion: str, nums: list, target: int) -> float:
     if _last_answer(completion) is None:
         return 0.0
     return 1.0 if countdown_value(completion, nums) == target else 0.1
-
 
 # -- math: GSM8K-style word problems, graded by the final number --
 def _math_story(r: random.Random, who: str, steps: list) -> str:
@@ -410,7 +393,6 @@ def math_reward(completion: str, answer: str) -> float:
     gold, got = parse_number(str(answer)), math_final_answer(completion)
     return 1.0 if gold is not None and got is not None and parse_number(got) == gold else 0.0
 
-
 # -- logic: knights (always truthful) and knaves (always lying) --
 # A claim is ("is", person, is_knight) | ("not", atom) | ("and" | "or" | "if", atom, atom).
 def _holds(c: tuple, world: tuple) -> bool:
@@ -468,7 +450,6 @@ def logic_reward(completion: str, solution: dict) -> float:
         i += 4 if toks[i + 3:i + 4] == ["."] else 3
     return 1.0 if got == {k.lower(): v for k, v in solution.items()} else 0.1
 
-
 # -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
@@ -490,7 +471,6 @@ def logic_prompt(row: dict, short=False) -> str:
         f"{len(row['names'])} inhabitants: {', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? "
         f"{_FORMAT}, one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 
-
 # -- loaders: data = "gen" | "easy" | "hf" | "hf:test" | path.jsonl --
 def _gsm8k_row(question: str, solution) -> dict:
     """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the bare number."""
@@ -498,18 +478,17 @@ def _gsm8k_row(question: str, solution) -> dict:
     steps = [re.sub(r"<<[^<>]*>>", "", ln).strip() for ln in body.splitlines() if ln.strip()]
     return {"question": question, "answer": gold.strip().replace(",", ""), "steps": steps}
 
-def _strs(v) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+def _list_of(t: type):
+    return lambda v: isinstance(v, list) and all(type(x) is t for x in v)
 
-_SCHEMA = {  # task -> key -> (what it must be, check)
-    "countdown": {"nums": ("a list of integers", lambda v: isinstance(v, list) and all(type(x) is int for x in v)),
-                  "target": ("an integer", lambda v: type(v) is int)},
+_SCHEMA = {  # task -> key -> (what the value must be, its test)
+    "countdown": {"nums": ("a list of integers", _list_of(int)), "target": ("an integer", lambda v: type(v) is int)},
     "math": {"question": ("a string", lambda v: isinstance(v, str)),
              "answer": ("a number or a GSM8K solution ending in '#### N'", lambda v: type(v) in (str, int, float)
                         and parse_number(_gsm8k_row("", v)["answer"]) is not None)},
-    "logic": {"names": ("a list of strings", _strs), "statements": ("a list of strings", _strs),
-              "solution": ("an object {name: true/false}",
-                           lambda v: isinstance(v, dict) and all(type(x) is bool for x in v.values()))},
+    "logic": {"names": ("a list of strings", _list_of(str)), "statements": ("a list of strings", _list_of(str)),
+              "solution": ("an object {name: true/false}", lambda v: isinstance(v, dict)
+                           and all(type(x) is bool for x in v.values()))},
 }
 
 def _read_jsonl(path: str, task: str) -> list:
@@ -574,16 +553,14 @@ def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
     return rows[:n] if n and n > 0 else rows
 
 def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9 joined left to right by + or -, listed in that order, each of the
-    four sign patterns equally likely (numbers redrawn until the target is >= 0). A model that copies the numbers
-    only has to choose the two signs, and a fixed guess is right for about 1 problem in 4 (see the tests)."""
+    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or - with each of the four sign patterns
+    equally likely (numbers redrawn until the target is >= 0). A fixed guess of the signs is right about 1 time in 4."""
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]
         target, expr = _sign_chain(nums, signs)
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
-
 
 _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 2 steps; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
@@ -605,9 +582,8 @@ def get_task(name: str) -> dict:
     return TASKS[name]
 
 def split_rows(cfg: Config) -> tuple:
-    """(draw, held-out rows). The FIRST eval_size rows of the data are held out, whatever --steps asks for.
-    draw(n, *key) -> n training rows from random.Random(str((seed,) + key)), never a held-out prompt: the rows of
-    a step are a function of (seed, step), drawn when the step needs them, so nothing is built up front."""
+    """(draw, held-out rows): the FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows
+    from random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step needs them."""
     task = get_task(cfg.task)
     gen = cfg.data in ("gen", "easy")
     rows = task["load"](cfg.data, cfg.eval_size if gen else 0, cfg.seed)
@@ -622,50 +598,38 @@ def split_rows(cfg: Config) -> tuple:
         rng = random.Random(str((cfg.seed,) + key))
         if not gen:
             return [rng.choice(pool) for _ in range(n)]
-        out = []
-        for _ in range(1000 * n):
-            row = _GEN[cfg.task](rng, cfg.data == "easy")
-            if task["prompt"](row) not in seen:
-                out.append(row)
-                if len(out) == n:
-                    return out
-        raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
+        tries = (_GEN[cfg.task](rng, cfg.data == "easy") for _ in range(1000 * n))  # lazy: stops at the n-th new row
+        out = list(itertools.islice((r for r in tries if task["prompt"](r) not in seen), n))
+        if len(out) < n:
+            raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
+        return out
     return draw, held
 
-# ---------------------------------------------------------------------------------------------------------------
-# Model and tokenizer [plumbing]: real Qwen checkpoints, or a tiny Qwen2 built offline with the same architecture.
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============================
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
-    """A random-init Qwen2ForCausalLM and a byte-level Qwen2Tokenizer (256 bytes + 3 specials, no merges).
-
-    Built as the very class transformers reloads a qwen2 folder with (Qwen2Tokenizer), so token ids survive a
-    save/load round trip; eos is <|im_end|> (an instruct-style tokenizer), pad is <|endoftext|>.
-    """
+    """A random-init Qwen2ForCausalLM and a byte-level Qwen2Tokenizer (256 bytes + 3 specials, no merges): the class
+    a qwen2 folder reloads with, so ids survive a round trip. eos is <|im_end|> (instruct-style), pad <|endoftext|>."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-        vocab[s] = len(vocab)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()) + specials)}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
                          additional_special_tokens=["<|im_start|>"], chat_template=TINY_CHAT_TEMPLATE,
                          padding_side="left")
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, vocab_size=len(tok),
-                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None)
+    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=None,
+                      vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg), tok
 
 def resolve_model_name(name: str) -> str:
     """'Qwen2.5-0.5B' -> 'Qwen/Qwen2.5-0.5B'; hub ids and local folders pass through."""
-    if os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen"):
-        return name
-    return "Qwen/" + name
+    local_or_id = os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen")
+    return name if local_or_id else "Qwen/" + name
 
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
     """Return (model, tokenizer) on device in fp32, or raise OSError with a one-line reason."""
@@ -690,28 +654,17 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
 
 def end_token_ids(tok) -> list:
     """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|> when present."""
-    ids = {tok.eos_token_id}
-    for t in ("<|im_end|>", "<|endoftext|>"):
-        i = tok.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tok.unk_token_id:
-            ids.add(i)
+    qwen = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    ids = {tok.eos_token_id} | {i for i in qwen if isinstance(i, int) and i != tok.unk_token_id}
     return sorted(i for i in ids if i is not None)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T.
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====================
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: the answer starts inside <think>
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 
 def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models.
-
-    Decided by the tokenizer: Qwen ships a chat template with base AND instruct models, but only instruct
-    tokenizers end a turn with eos = <|im_end|> (base ones use <|endoftext|>). auto = has a template and eos is
-    the template's turn end. --chat yes/no overrides.
-    """
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with both, but only
+    instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos. yes/no force it."""
     if chat != "auto":
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
@@ -730,12 +683,10 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) 
     return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
-    """Valid response positions, by POSITION: up to and including the first end token, nothing after.
-
-    Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is also an end token, so a value test would
-    drop the end token itself from the loss (the tiny-grpo bug). Returns (resp_mask (N, T) bool, truncated (N,)).
-    """
-    N, T = completion_ids.shape
+    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and including the first
+    end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is also an end token, so a value test
+    would drop the end token itself from the loss (the tiny-grpo bug)."""
+    T = completion_ids.shape[1]
     is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=completion_ids.device))  # (N, T)
     has_end = is_end.any(dim=1)  # (N,)
     first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
@@ -795,20 +746,13 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
         batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
     return batch
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Group advantages [paper: GRPO, A_i = (r_i - mean) / (std + eps)] and dynamic sampling [DAPO]
-# ---------------------------------------------------------------------------------------------------------------
-
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================================
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6):
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
 
-    std is the POPULATION std (divide by G): the group is every answer we compare against, not a sample of a larger
-    one, and it gives the clean binary-reward values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct
-    (TRL's unbiased std scales all of them by sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0:
-    (r - mean) of equal floats can be 1e-17 rather than 0, so such groups are zeroed explicitly, never NaN.
-    std_normalize=False gives r - mean (Dr. GRPO).
+    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward values
+    A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by sqrt((G-1)/G)).
+    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: r - mean (Dr. GRPO).
     """
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
@@ -824,31 +768,26 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
     """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
-    groups -> (batch, rewards, adv). With no informative group the first batch is returned as it is: all its
-    advantages are 0, so no method updates on it."""
-    keep = torch.cat([informative(r, group_size) for _, r, _ in parts]).nonzero().squeeze(1)[:B]  # (<= B,)
+    groups -> (batch, rewards, adv). With no informative group the first batch is returned as it is (all A = 0)."""
+    batches, rewards, advs = zip(*parts)
+    keep = torch.cat([informative(r, group_size) for r in rewards]).nonzero().squeeze(1)[:B]  # (<= B,)
     if keep.numel() == 0:
         return parts[0]
     idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
-    width = {"prompt": max(b["prompt_ids"].shape[1] for b, _, _ in parts),
-             "comp": max(b["comp_ids"].shape[1] for b, _, _ in parts)}
-    batch = {}
-    for key, side, fill in (("prompt_ids", "prompt", pad_id), ("prompt_mask", "prompt", 0), ("comp_ids", "comp", pad_id),
-                            ("resp_mask", "comp", 0), ("truncated", None, 0)):
-        xs = [b[key] for b, _, _ in parts]  # prompts are padded on the left, responses on the right
-        if side:
-            xs = [F.pad(x, (width[side] - x.shape[1], 0) if side == "prompt" else (0, width[side] - x.shape[1]),
-                        value=fill) for x in xs]
-        x = torch.cat(xs)
-        batch[key] = x[idx.to(x.device)]
-    texts = [t for b, _, _ in parts for t in b["texts"]]
-    batch["texts"] = [texts[i] for i in idx.tolist()]
-    adv = torch.cat([a for _, _, a in parts])
-    return batch, torch.cat([r for _, r, _ in parts])[idx], adv[idx.to(adv.device)]
 
-# ---------------------------------------------------------------------------------------------------------------
-# Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation lives here]
-#
+    def pick(xs: list, fill=0, left=False):  # join, padding (N, T) parts to one width on the left or right
+        if xs[0].dim() == 2:
+            w = max(x.shape[1] for x in xs)
+            xs = [F.pad(x, (w - x.shape[1], 0) if left else (0, w - x.shape[1]), value=fill) for x in xs]
+        x = torch.cat(xs)
+        return x[idx.to(x.device)]
+    batch = {key: pick([b[key] for b in batches], fill, left=key.startswith("prompt")) for key, fill in
+             (("prompt_ids", pad_id), ("prompt_mask", 0), ("comp_ids", pad_id), ("resp_mask", 0), ("truncated", 0))}
+    texts = [t for b in batches for t in b["texts"]]
+    batch["texts"] = [texts[i] for i in idx.tolist()]
+    return batch, pick(rewards), pick(advs)
+
+# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========================
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
 # ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range) is
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
@@ -874,11 +813,9 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    ablation; it costs the same vocabulary reduction as H).
 # Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects over the whole
 # batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
-# ---------------------------------------------------------------------------------------------------------------
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
-
     logp      = log p_y,  p = softmax(logits / T)
     entropy   = -sum_j p_j log p_j                                   (nats)
     grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation step 3)
@@ -898,11 +835,8 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     return logp, entropy, sq.sqrt() / temperature
 
 def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
-    """Final hidden states that PREDICT each response token: position P-1+t predicts token t. -> (n, T, d).
-
-    Left padding: position ids come from the attention mask (cumsum - 1), as generate() computed them, otherwise
-    recomputed log-probs differ from the sampler's.
-    """
+    """Final hidden states that PREDICT each response token (position P-1+t predicts token t) -> (n, T, d). Position
+    ids come from the attention mask (cumsum - 1), as generate() computes them under left padding."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
     attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
@@ -939,52 +873,33 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score]
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======================
 def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast to one shape."""
     return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
 
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """omega = ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
-    adv (N,), ratio (N, T) -> (N, T)."""
+    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1). (N,), (N, T) -> (N, T)"""
     a = adv[:, None]  # (N, 1)
     return torch.where(clip_active(a, ratio, clip_low, clip_high), torch.zeros_like(ratio), ratio * a)
 
 def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
                  generator: torch.Generator = None) -> torch.Tensor:
-    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T).
-
-      all      : 1 everywhere (vanilla GRPO: train keeps every token, rho = 1)
-      random   : uniform noise (the control: a random rho of the tokens)
-      entropy  : H_t                         (80/20 paper)
-      gmts     : |H_t * omega_t|             (GMTS)
-      gradnorm : |omega_t| * grad_norm_t     (the exact logit-gradient norm, derivation step 3)
-    """
-    if method == "all":
-        return torch.ones_like(entropy)
-    if method == "random":
-        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
-    if method == "entropy":
-        return entropy
-    if method == "gmts":
-        return (entropy * om).abs()
-    if method == "gradnorm":
-        return om.abs() * grad_norm
-    raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
+    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
+    scores = {"all": lambda: torch.ones_like(entropy),  # vanilla GRPO (train keeps every token, rho = 1)
+              "random": lambda: torch.rand(entropy.shape, generator=generator).to(entropy.device),  # the control
+              "entropy": lambda: entropy,  # H_t (80/20 paper)
+              "gmts": lambda: (entropy * om).abs(),  # |H_t * omega_t| (GMTS)
+              "gradnorm": lambda: om.abs() * grad_norm}  # the exact logit-gradient norm (derivation step 3)
+    if method not in scores:
+        raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
+    return scores[method]()
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False) -> torch.Tensor:
-    """sel_mask: the k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch.
-
-    Ties are broken by position (earlier flat index first), masked-out tokens are never kept, NaN ranks lowest.
-    A k-th-value threshold plus a cumulative count over the tied values: O(n), exact, and unlike torch.quantile
-    it works above 2^24 elements and never over-selects on ties. nonzero=True (gmts, gradnorm) then drops kept
-    tokens whose score is 0: their gradient is exactly 0, so those methods may keep fewer than k.
-    (N, T) float, (N, T) bool -> (N, T) bool.
-    """
+    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch: (N, T) -> (N, T) bool.
+    Ties go to the earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold plus a
+    count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24 elements. nonzero=True (gmts,
+    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may keep fewer than k."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     n = int(flat_mask.sum())
     k = min(n, math.ceil(rho * n - 1e-9))  # the 1e-9 keeps 0.2 * 10 from rounding up to 3
@@ -1001,18 +916,11 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
     sel[flat_mask] = keep
     return sel.view_as(mask)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens]
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================================
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                     clip_high: float) -> tuple:
-    """Per-token PPO-clip loss, inputs (M,) for M tokens -> (loss (M,), clip active (M,) bool).
-
-    l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),  r = exp(logp - old_logp). With old_logp = logp.detach()
-    (one on-policy update) r == 1 and dl/dtheta = -A * dlogp/dtheta: plain REINFORCE.
-    """
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp):
+    (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
     ratio = torch.exp(logp - old_logp)
     loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
@@ -1027,11 +935,8 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
                   denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
                   chunk: int, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
     """Accumulate into .grad the gradient of  sum_{kept} l_t / denom  (+ kl_beta * mean k3 over ALL valid tokens).
-
-    Only answers with a needed token are run, and the lm_head + log-softmax only at those positions: the others
-    have zero gradient, so leaving them out is exact. Returns loss, clip_frac and kl, and `live`, the number of kept
-    tokens whose gradient is not zero (A != 0, clip inactive): the step rule of policy_update.
-    """
+    Only the needed positions go through the lm_head (the others have zero gradient: leaving them out is exact).
+    Returns loss, clip_frac, kl and `live`, the kept tokens with a non-zero gradient (policy_update's step rule)."""
     head, valid = model.get_output_embeddings(), batch["resp_mask"]
     need = (sel_mask | valid) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
     n_valid = max(int(valid.sum()), 1)
@@ -1057,8 +962,8 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
 def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
                   denom: float, *, max_grad_norm: float, **kw) -> dict:
     """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the same for every
-    method: the optimiser steps iff some kept token has a non-zero gradient, so a batch whose advantages are all 0
-    moves neither the weights nor the Adam moments. A non-finite gradient skips the step too."""
+    method: step iff some kept token has a non-zero gradient (A = 0 everywhere moves neither the weights nor the Adam
+    moments) and the gradient is finite."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -1070,10 +975,7 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-# ---------------------------------------------------------------------------------------------------------------
-# Evaluation, run folder, checkpoints, metrics [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Evaluation, run folder, checkpoints, metrics [plumbing] =====================================================
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
              batch_size: int = 64) -> dict:
@@ -1108,11 +1010,8 @@ def read_run_config(out: str) -> dict:
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(rec) + "\n").encode())
-    finally:
-        os.close(fd)
+    with open(path, "ab", buffering=0) as f:  # unbuffered: the line is one write() call
+        f.write((json.dumps(rec) + "\n").encode())
 
 def read_metrics(out: str, last_step: float = math.inf) -> list:
     """The whole JSON lines of OUT/metrics.jsonl with step <= last_step (a torn last line is skipped)."""
@@ -1133,10 +1032,9 @@ def checkpoints(out: str) -> list:
     return sorted(d for d in glob.glob(os.path.join(out, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(d)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
-    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; tensors and plain values only, so it loads
-    with weights_only=True). Written into a .tmp folder and renamed; then all but the newest `keep` are removed,
-    each renamed first so that a half-deleted folder never looks like a checkpoint. No RNG state is needed: every
-    step reseeds from (seed, step)."""
+    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
+    every step reseeds). Written to a .tmp folder and renamed; then all but the newest `keep` go, each renamed first
+    so that a half-deleted folder never looks like a checkpoint."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1179,7 +1077,6 @@ def save_final(out: str, model, tok):
 def plot_metrics(out: str):
     """OUT/metrics.png: held-out accuracy and batch reward vs step."""
     from matplotlib.figure import Figure  # no pyplot: an importing notebook keeps its own backend
-
     recs = read_metrics(out)
     fig = Figure(figsize=(10, 3.6))
     for ax, key in zip(fig.subplots(1, 2), ("eval_acc", "reward_mean")):
@@ -1188,10 +1085,7 @@ def plot_metrics(out: str):
     fig.tight_layout()
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
-# ---------------------------------------------------------------------------------------------------------------
-# Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps]
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps] ============
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at optimiser step i (0-based) of `total`: linear warm-up over `warmup` steps, then (decay) a
     linear decay that reaches 1 / (total - warmup) at the last step (TRL's default schedule is also linear)."""
@@ -1333,10 +1227,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
-# ---------------------------------------------------------------------------------------------------------------
-# CLI [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== CLI [plumbing] ==============================================================================================
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
     --resume OUT starts from that run's saved config, and changing its task, data or model needs --allow-change."""
@@ -1356,15 +1247,12 @@ def parse_args(argv=None) -> Config:
     saved = read_run_config(pre.resume) if pre.resume else {}
     names = {f.name for f in dataclasses.fields(Config)}
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change"}})
-    args = vars(p.parse_args(argv))
-    args.pop("preset")
-    cfg = Config(**args)
+    cfg = Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"})
     if cfg.resume:
-        changed = [k for k in ("task", "data", "model") if k in saved and getattr(cfg, k) != saved[k]]
-        if changed and not cfg.allow_change:
-            k = changed[0]
-            raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k} {saved[k]}, not "
-                             f"{getattr(cfg, k)}; pass --allow-change to change it")
+        for k in ("task", "data", "model"):
+            if k in saved and getattr(cfg, k) != saved[k] and not cfg.allow_change:
+                raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k} {saved[k]}, not "
+                                 f"{getattr(cfg, k)}; pass --allow-change to change it")
         cfg.out = cfg.resume
     return cfg
 
@@ -1374,8 +1262,7 @@ def main(argv=None):
     try:
         cfg = parse_args(argv)
         check_config(cfg)
-        defaults = Config()
-        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(defaults, k)}
+        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         print(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg)
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
@@ -1386,7 +1273,6 @@ def main(argv=None):
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except KeyboardInterrupt:
         die("interrupted; the checkpoints in --out are intact (continue with --resume)", 130)
-
 
 if __name__ == "__main__":
     main()

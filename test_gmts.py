@@ -1597,7 +1597,7 @@ BAD_INPUT = [  # (id, argv, exit code, a piece of the message or a tuple of piec
     ("resume without run_config", ["--resume", "{norc}"], 2, "no run_config.json"),
     ("resume garbage run_config", ["--resume", "{garbage}"], 2, "unreadable"),
     ("resume run_config a list", ["--resume", "{json_list}"], 2, "not a JSON object"),
-    ("resume run_config lr null", ["--resume", "{null_lr}"], 2, "--lr"),
+    ("resume run_config lr null", ["--resume", "{null_lr}"], 2, "lr"),
     ("resume steps below the last", ["--resume", "{run}", "--steps", "1"], 2, "below"),
     ("resume task changed", ["--resume", "{run}", "--task", "math"], 2, "--allow-change"),
     ("resume data changed", ["--resume", "{run}", "--data", "gen"], 2, "--allow-change"),

@@ -160,6 +160,10 @@ RULES = {  # field -> (test, what the value must be); NaN fails every test
 def check_config(cfg: Config):
     """Raise ValueError (one line) for any value no run can use, before any work is done."""
     rules = {k: (lambda v, a=allowed: v in a, "one of " + ", ".join(allowed)) for k, allowed in CHOICES.items()}
+    for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
+        v, want = getattr(cfg, f.name), {bool: bool, int: int, float: (int, float), str: str}[f.type]
+        if not (isinstance(v, want) and isinstance(v, bool) == (f.type is bool) or v is None is f.default):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
     for k, (ok, want) in {**rules, **RULES}.items():
         if not ok(getattr(cfg, k)):
             raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")

@@ -121,13 +121,9 @@ class Config:
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
 
-CHOICES = {
-    "select": ["all", "random", "entropy", "gmts", "gradnorm"],
-    "device": ["auto", "cuda", "mps", "cpu"],
-    "chat_template": ["auto", "yes", "no"],
-    "loss_norm": ["all", "selected"],
-    "sampler_dtype": ["auto", "bf16", "fp32"],
-}
+CHOICES = {"select": ["all", "random", "entropy", "gmts", "gradnorm"], "device": ["auto", "cuda", "mps", "cpu"],
+           "chat_template": ["auto", "yes", "no"], "loss_norm": ["all", "selected"],
+           "sampler_dtype": ["auto", "bf16", "fp32"]}
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
     # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started (`python gmts_lab.py warm`) to copy the numbers of easy
@@ -215,7 +211,6 @@ def _last_answer(text: str):
     start = text.rfind("<answer>", 0, end) if end >= 0 else -1
     return None if start < 0 else text[start + len("<answer>"):end]
 
-
 # -- countdown (TinyZero): combine the given numbers with + - * / to hit the target --
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
         "/": lambda a, b: a / b if b else None}  # None: division by zero
@@ -236,8 +231,7 @@ def _sign_chain(nums: list, signs) -> tuple:
     value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
     return value, " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
 
-def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000),
-                      ops="+-*/") -> dict:
+def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000), ops="+-*/"):
     """Random numbers and a random expression over them; its value is the target, so every problem is solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
@@ -618,7 +612,6 @@ def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
     a qwen2 folder reloads with, so ids survive a round trip. eos is <|im_end|> (instruct-style), pad <|endoftext|>."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
-
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()) + specials)}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
@@ -638,7 +631,6 @@ def resolve_model_name(name: str) -> str:
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
     """Return (model, tokenizer) on device in fp32, or raise OSError with a one-line reason."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if name == "tiny":
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
     else:
@@ -753,10 +745,9 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6):
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-
     The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward values
     A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by sqrt((G-1)/G)).
-    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: r - mean (Dr. GRPO).
+    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean.
     """
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
@@ -870,7 +861,6 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
     checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
     from torch.utils.checkpoint import checkpoint
-
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
@@ -1103,6 +1093,7 @@ def start_run(cfg: Config, log=print) -> dict:
     device = pick_device(cfg.device)
     set_seed(cfg.seed)
     draw, eval_rows = split_rows(cfg)
+    load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     if cfg.resume:
         model, tok, state = load_checkpoint(cfg.out, device, log)
         if state["step"] > cfg.steps:
@@ -1110,13 +1101,11 @@ def start_run(cfg: Config, log=print) -> dict:
     else:
         if run_files(cfg.out) and not cfg.overwrite:
             raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
-        model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+        model, tok = load()
         state = dict(step=0, skipped=0)
         for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
             shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
-    ref = None
-    if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts (deviation 7)
-        ref = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)[0].eval().requires_grad_(False)
+    ref = load()[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None  # pi_ref: where RL starts (deviation 7)
     if cfg.grad_ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -638,9 +638,9 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         try:
             tok = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config)
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-            why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access or a misspelled name"
+            why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access, a misspelled name or bad files"
             raise OSError(f"cannot load model '{path}': {why}: {str(e).splitlines()[0][:200]}; "
                           f"try --model tiny for an offline run") from None
     tok.padding_side = "left"  # generate() appends to the right end of every row
@@ -1111,6 +1111,12 @@ def start_run(cfg: Config, log=print) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if "opt" in state:
         opt.load_state_dict(state["opt"])
+    chat, limit = use_chat(tok, cfg.chat_template), getattr(model.config, "max_position_embeddings", math.inf)
+    prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # held out: a sample of them
+    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    if longest + cfg.max_new_tokens > limit:
+        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} + a {longest}-token prompt exceed the model's {limit} "
+                         "positions")
     os.makedirs(cfg.out, exist_ok=True)
     kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
     with open(os.path.join(cfg.out, "metrics.jsonl.tmp"), "w") as f:
@@ -1118,7 +1124,6 @@ def start_run(cfg: Config, log=print) -> dict:
     os.replace(os.path.join(cfg.out, "metrics.jsonl.tmp"), os.path.join(cfg.out, "metrics.jsonl"))
     with open(os.path.join(cfg.out, "run_config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=1)
-    chat = use_chat(tok, cfg.chat_template)
     log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
         f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
         f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if cfg.resume else ""))
@@ -1210,9 +1215,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        log(f"step {step} | reward {rec['reward_mean']:.3f} | acc {rec['acc']:.3f} | kept {rec['selected_frac']:.2f}"
-            f" | filtered {rec['groups_filtered_frac']:.2f} | H {rec['entropy_mean']:.3f} | gnorm {rec['grad_norm']:.3f}"
-            f" | {dt:.2f} s" + (f" | eval_acc {rec['eval_acc']:.3f}" if "eval_acc" in rec else ""))
+        shown = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
+        log(f"step {step} | " + " | ".join(f"{k} {rec[k]:.3f}" for k in shown if k in rec) + f" | {dt:.2f} s")
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
             save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
     save_final(cfg.out, model, tok)

@@ -770,7 +770,7 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
         return parts[0]
     idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
 
-    def pick(xs: list, fill=0, left=False):  # join, padding (N, T) parts to one width on the left or right
+    def pick(xs: list, fill=0, left=False):  # join the parts ((N, T) ones padded to one width), keep the idx rows
         if xs[0].dim() == 2:
             w = max(x.shape[1] for x in xs)
             xs = [F.pad(x, (w - x.shape[1], 0) if left else (0, w - x.shape[1]), value=fill) for x in xs]
@@ -1239,8 +1239,7 @@ def parse_args(argv=None) -> Config:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             p.add_argument(flag, type=typ, default=f.default, choices=CHOICES.get(f.name), help=help_)
     pre, _ = p.parse_known_args(argv)
-    if pre.preset:
-        p.set_defaults(**PRESETS[pre.preset])
+    p.set_defaults(**PRESETS.get(pre.preset, {}))
     saved = read_run_config(pre.resume) if pre.resume else {}
     names = {f.name for f in dataclasses.fields(Config)}
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change"}})

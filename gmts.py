@@ -43,20 +43,7 @@ import os
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse
-import ast
-import copy
-import dataclasses
-import functools
-import glob
-import itertools
-import json
-import math
-import random
-import re
-import shutil
-import sys
-import time
+import argparse, ast, copy, dataclasses, functools, glob, itertools, json, math, random, re, shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -427,6 +414,8 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
             return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
+_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a full stop
+
 @_never_raise
 def logic_reward(completion: str, solution: dict) -> float:
     """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right roles (any case;
@@ -434,19 +423,13 @@ def logic_reward(completion: str, solution: dict) -> float:
     ans = _last_answer(completion)
     if ans is None:
         return 0.0
-    if len(ans) > 1000:
+    ans = ans.lower()
+    if len(ans) > 1000 or not re.fullmatch(f"(?:{_ENTRY})*[\\s,;]*", ans):
         return 0.1
-    toks, got, i = re.findall(r"[a-z]+|\S", ans.lower()), {}, 0  # words and single symbols; whitespace only separates
-    while i < len(toks):
-        if toks[i] in (",", ";"):
-            i += 1
-            continue
-        name, colon, role = (toks[i:i + 3] + ["", ""])[:3]
-        if colon != ":" or role not in ("knight", "knave") or name in got:  # malformed, or someone named twice
-            return 0.1
-        got[name] = role == "knight"
-        i += 4 if toks[i + 3:i + 4] == ["."] else 3
-    return 1.0 if got == {k.lower(): v for k, v in solution.items()} else 0.1
+    got = re.findall(_ENTRY, ans)
+    if len({name for name, _ in got}) < len(got):  # someone named twice
+        return 0.1
+    return 1.0 if {name: role == "knight" for name, role in got} == {k.lower(): v for k, v in solution.items()} else 0.1
 
 # -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
@@ -692,35 +675,31 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
             sampler_logp: bool = False) -> dict:
-    """Sample group_size answers for each prompt string. Returns a batch dict of tensors on the model's device.
-
-    generate() fills every knob we leave unset from the checkpoint's generation_config (Qwen instruct: top_k 20,
-    top_p 0.8, repetition_penalty 1.1, and min_p, typical_p, no_repeat_ngram_size where set), which would sample
-    from another distribution than the policy whose log-probs we train on. So the call sees a complete config of
-    our own and a blank model default. fast: a static KV cache (length rounded up to 64: few shapes), whose decoding
-    step generate compiles on CUDA. sampler_logp: also `sampler_logp` (N, T), the sampler's log_softmax(logits / T)
-    at each drawn token (before top-k/p, as the learner's log-probs; 0 after the end).
-    """
+    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask, truncated,
+    texts) on the model's device. generate() would fill every knob left unset from the checkpoint's generation_config
+    (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another distribution than the
+    policy we train, so it sees a complete config of our own and a blank model default. fast: a static KV cache
+    (length rounded up to 64: few shapes; generate compiles its step on CUDA). sampler_logp: also `sampler_logp`
+    (N, T), the sampler's log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after
+    the end)."""
     from transformers import GenerationConfig
-
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # (N, P)
-    attn = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and ids.shape[1] + max_new_tokens > limit:
+    ids, attn = (enc[k].repeat_interleave(group_size, dim=0) for k in ("input_ids", "attention_mask"))  # (N, P)
+    width, limit = ids.shape[1] + max_new_tokens, getattr(model.config, "max_position_embeddings", None)
+    if limit and width > limit:
         raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the model's "
                          f"{limit} positions")
-    end_ids = end_token_ids(tok)
     knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     if fast:
-        knobs.update(cache_implementation="static", max_cache_len=-(-(ids.shape[1] + max_new_tokens) // 64) * 64)
+        knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
+    end_ids = end_token_ids(tok)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
-    seen, pending = [], []  # generate calls record() before each draw, on the ids drawn so far
+    seen, last = [], []  # generate calls record() before each draw, with the ids drawn so far
 
-    def record(drawn, logits):  # the previous draw's log-probs, read at the token it drew
-        seen.extend(p.gather(1, drawn[:, -1:]) for p in pending[-1:])
-        pending[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
+    def record(drawn, logits):  # the previous draw's log-prob, read at the token it drew; keep this step's
+        seen.extend(p.gather(1, drawn[:, -1:]) for p in last)
+        last[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
         return logits
     was_training, saved = model.training, model.generation_config
     model.eval()
@@ -734,11 +713,10 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
-    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
-    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
-                 truncated=truncated, texts=texts)
+    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask, truncated=truncated,
+                 texts=tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True))
     if sampler_logp:  # the last draw is read here (unless generate ran steps past the end and cut them)
-        seen.extend(p.gather(1, comp[:, -1:]) for p in pending[:comp.shape[1] - len(seen)])
+        seen.extend(p.gather(1, comp[:, -1:]) for p in last[:comp.shape[1] - len(seen)])
         batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
     return batch
 
@@ -763,24 +741,26 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
     """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
-    groups -> (batch, rewards, adv). With no informative group the first batch is returned as it is (all A = 0)."""
+    groups -> (batch, rewards, adv). Every per-answer entry is carried: lists are indexed, (N, W) tensors padded to
+    one width (prompt_* on the left, the rest on the right; *_ids with pad_id, others with 0). With no informative
+    group the first batch is returned as it is (all A = 0)."""
     batches, rewards, advs = zip(*parts)
     keep = torch.cat([informative(r, group_size) for r in rewards]).nonzero().squeeze(1)[:B]  # (<= B,)
     if keep.numel() == 0:
         return parts[0]
     idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
 
-    def pick(xs: list, fill=0, left=False):  # join the parts ((N, T) ones padded to one width), keep the idx rows
+    def pick(xs: list, key: str = ""):  # the parts' entries joined, rows idx kept
+        if isinstance(xs[0], list):
+            flat = [x for part in xs for x in part]
+            return [flat[i] for i in idx.tolist()]
         if xs[0].dim() == 2:
-            w = max(x.shape[1] for x in xs)
-            xs = [F.pad(x, (w - x.shape[1], 0) if left else (0, w - x.shape[1]), value=fill) for x in xs]
+            w, fill = max(x.shape[1] for x in xs), pad_id if key.endswith("_ids") else 0
+            xs = [F.pad(x, (w - x.shape[1], 0) if key.startswith("prompt") else (0, w - x.shape[1]), value=fill)
+                  for x in xs]
         x = torch.cat(xs)
         return x[idx.to(x.device)]
-    batch = {key: pick([b[key] for b in batches], fill, left=key.startswith("prompt")) for key, fill in
-             (("prompt_ids", pad_id), ("prompt_mask", 0), ("comp_ids", pad_id), ("resp_mask", 0), ("truncated", 0))}
-    texts = [t for b in batches for t in b["texts"]]
-    batch["texts"] = [texts[i] for i in idx.tolist()]
-    return batch, pick(rewards), pick(advs)
+    return {key: pick([b[key] for b in batches], key) for key in batches[0]}, pick(rewards), pick(advs)
 
 # ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========================
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
@@ -1087,9 +1067,10 @@ def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
 
 def start_run(cfg: Config, log=print) -> dict:
-    """Everything before the loop: data, model, optimiser, the KL reference and the run folder. --resume loads the
-    newest loadable checkpoint and drops the metrics after it; a new run logs the starting model's held-out
-    accuracy as step 0 and saves ckpt-000000. run_config.json is written only once model and data have loaded."""
+    """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
+    or a bf16 copy) and the run folder. --resume loads the newest loadable checkpoint and drops the metrics after it;
+    a new run logs the starting model's held-out accuracy as step 0 and saves ckpt-000000. run_config.json is
+    written only once model and data have loaded."""
     device = pick_device(cfg.device)
     set_seed(cfg.seed)
     draw, eval_rows = split_rows(cfg)
@@ -1128,13 +1109,24 @@ def start_run(cfg: Config, log=print) -> dict:
         f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
         f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if cfg.resume else ""))
     run = dict(model=model, tok=tok, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat, opt=opt,
-               ref=ref, start=state["step"] + 1, skipped=state["skipped"])
+               ref=ref, start=state["step"] + 1, skipped=state["skipped"], sampler=model,
+               fast=device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate)
     if not cfg.resume:
         rec = dict(step=0, **evaluate(model, tok, run["task"], eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
         save_checkpoint(cfg.out, 0, model, tok, opt, 0)
+    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
+        run["sampler"] = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
+        for p in run["sampler"].parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
+            p.data = p.data.to(torch.bfloat16)
     return run
+
+@torch.no_grad()
+def refresh_sampler(sampler, model):
+    """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
+    if sampler is not model:
+        torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
 
 def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict, **extra) -> dict:
     """One line of metrics.jsonl (the README's glossary explains each key)."""
@@ -1157,12 +1149,6 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
     rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
     model.train()
-    cuda = next(model.parameters()).device.type == "cuda"
-    fast, sampler = cuda if cfg.fast_generate is None else cfg.fast_generate, model
-    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and cuda):  # generate reads a bf16 copy
-        sampler = copy.deepcopy(model).eval().requires_grad_(False)
-        for p in sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16) has it
-            p.data = p.data.to(torch.bfloat16)
     for step in range(run["start"], cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
@@ -1170,8 +1156,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
             rows = run["draw"](B, step, len(parts))  # 1. B training prompts
             prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-            batch = rollout(sampler, tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
-                            fast=fast, sampler_logp=True)  # 2.
+            batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
+                            fast=run["fast"], sampler_logp=True)  # 2.
             group_rows = [r for r in rows for _ in range(G)]  # answer n belongs to prompt n // G
             rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # 3. (N,)
             adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
@@ -1179,9 +1165,6 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
                 break
         batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
-        if cfg.filter_groups:  # the kept answers' sampler log-probs, picked and padded as keep_groups picks the batch
-            batch["sampler_logp"] = keep_groups([(dict(b, comp_ids=b["sampler_logp"]), r, a) for b, r, a in parts],
-                                                G, B, 0)[0]["comp_ids"]
         mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
         for inner in range(cfg.inner_updates):
             # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
@@ -1203,9 +1186,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                   micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
             run["skipped"] += stats["skipped"]
-        if sampler is not model:  # the bf16 copy follows the fp32 master weights, in place (no reallocation)
-            with torch.no_grad():
-                torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
+        refresh_sampler(run["sampler"], model)
         # 8. log, evaluate, checkpoint
         dt = time.time() - t0
         rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],

@@ -271,53 +271,44 @@ def countdown_reward(completion: str, nums: list, target: int) -> float:
     return 1.0 if countdown_value(completion, nums) == target else 0.1
 
 # -- math: GSM8K-style word problems, graded by the final number --
-def _math_story(r: random.Random, who: str, steps: list) -> str:
-    """One of five templates; every worked step 'a op b = c' is appended to `steps` (2 to 4 of them)."""
-    def calc(a, op, b):
-        c = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
-        steps.append(f"{a} {op} {b} = {c}")
-        return c
-    kind, two = r.randrange(5), r.random() < 0.5
-    if kind == 0:  # shopping and change: 2 or 4 steps
-        n, p, m, q = r.randint(2, 9), r.randint(2, 15), r.randint(2, 6), r.randint(2, 9)
-        total = calc(calc(n, "*", p), "+", calc(m, "*", q)) if two else calc(n, "*", p)
-        bill = total // 10 * 10 + 10 * r.randint(1, 5)
-        calc(bill, "-", total)
-        pens = f" and {m} pens at ${q} each" if two else ""
-        return f"{who} buys {n} notebooks at ${p} each{pens} and pays with ${bill}. How many dollars of change are due?"
-    if kind == 1:  # sharing: 3 steps
-        trays, per, friends = r.randint(3, 6), r.randint(6, 12), r.randint(2, 6)
-        total = calc(trays, "*", per)
-        eaten = total % friends + friends * r.randint(1, 2)  # leaves a multiple of `friends`
-        calc(calc(total, "-", eaten), "/", friends)
-        return (f"{who} bakes {trays} trays of {per} cookies, eats {eaten} of them and shares the rest equally "
-                f"among {friends} friends. How many cookies does each friend get?")
-    if kind == 2:  # rates: 2 or 3 steps
-        rate, hours, days = r.randint(5, 40), r.randint(2, 10), r.randint(2, 7)
-        made = calc(calc(rate, "*", hours), "*", days)
-        bad = r.randint(1, made // 4)
-        if two:
-            calc(made, "-", bad)
-        ask = f", and {bad} of the toys come out broken. How many good toys" if two else ". How many toys"
-        return f"{who}'s machine makes {rate} toys per hour. It runs {hours} hours a day for {days} days{ask} are made?"
-    if kind == 3:  # saving and spending: 2 or 3 steps
-        weekly, weeks = r.randint(5, 30), r.randint(4, 12)
-        saved = calc(weekly, "*", weeks)
-        game, book = r.randint(1, saved // 3), r.randint(1, saved // 3)
-        calc(saved, "-", calc(game, "+", book) if two else game)
-        extra = f" and a book for ${book}" if two else ""
-        return (f"{who} saves ${weekly} a week for {weeks} weeks, then buys a game for ${game}{extra}. How many "
-                "dollars are left?")
-    v1, h1, v2, h2 = r.randint(30, 90), r.randint(1, 5), r.randint(30, 90), r.randint(1, 5)  # distance: 3 steps
-    calc(calc(v1, "*", h1), "+", calc(v2, "*", h2))
-    return f"{who} drives {h1} hours at {v1} km/h, then {h2} hours at {v2} km/h. How many km is that in total?"
+# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn from 2..12),
+# integer literals and the earlier steps' results s1, s2, ...
+_MATH = [
+    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?", "a*b 150-s1"),
+    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many dollars of change "
+     "are due?", "a*b c*d s1+s2 300-s3"),
+    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among {d} friends. How "
+     "many cookies does each friend get?", "a*b s1-c s2/d"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in {c} days?",
+     "a*b s1*c"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out broken. How many "
+     "good toys does it make in {c} days?", "a*b s1-d s2*c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are left?", "a*b s1-c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How many dollars are "
+     "left?", "a*b c+d s1-s2"),
+    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that in total?",
+     "a*b c*d s1+s2"),
+    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all the marbles away. "
+     "How many marbles are left?", "a*b c*d s1+s2 s3/2"),
+]
 
 def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    for _ in range(10_000):
-        steps = []
-        question = _math_story(rng, rng.choice(NAMES), steps)
-        if n_steps[0] <= len(steps) <= n_steps[1]:
-            return {"question": question, "answer": steps[-1].split()[-1], "steps": steps}
+    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the integer answer.
+    A draw whose steps leave the natural numbers (a negative or a fraction) is redrawn."""
+    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
+    while fits:
+        question, program = rng.choice(fits)
+        v, steps = {k: rng.randint(2, 12) for k in "abcd"}, []
+        for i, step in enumerate(program.split(), 1):
+            x, op, y = re.split(r"([-+*/])", step)
+            x, y = (v[t] if t in v else int(t) for t in (x, y))
+            z = _OPS[op](Fraction(x), y)
+            if z < 0 or z.denominator != 1:
+                break
+            v[f"s{i}"] = z = int(z)
+            steps.append(f"{x} {op} {y} = {z}")
+        else:
+            return {"question": question.format(who=rng.choice(NAMES), **v), "answer": str(z), "steps": steps}
     raise ValueError(f"no math template has {n_steps} steps")
 
 _DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")  # [0-9], not \d (unicode)
@@ -477,8 +468,8 @@ def _read_jsonl(path: str, task: str) -> list:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise ValueError(f"{path}: cannot read ({reason}); --data takes gen, easy, hf or a .jsonl path") from None
+        raise ValueError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e}); --data takes gen, easy, hf or a "
+                         ".jsonl path") from None
     rows = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -490,10 +481,9 @@ def _read_jsonl(path: str, task: str) -> list:
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
         for key, (what, ok) in _SCHEMA[task].items():
-            if key not in row:
-                raise ValueError(f'{path} line {i}: missing key "{key}"')
-            if not ok(row[key]):
-                raise ValueError(f'{path} line {i}: "{key}" must be {what}')
+            if key not in row or not ok(row[key]):
+                why = f'"{key}" must be {what}' if key in row else f'missing key "{key}"'
+                raise ValueError(f"{path} line {i}: {why}")
         rows.append(_gsm8k_row(row["question"], row["answer"]) if task == "math" else row)
     if not rows:
         raise ValueError(f"{path}: no rows")
@@ -1158,8 +1148,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
             batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
                             fast=run["fast"], sampler_logp=True)  # 2.
-            group_rows = [r for r in rows for _ in range(G)]  # answer n belongs to prompt n // G
-            rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], group_rows)])  # 3. (N,)
+            rewards = torch.tensor([task["reward"](t, rows[n // G]) for n, t in enumerate(batch["texts"])])  # 3. (N,)
             adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
             parts.append((batch, rewards, adv))
             if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
@@ -1214,11 +1203,10 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
     for f in dataclasses.fields(Config):
         flag, help_ = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
-        if f.type in (bool, "bool"):
+        if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, type=typ, default=f.default, choices=CHOICES.get(f.name), help=help_)
+            p.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_)
     pre, _ = p.parse_known_args(argv)
     p.set_defaults(**PRESETS.get(pre.preset, {}))
     saved = read_run_config(pre.resume) if pre.resume else {}
@@ -1233,8 +1221,6 @@ def parse_args(argv=None) -> Config:
         cfg.out = cfg.resume
     return cfg
 
-OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
-
 def main(argv=None):
     try:
         cfg = parse_args(argv)
@@ -1245,7 +1231,7 @@ def main(argv=None):
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
     except torch.OutOfMemoryError:
-        die(OOM_HINT, 1)
+        die("out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)", 1)
     except OSError as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except KeyboardInterrupt:

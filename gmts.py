@@ -555,8 +555,7 @@ def get_task(name: str) -> dict:
 def split_rows(cfg: Config) -> tuple:
     """(draw, held-out rows): the FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows
     from random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step needs them."""
-    task = get_task(cfg.task)
-    gen = cfg.data in ("gen", "easy")
+    task, gen = get_task(cfg.task), cfg.data in ("gen", "easy")
     rows = task["load"](cfg.data, cfg.eval_size if gen else 0, cfg.seed)
     held = rows[:cfg.eval_size]
     seen = {task["prompt"](r) for r in held}
@@ -598,8 +597,7 @@ def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
 
 def resolve_model_name(name: str) -> str:
     """'Qwen2.5-0.5B' -> 'Qwen/Qwen2.5-0.5B'; hub ids and local folders pass through."""
-    local_or_id = os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen")
-    return name if local_or_id else "Qwen/" + name
+    return name if os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen") else "Qwen/" + name
 
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
     """Return (model, tokenizer) on device in fp32, or raise OSError with a one-line reason."""
@@ -872,8 +870,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
         return sel.view_as(mask)
     vals = torch.nan_to_num(scores.reshape(-1)[flat_mask].float(), nan=-math.inf)  # (n,)
     thr = torch.kthvalue(vals, n - k + 1).values  # the k-th largest value
-    keep = vals > thr
-    ties = vals == thr
+    keep, ties = vals > thr, vals == thr
     keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
     if nonzero:
         keep &= vals > 0
@@ -1138,6 +1135,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     model, tok, task, opt, chat = (run[k] for k in ("model", "tok", "task", "opt", "chat"))
     B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
     rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
+    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # never keep a zero score (deviation 9)
+    score = score_fn or (lambda logp, *stats: token_scores(cfg.select, *stats))  # (logp, H, grad_norm, omega)
     model.train()
     for step in range(run["start"], cfg.steps + 1):
         t0 = time.time()
@@ -1161,11 +1160,9 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             if inner == 0:  # pi_old: the policy that sampled the batch
                 old_logp, gap = logp, (batch["sampler_logp"] - logp).abs()[mask]  # sampler vs learner precision
                 ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
-            # 6. scores, and the top rho of the WHOLE batch (gmts/gradnorm never keep a zero score: deviation 9)
+            # 6. scores, and the top rho of the WHOLE batch (deviation 1)
             om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
-            scores = score_fn(logp, entropy, grad_norm, om) if score_fn else token_scores(cfg.select, entropy,
-                                                                                          grad_norm, om)
-            sel_mask = select_tokens(scores, mask, rho, nonzero=score_fn is None and cfg.select in ("gmts", "gradnorm"))
+            sel_mask = select_tokens(score(logp, entropy, grad_norm, om), mask, rho, nonzero)  # (N, T) bool
             # 7. PPO-clip update on the kept tokens; the lr follows GRPO steps, the step rule is the same for all
             i = (step - 1) * cfg.inner_updates + inner
             for g in opt.param_groups:

@@ -101,7 +101,7 @@ def check_trl():
         warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, not {trl.__version__}")
 
 # ---------------------------------------------------------------------------------------------------------------
-# Scores and global top-rho selection [paper: GMTS eq. 4, over the processes' micro-batches]
+# Scores and global top-rho selection [paper: GMTS score, over the processes' micro-batches]
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -364,7 +364,7 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
             per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
             num_generations=args.num_generations, max_completion_length=args.max_completion_length,
             loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
-            lr_scheduler_type="constant_with_warmup", warmup_steps=10,  # gmts.py: 10 warm-up steps, then constant
+            lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, then a linear decay
             use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
             use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
             save_strategy="steps", save_steps=50)

@@ -127,8 +127,9 @@ def warm_start(out: str = gmts.WARM_CPU, log=print):
     return model.eval(), tok
 
 def greedy_texts(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int) -> list:
-    return [t for i in range(0, len(rows), 64) for t in gmts.rollout(
-        model, tok, gmts.build_prompts(tok, task, rows[i:i + 64], chat, short), 1, max_new_tokens, greedy=True)["texts"]]
+    prompts = gmts.build_prompts(tok, task, rows, chat, short)
+    return [t for i in range(0, len(rows), 64)
+            for t in gmts.rollout(model, tok, prompts[i:i + 64], 1, max_new_tokens, greedy=True)["texts"]]
 
 def decoy_eval(model, tok, rows: list, chat: bool, short: bool, max_new_tokens: int) -> dict:
     """Greedy accuracy and well-formed share on countdown rows as posed (real) and with each prompt showing the
@@ -376,7 +377,8 @@ def analysis_table(res: dict) -> str:
             "Spearman vs param-grad norm, within answers | same, batch (A != 0) |")
     lines = [head, "|---" * 9 + "|"]
     for m in ANALYZED:
-        cells = ["{:.3f} +- {:.3f}".format(*_mean(res[f"{m}/{k}_{f}"])) for f in ("off", "on") for k in ("cos", "ratio")]
+        cells = ["{:.3f} +- {:.3f}".format(*_mean(res[f"{m}/{k}_{f}"])) for f in ("off", "on")
+                 for k in ("cos", "ratio")]
         cells += ["1 (identity)" if m == "gradnorm" and c.startswith("logit") else f"{res[f'{m}/{c}']:.3f}"
                   for c in SPEARMAN_COLS]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -417,6 +419,8 @@ def main(argv=None):
         return analyze(cfg, lab.batches) if lab.command == "analyze" else decoy_main(cfg)
     except ValueError as e:  # bad input
         gmts.die(str(e), 2)
+    except torch.OutOfMemoryError:
+        gmts.die(gmts.OOM_HINT, 1)
     except OSError as e:  # a model that cannot be loaded, a full disk
         gmts.die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
 

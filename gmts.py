@@ -117,7 +117,7 @@ PRESETS = {
     # countdown with random signs; GRPO learns from the reward which signs hit the target.
     "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80, prompts_per_step=32,
                 group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256, eval_every=10, eval_size=256,
-                save_every=20, out="out/cpu"),
+                save_every=20, filter_groups=False, out="out/cpu"),  # filtering: 2.4x the rollouts, no gain here
     # A seconds-long version of the same path, for tests.
     "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
                   group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, lr=1e-4, out="out/smoke"),
@@ -1218,6 +1218,8 @@ def parse_args(argv=None) -> Config:
         cfg.out = cfg.resume
     return cfg
 
+OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
+
 def main(argv=None):
     try:
         cfg = parse_args(argv)
@@ -1228,7 +1230,7 @@ def main(argv=None):
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
     except torch.OutOfMemoryError:
-        die("out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)", 1)
+        die(OOM_HINT, 1)
     except OSError as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except KeyboardInterrupt:

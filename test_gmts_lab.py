@@ -296,3 +296,13 @@ def test_analyze_cli_prints_the_table(tmp_path, capsys):
                         for c in ("logit_within", "logit_batch", "param_within", "param_batch", "cos_off", "cos_on",
                                   "ratio_off", "ratio_on")}
     assert len(res["gmts/cos_on"]) == 1
+
+
+def test_out_of_memory_in_the_warm_up_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(lab, "sft_warmup", oom)
+    with pytest.raises(SystemExit) as e:
+        lab.main(["warm", "--out", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and len(err.strip().splitlines()) == 1 and "out of GPU memory" in err, err

@@ -391,7 +391,8 @@ def analysis_table(res: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gmts_lab.py", description="The experiments around gmts.py (see the module "
-                                "docstring); flags not listed here go to gmts.py's parser.")
+                                "docstring); flags not listed here go to gmts.py's parser.",
+                                allow_abbrev=False)  # else --seed would be read as an abbreviation of --seeds
     p.error = gmts.die
     p.add_argument("command", choices=["warm", "compare", "analyze", "decoy"])
     p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods")
@@ -401,7 +402,7 @@ def main(argv=None):
     lab, rest = p.parse_known_args(argv)
     try:
         if lab.command == "warm":
-            w = argparse.ArgumentParser(prog="gmts_lab.py warm")
+            w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
             w.error = gmts.die
             w.add_argument("--out", default=gmts.WARM_CPU, help="folder for the model and tokenizer")
             out = w.parse_args(rest).out

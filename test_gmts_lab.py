@@ -184,8 +184,9 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     for run in ("all-s0", "gmts-s1"):  # every run starts from the same model
         assert json.loads((out / run / "run_config.json").read_text())["model"] == gmts.WARM_CPU
     for args, needle in ((["--methods", "all,best", "--out", str(tmp_path / "x")], "--methods"),
-                         (["--methods", "all,gmts", "--seeds", "2", "--out", str(out)], "--overwrite")):
-        with pytest.raises(SystemExit) as e:  # the second: finished runs are not replaced silently
+                         (["--methods", "all,gmts", "--seeds", "2", "--out", str(out)], "--overwrite"),
+                         (["--methods", "all", "--seed", "1", "--seeds", "1", "--out", str(out)], "all-s1 holds")):
+        with pytest.raises(SystemExit) as e:  # 2nd: finished runs stay; 3rd: --seed is gmts.py's, not short for --seeds
             lab.main(["compare", "--preset", "smoke", *args])
         err = capsys.readouterr().err
         assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1

@@ -566,8 +566,8 @@ def split_rows(cfg: Config) -> tuple:
 
     def draw(n: int, *key) -> list:
         rng = random.Random(str((cfg.seed,) + key))
-        if not gen:
-            return [rng.choice(pool) for _ in range(n)]
+        if not gen:  # distinct rows while the pool lasts
+            return rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
         tries = (_GEN[cfg.task](rng, cfg.data == "easy") for _ in range(1000 * n))  # lazy: stops at the n-th new row
         out = list(itertools.islice((r for r in tries if task["prompt"](r) not in seen), n))
         if len(out) < n:

@@ -1232,6 +1232,7 @@ def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     draw, held = gmts.split_rows(gmts.Config(data=str(path), eval_size=2))
     assert held == rows[:2] and {r["nums"][0] for r in draw(300, 1, 0)} == {2, 4, 5}
+    assert all(sorted(r["nums"][0] for r in draw(3, step, 0)) == [2, 4, 5] for step in range(20))  # no repeats
 
 
 def test_preset_then_explicit_flag_wins():

@@ -1063,6 +1063,8 @@ def start_run(cfg: Config, log=print) -> dict:
     draw, eval_rows = split_rows(cfg)
     load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     if cfg.resume:
+        if os.path.abspath(cfg.resume) != os.path.abspath(cfg.out):
+            raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
         model, tok, state = load_checkpoint(cfg.out, device, log)
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
@@ -1208,14 +1210,14 @@ def parse_args(argv=None) -> Config:
     p.set_defaults(**PRESETS.get(pre.preset, {}))
     saved = read_run_config(pre.resume) if pre.resume else {}
     names = {f.name for f in dataclasses.fields(Config)}
-    p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change"}})
+    p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
+    p.set_defaults(out=pre.resume or p.get_default("out"))  # a run continues in its own folder
     cfg = Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"})
     if cfg.resume:
         for k in ("task", "data", "model"):
             if k in saved and getattr(cfg, k) != saved[k] and not cfg.allow_change:
                 raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k} {saved[k]}, not "
                                  f"{getattr(cfg, k)}; pass --allow-change to change it")
-        cfg.out = cfg.resume
     return cfg
 
 OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"

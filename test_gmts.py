@@ -1603,6 +1603,7 @@ BAD_INPUT = [  # (id, argv, exit code, a piece of the message or a tuple of piec
     ("resume task changed", ["--resume", "{run}", "--task", "math"], 2, "--allow-change"),
     ("resume data changed", ["--resume", "{run}", "--data", "gen"], 2, "--allow-change"),
     ("resume bad override", ["--resume", "{run}", "--lr", "-1"], 2, "--lr"),
+    ("resume into another --out", ["--resume", "{run}", "--steps", "3", "--out", "{tmp}/elsewhere"], 2, "another"),
     ("resume max-new-tokens past positions", ["--resume", "{run}", "--steps", "3", "--max-new-tokens", "5000"], 2,
      "positions"),
     ("resume no checkpoint", ["--resume", "{no_ckpt}"], 1, "no loadable checkpoint"),

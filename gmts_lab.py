@@ -318,7 +318,6 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
     """Steps 1-4 of gmts.train with dynamic sampling: rollout batches [(batch, rewards, adv), ...] of B prompts
     each, until B groups have unequal rewards or cfg.max_resample batches are drawn. parts[0] is the raw batch."""
     B, G, parts = cfg.prompts_per_step, cfg.group_size, []
-    n_informative = lambda r: int((r.view(-1, G).amax(1) != r.view(-1, G).amin(1)).sum())  # noqa: E731
     while len(parts) < cfg.max_resample:
         rows = draw(B, key, len(parts))
         batch = gmts.rollout(model, tok, gmts.build_prompts(tok, task, rows, chat, cfg.short_prompt), G,
@@ -327,7 +326,7 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
                                                                                        range(G)])])  # (N,)
         adv = gmts.group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
         parts.append((batch, rewards, adv))
-        if sum(n_informative(r) for _, r, _ in parts) >= B:
+        if sum(int(gmts.informative(r, G).sum()) for _, r, _ in parts) >= B:
             break
     return parts
 

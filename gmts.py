@@ -181,10 +181,8 @@ def set_seed(seed: int):
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
-def _never_raise(fn=None, fallback=0.0):
-    """A last-resort net (expected failures are handled inside each verifier); @_never_raise(fallback=x) works too."""
-    if fn is None:
-        return functools.partial(_never_raise, fallback=fallback)
+def _never_raise(fn, fallback=0.0):
+    """A last-resort net around a verifier (expected failures are handled inside it): an exception -> fallback."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -248,7 +246,7 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
         return v
     raise ValueError(f"{type(node).__name__} not allowed")
 
-@_never_raise(fallback=None)
+@functools.partial(_never_raise, fallback=None)
 def countdown_value(completion: str, nums: list):
     """Exact value of the last <answer> if it is an equation that uses each given number once, else None
     (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other numbers, bad syntax)."""

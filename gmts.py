@@ -176,6 +176,476 @@ def set_seed(seed: int):
     random.seed(seed)
     torch.manual_seed(seed)
 
+# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====================
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: the answer starts inside <think>
+SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
+
+def end_token_ids(tok) -> list:
+    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|> when present."""
+    qwen = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    ids = {tok.eos_token_id} | {i for i in qwen if isinstance(i, int) and i != tok.unk_token_id}
+    return sorted(i for i in ids if i is not None)
+
+def use_chat(tok, chat: str = "auto") -> bool:
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with both, but only
+    instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos. yes/no force it."""
+    if chat != "auto":
+        return chat == "yes"
+    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
+
+def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
+    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
+    inside the assistant's <think> (TinyZero's prefill). system=False drops the system line (terse CPU prompts)."""
+    if chat:
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+        msgs.append({"role": "user", "content": question})
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
+    return (SYSTEM_PROMPT + "\n" if system else "") + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+
+def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
+    """Prompt strings for task rows; short=True: the task's terse question and no system line."""
+    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
+
+def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
+    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and including the first
+    end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is also an end token, so a value test
+    would drop the end token itself from the loss (the tiny-grpo bug)."""
+    T = completion_ids.shape[1]
+    is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=completion_ids.device))  # (N, T)
+    has_end = is_end.any(dim=1)  # (N,)
+    first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
+    resp_mask = torch.arange(T, device=completion_ids.device)[None, :] <= first_end[:, None]  # (N, T)
+    return resp_mask, ~has_end
+@torch.no_grad()
+def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
+            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
+            sampler_logp: bool = False) -> dict:
+    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask, truncated,
+    texts) on the model's device. generate() would fill every knob left unset from the checkpoint's generation_config
+    (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another distribution than the
+    policy we train, so it sees a complete config of our own and a blank model default. fast: a static KV cache
+    (length rounded up to 64: few shapes; generate compiles its step on CUDA). sampler_logp: also `sampler_logp`
+    (N, T), the sampler's log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after
+    the end)."""
+    from transformers import GenerationConfig
+    device = next(model.parameters()).device
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    ids, attn = (enc[k].repeat_interleave(group_size, dim=0) for k in ("input_ids", "attention_mask"))  # (N, P)
+    width, limit = ids.shape[1] + max_new_tokens, getattr(model.config, "max_position_embeddings", None)
+    if limit and width > limit:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the model's "
+                         f"{limit} positions")
+    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    if fast:
+        knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
+    end_ids = end_token_ids(tok)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
+    seen, last = [], []  # generate calls record() before each draw, with the ids drawn so far
+
+    def record(drawn, logits):  # the previous draw's log-prob, read at the token it drew; keep this step's
+        seen.extend(p.gather(1, drawn[:, -1:]) for p in last)
+        last[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
+        return logits
+    was_training, saved = model.training, model.generation_config
+    model.eval()
+    model.generation_config = GenerationConfig()  # the checkpoint's sampling knobs never reach this call
+    try:
+        with autocast(device):
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
+                                 logits_processor=[record] if sampler_logp else None)  # (N, P + T)
+    finally:
+        model.generation_config = saved
+        model.train(was_training)
+    comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
+    resp_mask, truncated = completion_mask(comp, end_ids)
+    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask, truncated=truncated,
+                 texts=tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True))
+    if sampler_logp:  # the last draw is read here (unless generate ran steps past the end and cut them)
+        seen.extend(p.gather(1, comp[:, -1:]) for p in last[:comp.shape[1] - len(seen)])
+        batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
+    return batch
+
+# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================================
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
+    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward values
+    A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by sqrt((G-1)/G)).
+    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean.
+    """
+    r = rewards.float().view(-1, group_size)  # (B, G)
+    adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if std_normalize:
+        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # (B, 1)
+    return adv.masked_fill(same, 0.0).view(-1)  # (N,)
+
+def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere, so they carry a gradient)."""
+    r = rewards.view(-1, group_size)  # (B, G)
+    return r.max(dim=1).values != r.min(dim=1).values
+
+def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
+    groups -> (batch, rewards, adv). Every per-answer entry is carried: lists are indexed, (N, W) tensors padded to
+    one width (prompt_* on the left, the rest on the right; *_ids with pad_id, others with 0). With no informative
+    group the first batch is returned as it is (all A = 0)."""
+    batches, rewards, advs = zip(*parts)
+    keep = torch.cat([informative(r, group_size) for r in rewards]).nonzero().squeeze(1)[:B]  # (<= B,)
+    if keep.numel() == 0:
+        return parts[0]
+    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
+
+    def pick(xs: list, key: str = ""):  # the parts' entries joined, rows idx kept
+        if isinstance(xs[0], list):
+            flat = [x for part in xs for x in part]
+            return [flat[i] for i in idx.tolist()]
+        if xs[0].dim() == 2:
+            w, fill = max(x.shape[1] for x in xs), pad_id if key.endswith("_ids") else 0
+            xs = [F.pad(x, (w - x.shape[1], 0) if key.startswith("prompt") else (0, w - x.shape[1]), value=fill)
+                  for x in xs]
+        x = torch.cat(xs)
+        return x[idx.to(x.device)]
+    return {key: pick([b[key] for b in batches], key) for key in batches[0]}, pick(rewards), pick(advs)
+
+# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========================
+# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
+# ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range) is
+#     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
+# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h) or
+#    (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
+#    Write omega = r * A where the clip is inactive and omega = 0 where it is active: dl/dtheta = -omega*dlogp_y/dtheta.
+# 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
+#        dl/dz = -(omega / T) * (onehot(y) - p)                                          (the logit gradient)
+# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2, so
+#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm           -> token_stats
+# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i when r = 1):
+#    pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set by p_y, not by H. Over
+#    y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon entropy >= Renyi-2 entropy): IN
+#    EXPECTATION a near-certain position (H ~ 0) has a near-zero logit gradient. Not pointwise: at
+#    p = (0.999, 50 x 2e-5) a sampled rare token has H = 0.012 nats but norm 1.414. Entropy misses such tokens;
+#    gradnorm (below) scores them by their exact norm.
+# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With binary rewards and
+#    k of G answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
+#    (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose answers all got the same reward. Entropy ranking
+#    ignores this factor: it spends budget on tokens whose gradient is small or exactly 0.
+# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3), and keeps the
+#    top rho of the batch. 'gradnorm' uses the exact logit-gradient norm |omega| * grad_norm instead (our
+#    ablation; it costs the same vocabulary reduction as H).
+# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects over the whole
+# batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
+
+def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
+    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
+    logp      = log p_y,  p = softmax(logits / T)
+    entropy   = -sum_j p_j log p_j                                   (nats)
+    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation step 3)
+    """
+    z = logits.float()
+    logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (...)
+    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number as (1 - p_y)^2 + sum_{j!=y} p_j^2
+    # has no cancellation (1 - p_y = -expm1(logp_y)). Without autograd, p is reused in place: 3 (..., V) buffers.
+    inplace = not torch.is_grad_enabled()
+    p = logp_all.exp()  # (..., V)
+    p = p.scatter_(-1, tokens.unsqueeze(-1), 0.0) if inplace else p.scatter(-1, tokens.unsqueeze(-1), 0.0)  # p_y := 0
+    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2
+    plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
+    entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
+    sq = torch.expm1(logp).square() + others_sq  # (...)
+    return logp, entropy, sq.sqrt() / temperature
+
+def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
+    """Final hidden states that PREDICT each response token (position P-1+t predicts token t) -> (n, T, d). Position
+    ids come from the attention mask (cumsum - 1), as generate() computes them under left padding."""
+    ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
+    with autocast(ids.device):
+        h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # (n, P+T, d)
+    P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
+    return h[:, P - 1:P + T - 1]  # (n, T, d)
+
+@torch.no_grad()
+def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward in micro-batches,
+    the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers, whatever N * T is)."""
+    head = model.get_output_embeddings()
+    mask, comp = batch["resp_mask"], batch["comp_ids"]
+    out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
+    for s in range(0, mask.shape[0], micro_batch):
+        rows, m = slice(s, s + micro_batch), mask[s:s + micro_batch]  # m (n, T)
+        h, y = response_hidden(model, batch, rows)[m], comp[rows][m]  # (M, d), (M,)
+        stats = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
+                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
+        for o, v in zip(out, zip(*stats)):
+            o[rows][m] = torch.cat(v)
+    return tuple(out)
+
+def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
+              chunk: int = 1024) -> torch.Tensor:
+    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
+    checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
+    from torch.utils.checkpoint import checkpoint
+    def logp(h, y):
+        z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
+        return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
+    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======================
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast to one shape."""
+    return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
+
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1). (N,), (N, T) -> (N, T)"""
+    a = adv[:, None]  # (N, 1)
+    return torch.where(clip_active(a, ratio, clip_low, clip_high), torch.zeros_like(ratio), ratio * a)
+
+def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
+                 generator: torch.Generator = None) -> torch.Tensor:
+    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
+    scores = {"all": lambda: torch.ones_like(entropy),  # vanilla GRPO (train keeps every token, rho = 1)
+              "random": lambda: torch.rand(entropy.shape, generator=generator).to(entropy.device),  # the control
+              "entropy": lambda: entropy,  # H_t (80/20 paper)
+              "gmts": lambda: (entropy * om).abs(),  # |H_t * omega_t| (GMTS)
+              "gradnorm": lambda: om.abs() * grad_norm}  # the exact logit-gradient norm (derivation step 3)
+    if method not in scores:
+        raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
+    return scores[method]()
+
+def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False) -> torch.Tensor:
+    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch: (N, T) -> (N, T) bool.
+    Ties go to the earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold plus a
+    count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24 elements. nonzero=True (gmts,
+    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may keep fewer than k."""
+    flat_mask = mask.reshape(-1)  # (N*T,)
+    n = int(flat_mask.sum())
+    k = min(n, math.ceil(rho * n - 1e-9))  # the 1e-9 keeps 0.2 * 10 from rounding up to 3
+    sel = torch.zeros_like(flat_mask)
+    if k == 0:
+        return sel.view_as(mask)
+    vals = torch.nan_to_num(scores.reshape(-1)[flat_mask].float(), nan=-math.inf)  # (n,)
+    thr = torch.kthvalue(vals, n - k + 1).values  # the k-th largest value
+    keep, ties = vals > thr, vals == thr
+    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
+    if nonzero:
+        keep &= vals > 0
+    sel[flat_mask] = keep
+    return sel.view_as(mask)
+
+# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================================
+def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                    clip_high: float) -> tuple:
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp):
+    (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
+    ratio = torch.exp(logp - old_logp)
+    loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
+    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and E_{y ~ pi_theta}[k3] = KL. (M,)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
+                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
+                  chunk: int, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
+    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom  (+ kl_beta * mean k3 over ALL valid tokens).
+    Only the needed positions go through the lm_head (the others have zero gradient: leaving them out is exact).
+    Returns loss, clip_frac, kl and `live`, the kept tokens with a non-zero gradient (policy_update's step rule)."""
+    head, valid = model.get_output_embeddings(), batch["resp_mask"]
+    need = (sel_mask | valid) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
+    n_valid = max(int(valid.sum()), 1)
+    loss_sum, clipped, live, kl_sum = 0.0, 0, 0, 0.0
+    active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch) if active.numel() else []:
+        m = need[rows]  # (n, T)
+        logp = head_logp(response_hidden(model, batch, rows)[m], head, batch["comp_ids"][rows][m], temperature, chunk)
+        a = adv[rows][:, None].expand_as(m)[m]  # (M,)
+        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,) each
+        s = sel_mask[rows][m]  # (M,) bool
+        loss = (pg * s).sum() / denom
+        if kl_beta > 0:
+            kl = k3_kl(logp, ref_logp[rows][m])
+            loss = loss + kl_beta * kl.sum() / n_valid  # the KL's normaliser does not depend on the selection
+            kl_sum += float(kl.detach().sum())
+        loss.backward()
+        loss_sum += float(loss.detach())
+        clipped += int((clip_m & s).sum())
+        live += int((s & ~clip_m & (a != 0)).sum()) + (int(m.sum()) if kl_beta > 0 else 0)
+    return dict(loss=loss_sum, clip_frac=clipped / max(int(sel_mask.sum()), 1), kl=kl_sum / n_valid, live=live)
+
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
+                  denom: float, *, max_grad_norm: float, **kw) -> dict:
+    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the same for every
+    method: step iff some kept token has a non-zero gradient (A = 0 everywhere moves neither the weights nor the Adam
+    moments) and the gradient is finite."""
+    opt.zero_grad(set_to_none=True)
+    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if stats["live"] else 0.0
+    stats.update(grad_norm=norm, skipped=int(not (math.isfinite(norm) and math.isfinite(stats["loss"]))))
+    stats["stepped"] = int(stats["live"] > 0 and not stats["skipped"])
+    if stats["stepped"]:
+        opt.step()
+    opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
+    return stats
+
+# ==== Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps] ============
+def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
+    """lr multiplier at optimiser step i (0-based) of `total`: linear warm-up over `warmup` steps, then (decay) a
+    linear decay that reaches 1 / (total - warmup) at the last step (TRL's default schedule is also linear)."""
+    up = (i + 1) / max(warmup, 1)
+    return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
+
+def start_run(cfg: Config, log=print) -> dict:
+    """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
+    or a bf16 copy) and the run folder. --resume loads the newest loadable checkpoint and drops the metrics after it;
+    a new run logs the starting model's held-out accuracy as step 0 and saves ckpt-000000. run_config.json is
+    written only once model and data have loaded."""
+    device = pick_device(cfg.device)
+    set_seed(cfg.seed)
+    draw, eval_rows = split_rows(cfg)
+    load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    if cfg.resume:
+        if os.path.abspath(cfg.resume) != os.path.abspath(cfg.out):
+            raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
+        model, tok, state = load_checkpoint(cfg.out, device, log)
+        if state["step"] > cfg.steps:
+            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
+    else:
+        if run_files(cfg.out) and not cfg.overwrite:
+            raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
+        model, tok = load()
+        state = dict(step=0, skipped=0)
+        for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
+            shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
+    ref = load()[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None  # pi_ref: where RL starts (deviation 7)
+    if cfg.grad_ckpt:
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if "opt" in state:
+        opt.load_state_dict(state["opt"])
+    chat, limit = use_chat(tok, cfg.chat_template), getattr(model.config, "max_position_embeddings", math.inf)
+    prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # held out: a sample of them
+    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    if longest + cfg.max_new_tokens > limit:
+        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} + a {longest}-token prompt exceed the model's {limit} "
+                         "positions")
+    os.makedirs(cfg.out, exist_ok=True)
+    kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
+    with open(os.path.join(cfg.out, "metrics.jsonl.tmp"), "w") as f:
+        f.write(kept)  # resume: the steps after the checkpoint will rerun
+    os.replace(os.path.join(cfg.out, "metrics.jsonl.tmp"), os.path.join(cfg.out, "metrics.jsonl"))
+    with open(os.path.join(cfg.out, "run_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
+        f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
+        f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if cfg.resume else ""))
+    run = dict(model=model, tok=tok, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat, opt=opt,
+               ref=ref, start=state["step"] + 1, skipped=state["skipped"], sampler=model,
+               fast=device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate)
+    if not cfg.resume:
+        rec = dict(step=0, **evaluate(model, tok, run["task"], eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
+        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+        log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
+        save_checkpoint(cfg.out, 0, model, tok, opt, 0)
+    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
+        run["sampler"] = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
+        for p in run["sampler"].parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
+            p.data = p.data.to(torch.bfloat16)
+    return run
+
+@torch.no_grad()
+def refresh_sampler(sampler, model):
+    """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
+    if sampler is not model:
+        torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
+
+def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict, **extra) -> dict:
+    """One line of metrics.jsonl (the README's glossary explains each key)."""
+    n_valid, n_sel = max(int(mask.sum()), 1), max(int(sel_mask.sum()), 1)
+    sampled = torch.cat([informative(r, G) for _, r, _ in parts])  # every group sampled this step
+    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
+                selected_frac=int(sel_mask.sum()) / n_valid, entropy_mean=float((entropy * mask).sum()) / n_valid,
+                entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
+                zero_adv_selected_frac=float((sel_mask & (adv == 0)[:, None]).sum()) / n_sel,
+                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
+                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
+                groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
+
+def train(cfg: Config, log=print, score_fn=None) -> str:
+    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder (metrics.jsonl,
+    metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm, om) -> (N, T) scores, if given,
+    replaces token_scores(cfg.select, ...): the notebook trains its own score through it."""
+    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: the newest loadable checkpoint
+    model, tok, task, opt, chat = (run[k] for k in ("model", "tok", "task", "opt", "chat"))
+    B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
+    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
+    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # never keep a zero score (deviation 9)
+    score = score_fn or (lambda logp, *stats: token_scores(cfg.select, *stats))  # (logp, H, grad_norm, omega)
+    model.train()
+    for step in range(run["start"], cfg.steps + 1):
+        t0 = time.time()
+        set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
+        parts = []  # --filter-groups (deviation 5): more prompts until B groups have unequal rewards
+        while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
+            rows = run["draw"](B, step, len(parts))  # 1. B training prompts
+            prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
+            batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
+                            fast=run["fast"], sampler_logp=True)  # 2.
+            rewards = torch.tensor([task["reward"](t, rows[n // G]) for n, t in enumerate(batch["texts"])])  # 3. (N,)
+            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
+            parts.append((batch, rewards, adv))
+            if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
+                break
+        batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
+        mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
+        for inner in range(cfg.inner_updates):
+            # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
+            logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+            if inner == 0:  # pi_old: the policy that sampled the batch
+                old_logp, gap = logp, (batch["sampler_logp"] - logp).abs()[mask]  # sampler vs learner precision
+                ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
+            # 6. scores, and the top rho of the WHOLE batch (deviation 1)
+            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
+            sel_mask = select_tokens(score(logp, entropy, grad_norm, om), mask, rho, nonzero)  # (N, T) bool
+            # 7. PPO-clip update on the kept tokens; the lr follows GRPO steps, the step rule is the same for all
+            i = (step - 1) * cfg.inner_updates + inner
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * lr_factor(i, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
+            denom = float(mask.sum()) if cfg.loss_norm == "all" else max(float(sel_mask.sum()), 1.0)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
+                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
+            run["skipped"] += stats["skipped"]
+        refresh_sampler(run["sampler"], model)
+        # 8. log, evaluate, checkpoint
+        dt = time.time() - t0
+        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
+                          skipped_steps=run["skipped"], truncated_frac=batch["truncated"].float().mean().item(),
+                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
+                          sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
+        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
+            rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
+        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+        shown = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
+        log(f"step {step} | " + " | ".join(f"{k} {rec[k]:.3f}" for k in shown if k in rec) + f" | {dt:.2f} s")
+        if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
+            save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
+    save_final(cfg.out, model, tok)
+    plot_metrics(cfg.out)
+    log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
+    return cfg.out
+
+# #####################################################################################################################
+# Supporting code [plumbing]: what lets the method above run on its own. A reader of the paper may stop here.
+# Tasks and verifiers (step 3's rewards), model and tokenizer loading, evaluation, the run folder and its
+# checkpoints, the command line.
+# #####################################################################################################################
+
 # ==== Tasks and verifiers [paper: reward] =========================================================================
 # Each task = offline generator + prompt + verifier + loader, collected in TASKS.
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
@@ -617,323 +1087,6 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         tok.pad_token = tok.eos_token
     return model.to(device), tok
 
-def end_token_ids(tok) -> list:
-    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|> when present."""
-    qwen = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    ids = {tok.eos_token_id} | {i for i in qwen if isinstance(i, int) and i != tok.unk_token_id}
-    return sorted(i for i in ids if i is not None)
-
-# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====================
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: the answer starts inside <think>
-SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
-
-def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with both, but only
-    instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos. yes/no force it."""
-    if chat != "auto":
-        return chat == "yes"
-    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
-
-def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
-    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
-    inside the assistant's <think> (TinyZero's prefill). system=False drops the system line (terse CPU prompts)."""
-    if chat:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
-        msgs.append({"role": "user", "content": question})
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
-    return (SYSTEM_PROMPT + "\n" if system else "") + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
-
-def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
-    """Prompt strings for task rows; short=True: the task's terse question and no system line."""
-    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
-
-def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
-    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and including the first
-    end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is also an end token, so a value test
-    would drop the end token itself from the loss (the tiny-grpo bug)."""
-    T = completion_ids.shape[1]
-    is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=completion_ids.device))  # (N, T)
-    has_end = is_end.any(dim=1)  # (N,)
-    first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
-    resp_mask = torch.arange(T, device=completion_ids.device)[None, :] <= first_end[:, None]  # (N, T)
-    return resp_mask, ~has_end
-@torch.no_grad()
-def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
-            sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask, truncated,
-    texts) on the model's device. generate() would fill every knob left unset from the checkpoint's generation_config
-    (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another distribution than the
-    policy we train, so it sees a complete config of our own and a blank model default. fast: a static KV cache
-    (length rounded up to 64: few shapes; generate compiles its step on CUDA). sampler_logp: also `sampler_logp`
-    (N, T), the sampler's log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after
-    the end)."""
-    from transformers import GenerationConfig
-    device = next(model.parameters()).device
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    ids, attn = (enc[k].repeat_interleave(group_size, dim=0) for k in ("input_ids", "attention_mask"))  # (N, P)
-    width, limit = ids.shape[1] + max_new_tokens, getattr(model.config, "max_position_embeddings", None)
-    if limit and width > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the model's "
-                         f"{limit} positions")
-    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
-    if fast:
-        knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
-    end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
-    seen, last = [], []  # generate calls record() before each draw, with the ids drawn so far
-
-    def record(drawn, logits):  # the previous draw's log-prob, read at the token it drew; keep this step's
-        seen.extend(p.gather(1, drawn[:, -1:]) for p in last)
-        last[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
-        return logits
-    was_training, saved = model.training, model.generation_config
-    model.eval()
-    model.generation_config = GenerationConfig()  # the checkpoint's sampling knobs never reach this call
-    try:
-        with autocast(device):
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
-                                 logits_processor=[record] if sampler_logp else None)  # (N, P + T)
-    finally:
-        model.generation_config = saved
-        model.train(was_training)
-    comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
-    resp_mask, truncated = completion_mask(comp, end_ids)
-    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask, truncated=truncated,
-                 texts=tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True))
-    if sampler_logp:  # the last draw is read here (unless generate ran steps past the end and cut them)
-        seen.extend(p.gather(1, comp[:, -1:]) for p in last[:comp.shape[1] - len(seen)])
-        batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
-    return batch
-
-# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================================
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6):
-    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward values
-    A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by sqrt((G-1)/G)).
-    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean.
-    """
-    r = rewards.float().view(-1, group_size)  # (B, G)
-    adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if std_normalize:
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # (B, 1)
-    return adv.masked_fill(same, 0.0).view(-1)  # (N,)
-
-def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere, so they carry a gradient)."""
-    r = rewards.view(-1, group_size)  # (B, G)
-    return r.max(dim=1).values != r.min(dim=1).values
-
-def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
-    groups -> (batch, rewards, adv). Every per-answer entry is carried: lists are indexed, (N, W) tensors padded to
-    one width (prompt_* on the left, the rest on the right; *_ids with pad_id, others with 0). With no informative
-    group the first batch is returned as it is (all A = 0)."""
-    batches, rewards, advs = zip(*parts)
-    keep = torch.cat([informative(r, group_size) for r in rewards]).nonzero().squeeze(1)[:B]  # (<= B,)
-    if keep.numel() == 0:
-        return parts[0]
-    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
-
-    def pick(xs: list, key: str = ""):  # the parts' entries joined, rows idx kept
-        if isinstance(xs[0], list):
-            flat = [x for part in xs for x in part]
-            return [flat[i] for i in idx.tolist()]
-        if xs[0].dim() == 2:
-            w, fill = max(x.shape[1] for x in xs), pad_id if key.endswith("_ids") else 0
-            xs = [F.pad(x, (w - x.shape[1], 0) if key.startswith("prompt") else (0, w - x.shape[1]), value=fill)
-                  for x in xs]
-        x = torch.cat(xs)
-        return x[idx.to(x.device)]
-    return {key: pick([b[key] for b in batches], key) for key in batches[0]}, pick(rewards), pick(advs)
-
-# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========================
-# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
-# ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range) is
-#     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
-# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h) or
-#    (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
-#    Write omega = r * A where the clip is inactive and omega = 0 where it is active: dl/dtheta = -omega*dlogp_y/dtheta.
-# 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
-#        dl/dz = -(omega / T) * (onehot(y) - p)                                          (the logit gradient)
-# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2, so
-#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm           -> token_stats
-# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i when r = 1):
-#    pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set by p_y, not by H. Over
-#    y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon entropy >= Renyi-2 entropy): IN
-#    EXPECTATION a near-certain position (H ~ 0) has a near-zero logit gradient. Not pointwise: at
-#    p = (0.999, 50 x 2e-5) a sampled rare token has H = 0.012 nats but norm 1.414. Entropy misses such tokens;
-#    gradnorm (below) scores them by their exact norm.
-# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With binary rewards and
-#    k of G answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
-#    (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose answers all got the same reward. Entropy ranking
-#    ignores this factor: it spends budget on tokens whose gradient is small or exactly 0.
-# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3), and keeps the
-#    top rho of the batch. 'gradnorm' uses the exact logit-gradient norm |omega| * grad_norm instead (our
-#    ablation; it costs the same vocabulary reduction as H).
-# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects over the whole
-# batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
-
-def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
-    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
-    logp      = log p_y,  p = softmax(logits / T)
-    entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation step 3)
-    """
-    z = logits.float()
-    logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (...)
-    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number as (1 - p_y)^2 + sum_{j!=y} p_j^2
-    # has no cancellation (1 - p_y = -expm1(logp_y)). Without autograd, p is reused in place: 3 (..., V) buffers.
-    inplace = not torch.is_grad_enabled()
-    p = logp_all.exp()  # (..., V)
-    p = p.scatter_(-1, tokens.unsqueeze(-1), 0.0) if inplace else p.scatter(-1, tokens.unsqueeze(-1), 0.0)  # p_y := 0
-    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2
-    plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
-    entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
-    sq = torch.expm1(logp).square() + others_sq  # (...)
-    return logp, entropy, sq.sqrt() / temperature
-
-def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
-    """Final hidden states that PREDICT each response token (position P-1+t predicts token t) -> (n, T, d). Position
-    ids come from the attention mask (cumsum - 1), as generate() computes them under left padding."""
-    ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
-    with autocast(ids.device):
-        h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # (n, P+T, d)
-    P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
-    return h[:, P - 1:P + T - 1]  # (n, T, d)
-
-@torch.no_grad()
-def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward in micro-batches,
-    the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers, whatever N * T is)."""
-    head = model.get_output_embeddings()
-    mask, comp = batch["resp_mask"], batch["comp_ids"]
-    out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
-    for s in range(0, mask.shape[0], micro_batch):
-        rows, m = slice(s, s + micro_batch), mask[s:s + micro_batch]  # m (n, T)
-        h, y = response_hidden(model, batch, rows)[m], comp[rows][m]  # (M, d), (M,)
-        stats = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
-                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
-        for o, v in zip(out, zip(*stats)):
-            o[rows][m] = torch.cat(v)
-    return tuple(out)
-
-def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
-              chunk: int = 1024) -> torch.Tensor:
-    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
-    checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
-    from torch.utils.checkpoint import checkpoint
-    def logp(h, y):
-        z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
-        return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-
-# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======================
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast to one shape."""
-    return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
-
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1). (N,), (N, T) -> (N, T)"""
-    a = adv[:, None]  # (N, 1)
-    return torch.where(clip_active(a, ratio, clip_low, clip_high), torch.zeros_like(ratio), ratio * a)
-
-def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
-                 generator: torch.Generator = None) -> torch.Tensor:
-    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
-    scores = {"all": lambda: torch.ones_like(entropy),  # vanilla GRPO (train keeps every token, rho = 1)
-              "random": lambda: torch.rand(entropy.shape, generator=generator).to(entropy.device),  # the control
-              "entropy": lambda: entropy,  # H_t (80/20 paper)
-              "gmts": lambda: (entropy * om).abs(),  # |H_t * omega_t| (GMTS)
-              "gradnorm": lambda: om.abs() * grad_norm}  # the exact logit-gradient norm (derivation step 3)
-    if method not in scores:
-        raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
-    return scores[method]()
-
-def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False) -> torch.Tensor:
-    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch: (N, T) -> (N, T) bool.
-    Ties go to the earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold plus a
-    count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24 elements. nonzero=True (gmts,
-    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may keep fewer than k."""
-    flat_mask = mask.reshape(-1)  # (N*T,)
-    n = int(flat_mask.sum())
-    k = min(n, math.ceil(rho * n - 1e-9))  # the 1e-9 keeps 0.2 * 10 from rounding up to 3
-    sel = torch.zeros_like(flat_mask)
-    if k == 0:
-        return sel.view_as(mask)
-    vals = torch.nan_to_num(scores.reshape(-1)[flat_mask].float(), nan=-math.inf)  # (n,)
-    thr = torch.kthvalue(vals, n - k + 1).values  # the k-th largest value
-    keep, ties = vals > thr, vals == thr
-    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
-    if nonzero:
-        keep &= vals > 0
-    sel[flat_mask] = keep
-    return sel.view_as(mask)
-
-# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================================
-def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                    clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp):
-    (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
-    ratio = torch.exp(logp - old_logp)
-    loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-    return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
-
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and E_{y ~ pi_theta}[k3] = KL. (M,)."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
-
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
-                  chunk: int, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
-    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom  (+ kl_beta * mean k3 over ALL valid tokens).
-    Only the needed positions go through the lm_head (the others have zero gradient: leaving them out is exact).
-    Returns loss, clip_frac, kl and `live`, the kept tokens with a non-zero gradient (policy_update's step rule)."""
-    head, valid = model.get_output_embeddings(), batch["resp_mask"]
-    need = (sel_mask | valid) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
-    n_valid = max(int(valid.sum()), 1)
-    loss_sum, clipped, live, kl_sum = 0.0, 0, 0, 0.0
-    active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch) if active.numel() else []:
-        m = need[rows]  # (n, T)
-        logp = head_logp(response_hidden(model, batch, rows)[m], head, batch["comp_ids"][rows][m], temperature, chunk)
-        a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,) each
-        s = sel_mask[rows][m]  # (M,) bool
-        loss = (pg * s).sum() / denom
-        if kl_beta > 0:
-            kl = k3_kl(logp, ref_logp[rows][m])
-            loss = loss + kl_beta * kl.sum() / n_valid  # the KL's normaliser does not depend on the selection
-            kl_sum += float(kl.detach().sum())
-        loss.backward()
-        loss_sum += float(loss.detach())
-        clipped += int((clip_m & s).sum())
-        live += int((s & ~clip_m & (a != 0)).sum()) + (int(m.sum()) if kl_beta > 0 else 0)
-    return dict(loss=loss_sum, clip_frac=clipped / max(int(sel_mask.sum()), 1), kl=kl_sum / n_valid, live=live)
-
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, max_grad_norm: float, **kw) -> dict:
-    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the same for every
-    method: step iff some kept token has a non-zero gradient (A = 0 everywhere moves neither the weights nor the Adam
-    moments) and the gradient is finite."""
-    opt.zero_grad(set_to_none=True)
-    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
-    params = [p for p in model.parameters() if p.requires_grad]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if stats["live"] else 0.0
-    stats.update(grad_norm=norm, skipped=int(not (math.isfinite(norm) and math.isfinite(stats["loss"]))))
-    stats["stepped"] = int(stats["live"] > 0 and not stats["skipped"])
-    if stats["stepped"]:
-        opt.step()
-    opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
-    return stats
-
 # ==== Evaluation, run folder, checkpoints, metrics [plumbing] =====================================================
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
@@ -1043,153 +1196,6 @@ def plot_metrics(out: str):
         ax.set(xlabel="step", ylabel=key)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
-
-# ==== Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps] ============
-def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at optimiser step i (0-based) of `total`: linear warm-up over `warmup` steps, then (decay) a
-    linear decay that reaches 1 / (total - warmup) at the last step (TRL's default schedule is also linear)."""
-    up = (i + 1) / max(warmup, 1)
-    return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
-
-def start_run(cfg: Config, log=print) -> dict:
-    """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
-    or a bf16 copy) and the run folder. --resume loads the newest loadable checkpoint and drops the metrics after it;
-    a new run logs the starting model's held-out accuracy as step 0 and saves ckpt-000000. run_config.json is
-    written only once model and data have loaded."""
-    device = pick_device(cfg.device)
-    set_seed(cfg.seed)
-    draw, eval_rows = split_rows(cfg)
-    load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    if cfg.resume:
-        if os.path.abspath(cfg.resume) != os.path.abspath(cfg.out):
-            raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
-        model, tok, state = load_checkpoint(cfg.out, device, log)
-        if state["step"] > cfg.steps:
-            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-    else:
-        if run_files(cfg.out) and not cfg.overwrite:
-            raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
-        model, tok = load()
-        state = dict(step=0, skipped=0)
-        for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
-            shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
-    ref = load()[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None  # pi_ref: where RL starts (deviation 7)
-    if cfg.grad_ckpt:
-        model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if "opt" in state:
-        opt.load_state_dict(state["opt"])
-    chat, limit = use_chat(tok, cfg.chat_template), getattr(model.config, "max_position_embeddings", math.inf)
-    prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # held out: a sample of them
-    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    if longest + cfg.max_new_tokens > limit:
-        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} + a {longest}-token prompt exceed the model's {limit} "
-                         "positions")
-    os.makedirs(cfg.out, exist_ok=True)
-    kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
-    with open(os.path.join(cfg.out, "metrics.jsonl.tmp"), "w") as f:
-        f.write(kept)  # resume: the steps after the checkpoint will rerun
-    os.replace(os.path.join(cfg.out, "metrics.jsonl.tmp"), os.path.join(cfg.out, "metrics.jsonl"))
-    with open(os.path.join(cfg.out, "run_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
-    log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
-        f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if cfg.resume else ""))
-    run = dict(model=model, tok=tok, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat, opt=opt,
-               ref=ref, start=state["step"] + 1, skipped=state["skipped"], sampler=model,
-               fast=device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate)
-    if not cfg.resume:
-        rec = dict(step=0, **evaluate(model, tok, run["task"], eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
-        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
-        save_checkpoint(cfg.out, 0, model, tok, opt, 0)
-    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run["sampler"] = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
-        for p in run["sampler"].parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
-            p.data = p.data.to(torch.bfloat16)
-    return run
-
-@torch.no_grad()
-def refresh_sampler(sampler, model):
-    """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
-    if sampler is not model:
-        torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
-
-def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict, **extra) -> dict:
-    """One line of metrics.jsonl (the README's glossary explains each key)."""
-    n_valid, n_sel = max(int(mask.sum()), 1), max(int(sel_mask.sum()), 1)
-    sampled = torch.cat([informative(r, G) for _, r, _ in parts])  # every group sampled this step
-    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
-                selected_frac=int(sel_mask.sum()) / n_valid, entropy_mean=float((entropy * mask).sum()) / n_valid,
-                entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
-                zero_adv_selected_frac=float((sel_mask & (adv == 0)[:, None]).sum()) / n_sel,
-                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
-                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
-                groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
-
-def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder (metrics.jsonl,
-    metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm, om) -> (N, T) scores, if given,
-    replaces token_scores(cfg.select, ...): the notebook trains its own score through it."""
-    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: the newest loadable checkpoint
-    model, tok, task, opt, chat = (run[k] for k in ("model", "tok", "task", "opt", "chat"))
-    B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
-    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
-    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # never keep a zero score (deviation 9)
-    score = score_fn or (lambda logp, *stats: token_scores(cfg.select, *stats))  # (logp, H, grad_norm, omega)
-    model.train()
-    for step in range(run["start"], cfg.steps + 1):
-        t0 = time.time()
-        set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
-        parts = []  # --filter-groups (deviation 5): more prompts until B groups have unequal rewards
-        while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
-            rows = run["draw"](B, step, len(parts))  # 1. B training prompts
-            prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-            batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
-                            fast=run["fast"], sampler_logp=True)  # 2.
-            rewards = torch.tensor([task["reward"](t, rows[n // G]) for n, t in enumerate(batch["texts"])])  # 3. (N,)
-            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
-            parts.append((batch, rewards, adv))
-            if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
-                break
-        batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
-        mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
-        for inner in range(cfg.inner_updates):
-            # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
-            logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            if inner == 0:  # pi_old: the policy that sampled the batch
-                old_logp, gap = logp, (batch["sampler_logp"] - logp).abs()[mask]  # sampler vs learner precision
-                ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
-            # 6. scores, and the top rho of the WHOLE batch (deviation 1)
-            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
-            sel_mask = select_tokens(score(logp, entropy, grad_norm, om), mask, rho, nonzero)  # (N, T) bool
-            # 7. PPO-clip update on the kept tokens; the lr follows GRPO steps, the step rule is the same for all
-            i = (step - 1) * cfg.inner_updates + inner
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * lr_factor(i, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
-            denom = float(mask.sum()) if cfg.loss_norm == "all" else max(float(sel_mask.sum()), 1.0)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
-                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
-            run["skipped"] += stats["skipped"]
-        refresh_sampler(run["sampler"], model)
-        # 8. log, evaluate, checkpoint
-        dt = time.time() - t0
-        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
-                          skipped_steps=run["skipped"], truncated_frac=batch["truncated"].float().mean().item(),
-                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
-                          sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
-        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
-        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        shown = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
-        log(f"step {step} | " + " | ".join(f"{k} {rec[k]:.3f}" for k in shown if k in rec) + f" | {dt:.2f} s")
-        if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
-    save_final(cfg.out, model, tok)
-    plot_metrics(cfg.out)
-    log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
-    return cfg.out
 
 # ==== CLI [plumbing] ==============================================================================================
 def parse_args(argv=None) -> Config:

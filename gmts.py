@@ -130,13 +130,15 @@ def die(msg: str, code: int = 2):
 
 RULES = {  # field -> (test, what the value must be); NaN fails every test
     **dict.fromkeys(["rho", "top_p"], (lambda v: 0 < v <= 1, "in (0, 1]")),
-    **dict.fromkeys(["lr", "temperature", "max_grad_norm"], (lambda v: 0 < v < math.inf, "finite and > 0")),
+    "lr": (lambda v: 0 < v <= 1, "in (0, 1] (a larger step leaves non-finite weights)"),
+    **dict.fromkeys(["temperature", "max_grad_norm"], (lambda v: 0 < v < math.inf, "finite and > 0")),
     **dict.fromkeys(["clip_low", "clip_high"], (lambda v: 0 <= v < 1, "in [0, 1)")),
     **dict.fromkeys(["kl_beta", "weight_decay"], (lambda v: 0 <= v < math.inf, "finite and >= 0")),
     **dict.fromkeys(["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
                      "eval_size", "max_resample", "tiny_layers"], (lambda v: v >= 1, ">= 1")),
     **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k"], (lambda v: v >= 0, ">= 0")),
     "group_size": (lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
     "tiny_hidden": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
 }
 
@@ -502,52 +504,54 @@ def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
 
 def start_run(cfg: Config, log=print) -> dict:
     """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
-    or a bf16 copy) and the run folder. --resume loads the newest loadable checkpoint and drops the metrics after it;
-    a new run logs the starting model's held-out accuracy as step 0 and saves ckpt-000000. run_config.json is
-    written only once model and data have loaded."""
+    or a bf16 copy) and the run folder. The folder is claimed first (claim_run: this process its only writer).
+    --resume loads the newest checkpoint that passes load_checkpoint's checks and drops the metrics after it; a
+    folder without a checkpoint holds nothing of value, so a resume or a rerun starts it afresh: the starting
+    model's held-out accuracy as step 0, then ckpt-000000. run_config.json (the config and the run's fingerprint:
+    data file, prompt format) is written only once model and data have loaded."""
     device = pick_device(cfg.device)
+    saved = claim_run(cfg)
     set_seed(cfg.seed)
     draw, eval_rows = split_rows(cfg)
+    print_of = functools.partial(run_print, cfg)
+    check_data_print(cfg, saved)
     load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    if cfg.resume:
-        if os.path.abspath(cfg.resume) != os.path.abspath(cfg.out):
-            raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
-        model, tok, state = load_checkpoint(cfg.out, device, log)
-        if state["step"] > cfg.steps:
-            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-    else:
-        if run_files(cfg.out) and not cfg.overwrite:
-            raise ValueError(f"--out {cfg.out} holds a run; continue it with --resume {cfg.out}, or pass --overwrite")
+    fresh = not checkpoints(cfg.out) or not cfg.resume
+    if fresh:
         model, tok = load()
         state = dict(step=0, skipped=0)
         for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
             shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
+    else:
+        want = saved.get("fingerprint", {}).get("prompt")
+        model, tok, state = load_checkpoint(cfg.out, device, log, lambda tok: print_of(tok)["prompt"], want)
+        if state["step"] > cfg.steps:
+            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
     ref = load()[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None  # pi_ref: where RL starts (deviation 7)
     if cfg.grad_ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if "opt" in state:
         opt.load_state_dict(state["opt"])
-    chat, limit = use_chat(tok, cfg.chat_template), getattr(model.config, "max_position_embeddings", math.inf)
+    chat = use_chat(tok, cfg.chat_template)
+    limit = getattr(model.config, "max_position_embeddings", math.inf)
     prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # held out: a sample of them
     longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     if longest + cfg.max_new_tokens > limit:
         raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} + a {longest}-token prompt exceed the model's {limit} "
                          "positions")
-    os.makedirs(cfg.out, exist_ok=True)
-    kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
-    with open(os.path.join(cfg.out, "metrics.jsonl.tmp"), "w") as f:
-        f.write(kept)  # resume: the steps after the checkpoint will rerun
-    os.replace(os.path.join(cfg.out, "metrics.jsonl.tmp"), os.path.join(cfg.out, "metrics.jsonl"))
-    with open(os.path.join(cfg.out, "run_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    kept = ""
+    if not fresh:  # resume: the steps after the checkpoint will rerun
+        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
+    write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
+    write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(run_config(cfg, print_of(tok)), indent=1))
     log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
         f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if cfg.resume else ""))
+        f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if not fresh else ""))
     run = dict(model=model, tok=tok, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat, opt=opt,
                ref=ref, start=state["step"] + 1, skipped=state["skipped"], sampler=model,
                fast=device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate)
-    if not cfg.resume:
+    if fresh:
         rec = dict(step=0, **evaluate(model, tok, run["task"], eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
@@ -594,8 +598,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
             rows = run["draw"](B, step, len(parts))  # 1. B training prompts
             prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-            batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
-                            fast=run["fast"], sampler_logp=True)  # 2.
+            batch = fast_or_plain_rollout(run, log, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                          cfg.top_k, sampler_logp=True)  # 2. (run["fast"] falls back once)
             rewards = torch.tensor([task["reward"](t, rows[n // G]) for n, t in enumerate(batch["texts"])])  # 3. (N,)
             adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
             parts.append((batch, rewards, adv))
@@ -622,6 +626,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
             run["skipped"] += stats["skipped"]
         refresh_sampler(run["sampler"], model)
+        check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
         # 8. log, evaluate, checkpoint
         dt = time.time() - t0
         rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
@@ -931,27 +936,85 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
                            and all(type(x) is bool for x in v.values()))},
 }
 
-def _read_jsonl(path: str, task: str) -> list:
+LINE_CAP = 1 << 20  # bytes per line of a --data file
+
+def _row_problem(task: str, row: dict):
+    """Why a row that has the schema's keys can never earn reward 1.0 from its task's verifier, or None."""
+    for v in row.values():
+        for x in _strings(v):
+            if not _encodes(x):
+                return "holds a lone surrogate (not text a tokenizer can read)"
+    if task == "countdown":
+        if not row["nums"] or min(row["nums"]) < 0:
+            return '"nums" must be non-empty and >= 0 (an answer cannot write a negative number)'
+        if sum(len(str(n)) + 1 for n in row["nums"]) > 201:
+            return '"nums" are too long for an answer the verifier reads (200 characters)'
+    if task == "math" and not row["question"].strip():
+        return '"question" is empty'
+    if task == "logic":
+        for name in row["names"]:
+            if not re.fullmatch("[A-Za-z]+", name):
+                return f'name {name!r} is not ASCII letters only (the verifier reads [a-z]+)'
+        lower = [n.lower() for n in row["names"]]
+        if len(set(lower)) < len(lower):
+            return '"names" repeat a name (the verifier ignores case)'
+        if not lower or set(lower) != {k.lower() for k in row["solution"]}:
+            return '"solution" must name exactly the people in "names"'
+    return None
+
+def _strings(v) -> list:
+    """The strings in a row's value: itself, a list's items, a dict's keys."""
+    if isinstance(v, str):
+        return [v]
+    found = []
+    if isinstance(v, (list, dict)):
+        for x in v:
+            if isinstance(x, str):
+                found.append(x)
+    return found
+
+def _encodes(x: str) -> bool:
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e}); --data takes gen, easy, hf or a "
-                         ".jsonl path") from None
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+def _jsonl_lines(path: str):
+    """(line number, text) of a regular file, split on "\n" only (a raw U+2028 inside a string is not a break)."""
+    if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
+        raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a .jsonl path")
+    try:
+        with open(path, "rb") as f:
+            for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
+                if len(raw) > LINE_CAP:
+                    raise ValueError(f"{path} line {i}: longer than {LINE_CAP} bytes")
+                yield i, raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} line {i}: cannot read it as UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+
+def _read_jsonl(path: str, task: str) -> list:
     rows = []
-    for i, line in enumerate(lines, 1):
+    for i, line in _jsonl_lines(path):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {i}: invalid JSON ({e.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path} line {i}: JSON nested too deep") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
         for key, (what, ok) in _SCHEMA[task].items():
             if key not in row or not ok(row[key]):
                 why = f'"{key}" must be {what}' if key in row else f'missing key "{key}"'
                 raise ValueError(f"{path} line {i}: {why}")
+        problem = _row_problem(task, row)
+        if problem:
+            raise ValueError(f"{path} line {i}: {problem}")
         rows.append(_gsm8k_row(row["question"], row["answer"]) if task == "math" else row)
     if not rows:
         raise ValueError(f"{path}: no rows")
@@ -1074,10 +1137,12 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
     else:
         path = resolve_model_name(name)
+        quiet_hub()
         try:
             tok = AutoTokenizer.from_pretrained(path)
+            check_tokenizer(tok)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config)
+        except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config, tokenizer)
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access, a misspelled name or bad files"
             raise OSError(f"cannot load model '{path}': {why}: {str(e).splitlines()[0][:200]}; "
@@ -1086,6 +1151,17 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
+
+def quiet_hub():
+    """The hub client logs a warning per retry (22 lines without a network); the one-line error says it all."""
+    import logging
+    for name in ("huggingface_hub", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+def check_tokenizer(tok):
+    """ValueError unless tok turns text into tokens (a folder without tokenizer files loads an empty one)."""
+    if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
+        raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
 # ==== Evaluation, run folder, checkpoints, metrics [plumbing] =====================================================
 @torch.no_grad()
@@ -1146,25 +1222,40 @@ def checkpoints(out: str) -> list:
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
     """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
     every step reseeds). Written to a .tmp folder and renamed; then all but the newest `keep` go, each renamed first
-    so that a half-deleted folder never looks like a checkpoint."""
+    so that a half-deleted folder never looks like a checkpoint. A failed write: OSError, the .tmp removed."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save(dict(step=step, skipped=skipped, opt=opt.state_dict()), os.path.join(tmp, "state.pt"))
+    with writing(tmp):
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        torch.save(dict(step=step, skipped=skipped, opt=opt.state_dict()), os.path.join(tmp, "state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in checkpoints(out)[:-keep]:
         os.replace(old, old + ".old")
         shutil.rmtree(old + ".old", ignore_errors=True)
 
-def load_checkpoint(out: str, device: torch.device, log=print) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads; a damaged one is reported in one line and the
-    previous one tried. Nothing is unpickled: state.pt is read with weights_only=True. OSError if none loads."""
+def check_loaded(model, tok, prompt_print=None, want=None):
+    """ValueError if a loaded checkpoint cannot continue the run: non-finite weights, a chat template that does not
+    render, or another prompt format than the run started with (prompt_print(tok) != want)."""
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise ValueError(f"non-finite weights in {name}")
+    check_tokenizer(tok)
+    if tok.chat_template:
+        render_prompt(tok, "2 + 2?", True)
+    if want is not None and prompt_print(tok) != want:
+        raise ValueError(f"its prompt format {prompt_print(tok)} is not the run's {want}")
+
+def load_checkpoint(out: str, device: torch.device, log=print, prompt_print=None, want=None) -> tuple:
+    """(model, tok, state) from the newest checkpoint that loads and passes check_loaded; a damaged one is reported
+    in one line and the previous one tried. Nothing is unpickled: state.pt is read with weights_only=True. OSError
+    if none loads."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
+            check_loaded(model, tok, prompt_print, want)
             state = torch.load(os.path.join(ck, "state.pt"), map_location="cpu", weights_only=True)
             if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "opt" in state):
                 raise ValueError("state.pt holds no step and optimiser")
@@ -1173,15 +1264,38 @@ def load_checkpoint(out: str, device: torch.device, log=print) -> tuple:
         except Exception as e:  # truncated, empty or foreign files: fall back to the previous checkpoint
             log(f"{ck} does not load ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                 "trying the previous checkpoint")
-    raise OSError(f"--resume {out}: no loadable checkpoint (ckpt-*) in that folder")
+    raise OSError(f"--resume {out}: no loadable checkpoint (ckpt-*) in that folder; --overwrite starts it afresh")
+
+def check_weights(model, step: int, out: str):
+    """After an update: non-finite weights end the run (RunError, exit 1) before they reach a checkpoint."""
+    finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
+    if not finite:
+        raise RunError(f"step {step} left non-finite weights (is --lr too high?); stopped, the checkpoints in {out} "
+                       "are from before it")
+
+def fast_or_plain_rollout(run: dict, log, prompts: list, *args, **kwargs) -> dict:
+    """rollout on run["sampler"], with the fast path (static cache, compiled decoding) while run["fast"] holds: if
+    it raises, one line says so and this and every later step samples on the plain path."""
+    if run["fast"]:
+        try:
+            return rollout(run["sampler"], run["tok"], prompts, *args, fast=True, **kwargs)
+        except (ValueError, torch.OutOfMemoryError):  # too long a prompt, or memory: the plain path would fail too
+            raise
+        except Exception as e:
+            run["fast"] = False
+            log(f"fast generation failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                "sampling on the plain path from now on")
+    return rollout(run["sampler"], run["tok"], prompts, *args, fast=False, **kwargs)
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
-    folder, then each file moved in with an atomic rename, config.json last so a reader never sees a torn model."""
+    folder, then each file moved in with an atomic rename, config.json last so a reader never sees a torn model.
+    check_out refused an OUT holding such files that are not a run's own."""
     tmp = os.path.join(out, "final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    with writing(tmp):
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
@@ -1197,10 +1311,220 @@ def plot_metrics(out: str):
     fig.tight_layout()
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
+# ==== Run folder ownership [plumbing]: never replace what is not the run's own; one writer per folder ============
+import contextlib, fcntl, fnmatch, hashlib, signal  # noqa: E402  (writes, the folder's lock, fingerprints, signals)
+
+class RunError(RuntimeError):
+    """A run that cannot go on (non-finite weights, nothing to analyse): one line, exit 1."""
+
+RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes into; a live writer holds flock on it
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+               "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+               "chat_template.*", "README.md")
+WRITES = {  # kind of output -> the names it may write into its folder (fnmatch patterns)
+    "gmts": ("metrics.*", "run_config.json", "ckpt-*", "final.tmp", *MODEL_FILES),
+    "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
+    "warm": MODEL_FILES,
+    "compare": ("compare.md", "compare.png"),
+    "analyze": ("analysis.json",),
+}
+_HELD = {}  # real path of a folder -> the open marker this process holds the lock on
+
+def run_kind(out: str):
+    """The kind of output this program wrote into `out` (its marker; a run_config.json alone: a gmts run of an
+    earlier version), "" for a marker being written, or None for a folder it never wrote into."""
+    try:
+        with open(os.path.join(out, RUN_MARK)) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return "gmts" if os.path.isfile(os.path.join(out, "run_config.json")) else None
+    except OSError:
+        return "unreadable"
+    try:
+        return json.loads(text)["kind"] if text.strip() else ""
+    except (ValueError, TypeError, KeyError):
+        return "unreadable"
+
+def _names(out: str, patterns) -> list:
+    """The entries of `out` that match any of the patterns."""
+    found = []
+    for n in sorted(os.listdir(out)):
+        if any(fnmatch.fnmatchcase(n, p) for p in patterns):
+            found.append(n)
+    return found
+
+def _held_here(out: str):
+    """The locked marker fd this process holds for `out`, if it is still that folder's marker."""
+    fd = _HELD.get(os.path.realpath(out))
+    try:
+        if fd is not None and os.fstat(fd).st_ino == os.stat(os.path.join(out, RUN_MARK)).st_ino:
+            return fd
+    except OSError:
+        pass
+    return None
+
+def _locked_elsewhere(out: str) -> bool:
+    if _held_here(out) is not None:
+        return False
+    try:
+        fd = os.open(os.path.join(out, RUN_MARK), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a shared probe: released at close
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+def check_out(out: str, kind: str = "gmts", model: str = "", overwrite: bool = False, resume: bool = False,
+              more: tuple = ()):
+    """ValueError (one line) unless a `kind` output may go into `out` without replacing anything not its own:
+    no other live writer (flock on the marker); no file that this kind writes (or in `more`) unless the folder
+    holds an earlier output of this kind (that one needs --overwrite if it holds a checkpoint or a result; a gmts
+    run may --resume); for training, an --out that neither is nor holds the --model folder nor lies in warm/."""
+    real = os.path.realpath(out)
+    warm = os.path.dirname(os.path.realpath(WARM_CPU))
+    if kind != "warm" and (real == warm or real.startswith(warm + os.sep)):
+        raise ValueError(f"--out {out} lies in {warm}, the committed warm starts; only gmts_lab.py warm writes there")
+    if kind != "warm" and model and os.path.isdir(model):
+        m = os.path.realpath(model)
+        if m == real or m.startswith(real + os.sep):
+            raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is an existing file, not a folder")
+    if not os.path.isdir(out):
+        return
+    if _locked_elsewhere(out):
+        raise ValueError(f"--out {out}: another process is writing there now; wait for it or choose another --out")
+    found = run_kind(out)
+    clash = _names(out, WRITES[kind] + tuple(more))
+    if not found and clash:
+        raise ValueError(f"--out {out} holds {clash[0]}, which no {kind} run of this program wrote; choose another "
+                         "--out")
+    if found and found != kind:
+        raise ValueError(f"--out {out} holds a {found} output of this program, not a {kind} one; choose another --out")
+    if found and not resume and not overwrite and _holds_value(out, kind, more):
+        hint = ""
+        if kind == "gmts":
+            hint = f"continue it with --resume {out}, or "
+        raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
+
+def _holds_value(out: str, kind: str, more: tuple) -> bool:
+    """A gmts run folder is worth keeping once it holds a checkpoint; another kind once it holds any result."""
+    if kind == "gmts":
+        return bool(checkpoints(out))
+    return bool(_names(out, WRITES[kind] + tuple(more)))
+
+def claim_out(out: str, kind: str):
+    """Make `out` this process's to write: create it and its marker and hold flock on the marker until the process
+    ends (the OS releases it if the process is killed); remove a killed writer's .tmp/.old leftovers."""
+    if _held_here(out) is not None:
+        return
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(os.path.join(out, RUN_MARK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"--out {out}: another process is writing there now; wait for it or choose another --out")
+    mark = (json.dumps({"kind": kind}) + "\n").encode()
+    if os.pread(fd, 4096, 0) != mark:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mark, 0)
+    _HELD[os.path.realpath(out)] = fd
+    for n in _names(out, ("*.tmp", "*.old")):
+        if any(fnmatch.fnmatchcase(n, p) for p in WRITES[kind]):
+            shutil.rmtree(os.path.join(out, n), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, n))
+
+def release_all():
+    """Close every marker this process holds (its locks go)."""
+    for fd in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+def claim_run(cfg: Config) -> dict:
+    """check_out, then claim_out and check_out again under the lock (another run may have finished in between).
+    -> the saved run_config.json of a --resume, else {}."""
+    if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
+        raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
+    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    claim_out(cfg.out, "gmts")
+    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    if cfg.resume:
+        return read_run_config(cfg.out)
+    return {}
+
+@contextlib.contextmanager
+def writing(path: str):
+    """A failed write (a full disk: OSError, safetensors' SafetensorError, torch.save's RuntimeError) -> OSError
+    with one line, and the half-written `path` removed."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise OSError(f"cannot write {path}: {first}") from None
+
+def write_file(path: str, text: str):
+    """Write a small file whole: a .tmp beside it, then an atomic rename."""
+    with writing(path + ".tmp"):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+    os.replace(path + ".tmp", path)
+
+def data_print(data: str):
+    """A --data file's size and the sha256 of its first MB (None for gen, easy, hf): a resume must find it again."""
+    if data in ("gen", "easy") or data.split(":")[0] == "hf":
+        return None
+    with open(data, "rb") as f:
+        head = f.read(1 << 20)
+    return {"size": os.path.getsize(data), "sha256_first_mb": hashlib.sha256(head).hexdigest()}
+
+def run_print(cfg: Config, tok) -> dict:
+    """What a resume must find again beside the config: the data file and the prompt format (chat or not, and the
+    template's hash)."""
+    chat = use_chat(tok, cfg.chat_template)
+    template = None
+    if chat:
+        template = hashlib.sha256(str(tok.chat_template).encode()).hexdigest()
+    return {"data": data_print(cfg.data), "prompt": {"chat": chat, "template_sha256": template}}
+
+def check_data_print(cfg: Config, saved: dict):
+    """--resume: the --data file must be the one the run started with (unless --allow-change)."""
+    want = saved.get("fingerprint", {}).get("data")
+    if want and not cfg.allow_change and data_print(cfg.data) != want:
+        raise ValueError(f"--data {cfg.data} is not the file the run started with (size or first MB differ); pass "
+                         "--allow-change to train on it")
+
+def run_config(cfg: Config, fingerprint: dict) -> dict:
+    return {**dataclasses.asdict(cfg), "fingerprint": fingerprint}
+
+def folder_state(out: str) -> str:
+    """What an interrupted run leaves in `out`, truthfully, and how to go on."""
+    if _held_here(out) is None:
+        return "nothing was written"
+    done = checkpoints(out)
+    if not done:
+        return f"{out} holds no checkpoint yet: rerun the command to start it afresh"
+    return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
+
 # ==== CLI [plumbing] ==============================================================================================
+FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device"}  # a resume may
+# change these; every other field changes the trajectory and needs --allow-change
+
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
-    --resume OUT starts from that run's saved config, and changing its task, data or model needs --allow-change."""
+    --resume OUT starts from that run's saved config (every field, no other key): a field outside FREE that differs
+    needs --allow-change. A --data file is stored as an absolute path."""
     p = argparse.ArgumentParser(description="GRPO with GMTS token selection (see the module docstring).")
     p.error = die  # one line and exit 2, no usage dump
     p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
@@ -1212,35 +1536,102 @@ def parse_args(argv=None) -> Config:
             p.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_)
     pre, _ = p.parse_known_args(argv)
     p.set_defaults(**PRESETS.get(pre.preset, {}))
-    saved = read_run_config(pre.resume) if pre.resume else {}
+    saved = {}
     names = {f.name for f in dataclasses.fields(Config)}
+    if pre.resume:
+        saved = read_run_config(pre.resume)
+        check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"))  # a run continues in its own folder
     cfg = Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"})
-    if cfg.resume:
-        for k in ("task", "data", "model"):
-            if k in saved and getattr(cfg, k) != saved[k] and not cfg.allow_change:
-                raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k} {saved[k]}, not "
-                                 f"{getattr(cfg, k)}; pass --allow-change to change it")
+    if isinstance(cfg.data, str) and cfg.data not in ("gen", "easy") and cfg.data.split(":")[0] != "hf":
+        cfg.data = os.path.abspath(cfg.data)  # a resume from another folder reads the same file
+    for k in sorted(names - FREE):
+        if cfg.resume and getattr(cfg, k) != saved[k] and not cfg.allow_change:
+            raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k.replace('_', '-')} {saved[k]}, "
+                             f"not {getattr(cfg, k)}; pass --allow-change to change it")
     return cfg
 
+def check_saved_keys(out: str, saved: dict, names: set):
+    """A run_config.json holds every Config field and nothing else (besides the fingerprint)."""
+    missing = sorted(names - set(saved))
+    unknown = sorted(set(saved) - names - {"fingerprint"})
+    if missing:
+        raise ValueError(f"--resume {out}: run_config.json lacks {', '.join(missing)}")
+    if unknown:
+        raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
+
 OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOPPED = []  # the signal that stopped this process; kept even if its KeyboardInterrupt is swallowed in a __del__
+_MUTED = []  # non-empty once stdout is closed (python gmts.py | head -1): printing stops, training does not
+
+def _on_signal(signum, frame):
+    """SIGINT, SIGTERM and SIGHUP: one KeyboardInterrupt, later ones ignored (one message, however often pressed).
+    An interrupt raised inside a __del__ is swallowed by Python ('Exception ignored in ...'): say() raises it again."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    _STOPPED.append(signum)
+    raise KeyboardInterrupt
+
+def raise_if_stopped():
+    if _STOPPED:
+        raise KeyboardInterrupt
+
+def say(*parts):
+    """print for the CLI: raises a swallowed interrupt again, and survives a closed stdout."""
+    raise_if_stopped()
+    if _MUTED:
+        return
+    try:
+        print(*parts, flush=True)
+    except BrokenPipeError:
+        _MUTED.append(True)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+
+@contextlib.contextmanager
+def handling_signals():
+    """Install _on_signal for STOP_SIGNALS (main thread only), restore the old handlers after."""
+    old = {}
+    _STOPPED.clear()
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        for sig in STOP_SIGNALS:
+            old[sig] = signal.signal(sig, _on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            if not _STOPPED:  # after a signal they stay ignored until the exit: one message
+                signal.signal(sig, handler)
 
 def main(argv=None):
+    with handling_signals():
+        _main(argv)
+
+def _main(argv):
+    out = None
     try:
         cfg = parse_args(argv)
         check_config(cfg)
+        check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+        out = cfg.out
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
-        print(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
-        train(cfg)
+        say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
+        train(cfg, log=say)
+        raise_if_stopped()  # an interrupt swallowed at the very end still counts
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
     except torch.OutOfMemoryError:
         die(OOM_HINT, 1)
-    except OSError as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
+    except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except KeyboardInterrupt:
-        die("interrupted; the checkpoints in --out are intact (continue with --resume)", 130)
+        where = "nothing was written"
+        if out:
+            where = folder_state(out)
+        die(f"interrupted; {where}", 130)
+    finally:
+        release_all()
 
 if __name__ == "__main__":
     main()

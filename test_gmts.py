@@ -1442,7 +1442,7 @@ def test_out_of_memory_in_evaluation_and_interrupt_are_one_line(tmp_path, monkey
     def interrupt(*a, **k):
         raise KeyboardInterrupt
     monkeypatch.setattr(gmts, "evaluate", interrupt)
-    assert "--resume" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)
+    assert "no checkpoint yet" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)  # the step-0 eval: true
 
 
 def test_a_new_run_never_replaces_a_finished_one(tmp_path, finished, capsys, parity):
@@ -1521,7 +1521,6 @@ PLACES = {
     "garbage": _run_with(lambda out: _write(out / "run_config.json", '{"lr": 1e-3, "steps"')),
     "json_list": _run_with(lambda out: _write(out / "run_config.json", "[1, 2]")),
     "null_lr": _run_with(lambda out: _write(out / "run_config.json", '{"lr": null}')),
-    "no_ckpt": _run_with(lambda out: [shutil.rmtree(c) for c in gmts.checkpoints(str(out))]),
     "all_damaged": _run_with(lambda out: [_damage(out / os.path.basename(c) / "state.pt", "random")
                                           for c in gmts.checkpoints(str(out))]),
     "config_only": _model_folder(["config.json"]),
@@ -1604,9 +1603,8 @@ BAD_INPUT = [  # (id, argv, exit code, a piece of the message or a tuple of piec
     ("resume data changed", ["--resume", "{run}", "--data", "gen"], 2, "--allow-change"),
     ("resume bad override", ["--resume", "{run}", "--lr", "-1"], 2, "--lr"),
     ("resume into another --out", ["--resume", "{run}", "--steps", "3", "--out", "{tmp}/elsewhere"], 2, "another"),
-    ("resume max-new-tokens past positions", ["--resume", "{run}", "--steps", "3", "--max-new-tokens", "5000"], 2,
-     "positions"),
-    ("resume no checkpoint", ["--resume", "{no_ckpt}"], 1, "no loadable checkpoint"),
+    ("resume max-new-tokens past positions", ["--resume", "{run}", "--steps", "3", "--max-new-tokens", "5000",
+                                              "--allow-change"], 2, "positions"),
     ("resume every checkpoint damaged", ["--resume", "{all_damaged}"], 1, "no loadable checkpoint"),
     ("model misspelled", ["--model", "Qwen2.5-0.5B-Instrukt"], 1, ("Qwen/Qwen2.5-0.5B-Instrukt", "--model tiny")),
     ("model folder missing", ["--model", "{tmp}/no-model"], 1, "cannot load model"),

@@ -22,13 +22,13 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
 """
 import argparse
 import collections
-import concurrent.futures as cf
 import dataclasses
 import json
 import math
 import multiprocessing
 import os
 import random
+import signal
 
 import torch
 
@@ -179,22 +179,25 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
         raise ValueError(f"--methods {','.join(methods)!r}: methods must be from {', '.join(gmts.CHOICES['select'])}")
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if len(set(methods)) < len(methods):  # two runs would write one folder
+        raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
     workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
     threads = max(1, torch.get_num_threads() // workers)
     runs = [dataclasses.replace(cfg, select=m, seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
     for c in runs:
-        if gmts.run_files(c.out) and not cfg.overwrite:
-            raise ValueError(f"{c.out} holds a run; pass --overwrite to replace the comparison's runs")
+        gmts.check_out(c.out, "gmts", c.model, cfg.overwrite)
+    gmts.check_out(cfg.out, "compare", cfg.model, cfg.overwrite, more=tuple(os.path.basename(c.out) for c in runs))
+    gmts.claim_out(cfg.out, "compare")
     log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
         f"{threads} thread(s) each, all from {cfg.model}")
-    os.makedirs(cfg.out, exist_ok=True)
     evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-        pending = {ex.submit(_train_quietly, (c, threads)): c for c in runs}
-        for f in cf.as_completed(pending):
-            c = pending[f]
-            f.result()  # a worker's exception is raised here, with its type
+    by_out = {c.out: c for c in runs}
+    # workers ignore SIGINT; leaving the with block for any reason (an interrupt, an error) terminates them
+    pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
+    with pool:
+        for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):  # a worker's error: raised
+            c = by_out[out]
             evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out) if "eval_acc" in r]
             log(f"{c.select} seed {c.seed}: eval_acc {evals[c.out][0][1]:.3f} -> {evals[c.out][-1][1]:.3f}")
     table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if c.select == m] for m in methods}
@@ -336,6 +339,10 @@ def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
     """Roll out `batches` batches from cfg.model and print one table: per method, cos(g_S, g_all) and |g_S|/|g_all|
     (mean +- std over batches) on the raw batch (filter off) and on its dynamic-sampling version (filter on:
     informative groups only, more drawn as in train), and the ranking study on the raw batch. OUT/analysis.json."""
+    if batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {batches}")
+    gmts.check_out(cfg.out, "analyze", cfg.model, cfg.overwrite)
+    gmts.claim_out(cfg.out, "analyze")
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
     task = gmts.get_task(cfg.task)
@@ -348,14 +355,20 @@ def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
         parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
         raw = parts[0]
         on = gmts.keep_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
+        live = int(gmts.informative(on[1], cfg.group_size).sum())  # keep_groups fills up with dead groups
         log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, {int((raw[2] == 0).sum())}/{len(raw[2])} answers "
-            f"with A = 0; filter on: {len(parts)} rollout batch(es), {len(on[2]) // cfg.group_size} informative groups")
+            f"with A = 0; filter on: {len(parts)} rollout batch(es), {live} informative groups")
+        if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks
+            continue
         for name, (batch, _, adv) in (("off", raw), ("on", on)):
             for m, (cos, ratio) in gradient_retention(model, batch, adv, cfg, seed=cfg.seed + b).items():
                 acc[f"{m}/cos_{name}"].append(cos)
                 acc[f"{m}/ratio_{name}"].append(ratio)
         for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature, seed=cfg.seed + b).items():
             acc[f"{m}/{c}"].append(v)
+    if not acc:
+        raise gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers earn one reward "
+                            f"(A = 0 everywhere); {cfg.model} earns no signal on these problems")
     res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
     log(analysis_table(res))
     os.makedirs(cfg.out, exist_ok=True)
@@ -398,13 +411,18 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
     p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
     p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
-    lab, rest = p.parse_known_args(argv)
+    with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
+        _main(*p.parse_known_args(argv))
+
+def _main(lab, rest):
     try:
         if lab.command == "warm":
             w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
             w.error = gmts.die
             w.add_argument("--out", default=gmts.WARM_CPU, help="folder for the model and tokenizer")
             out = w.parse_args(rest).out
+            gmts.check_out(out, "warm", overwrite=True)  # an empty folder, or a warm start this command made
+            gmts.claim_out(out, "warm")
             model, tok = warm_start(out)
             cfg = gmts.Config(**gmts.PRESETS["cpu"])
             ev = decoy_eval(model, tok, gmts.split_rows(cfg)[1], gmts.use_chat(tok, cfg.chat_template),
@@ -421,8 +439,12 @@ def main(argv=None):
         gmts.die(str(e), 2)
     except torch.OutOfMemoryError:
         gmts.die(gmts.OOM_HINT, 1)
-    except OSError as e:  # a model that cannot be loaded, a full disk
+    except (OSError, gmts.RunError) as e:  # a model that cannot be loaded, a full disk, nothing to analyse
         gmts.die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+    except KeyboardInterrupt:
+        gmts.die("interrupted", 130)
+    finally:
+        gmts.release_all()
 
 def decoy_main(cfg: gmts.Config):
     """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json), else the flags'."""

@@ -263,8 +263,10 @@ def die(msg: str, code: int = 2):
     sys.exit(code)
 
 
-def check_out(out: str, overwrite: bool = False):
-    """ValueError unless --out is (or can be made) a writable folder holding no earlier run (unless overwrite)."""
+def check_out(out: str, overwrite: bool = False, model: str = ""):
+    """ValueError unless --out is (or can be made) a writable folder holding no earlier run (unless overwrite), and
+    gmts.check_out allows it: no file there that this run writes unless from an earlier gmts_trl.py run, no other
+    live writer, not the --model folder nor in warm/."""
     if not out.strip():
         raise ValueError("--out must not be empty")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -282,6 +284,7 @@ def check_out(out: str, overwrite: bool = False):
         raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from None
     if not overwrite and any(n in RUN_FILES or n.startswith("checkpoint-") for n in names):
         raise ValueError(f"--out {out} holds a run; choose another --out, or pass --overwrite to write over it")
+    gmts.check_out(out, "trl", model, overwrite)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -318,7 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not ok:
             die(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
     try:
-        check_out(args.out, args.overwrite)
+        check_out(args.out, args.overwrite, args.model)
     except ValueError as e:
         die(str(e))
     return args
@@ -337,6 +340,7 @@ def load_hub_model(path: str, cfg: GMTSConfig):
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
+        gmts.check_tokenizer(tok)
         positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
     except Exception as e:  # OSError, ValueError, a damaged json, ...: whatever it is, the folder is unusable
         raise why(e) from None
@@ -391,17 +395,34 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130
+        _main(argv)
+
+
+def _main(argv):
     try:
+        args = parse_args(argv)
         trainer = build_trainer(args)
+        gmts.claim_out(args.out, "trl")  # this process is the folder's one writer until it ends
     except ValueError as e:  # flags TRL rejects (e.g. a batch not divisible by G), data files, lengths
         die(str(e).strip().splitlines()[0] if str(e).strip() else "invalid configuration", 2)
     except (OSError, RuntimeError, ImportError) as e:  # a model that can't be loaded, an unsupported TRL, no vLLM
         die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
-    trainer.train()
-    if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
-        die(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of batches; nothing saved", 1)
-    trainer.save_model(args.out)
+    except KeyboardInterrupt:
+        die("interrupted before training; nothing was written", 130)
+    try:
+        trainer.train()
+        if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
+            die(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of batches; nothing saved", 1)
+        trainer.save_model(args.out)
+    except torch.OutOfMemoryError:
+        die("out of GPU memory: lower --per-device-batch-size or --max-completion-length", 1)
+    except (OSError, RuntimeError, ValueError) as e:  # a full disk, a tokenizer that fails at the first batch
+        die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
+    except KeyboardInterrupt:
+        die(f"interrupted; {args.out} keeps the checkpoint-* folders TRL had saved", 130)
+    finally:
+        gmts.release_all()
 
 
 if __name__ == "__main__":

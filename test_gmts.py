@@ -5,12 +5,10 @@ gmts.main(argv) in this process (no torch import per run); the real CLI and SIGK
 Hypothesis: a CI profile (500 examples per verifier); HYPOTHESIS_PROFILE=thorough runs the old 3400.
 """
 import os
-import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
 
 import ast
 import collections

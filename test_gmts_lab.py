@@ -4,12 +4,10 @@ test_warm_start_rebuilds_bit_identical retrains the committed warm start (about 
 only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest take seconds.
 """
 import os
-import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
 
 import collections
 import json

@@ -4,12 +4,10 @@ The mask the hook returns is checked against gmts.select_tokens on the same tens
 that every unselected token gets exactly zero gradient (with a control that fails when nothing is masked).
 """
 import os
-import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="gmts-hf-"))
 
 import importlib.util
 import json

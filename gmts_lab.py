@@ -412,7 +412,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
     p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
     with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
-        _main(*p.parse_known_args(argv))
+        return _main(*p.parse_known_args(argv))
 
 def _main(lab, rest):
     try:

@@ -281,6 +281,7 @@ def bad(tmp_path_factory):
         (d / name).write_text(text)
     (d / "hasrun").mkdir()
     (d / "hasrun" / "model.safetensors").write_bytes(b"")
+    (d / "hasrun" / ".gmts-run").write_text('{"kind": "trl"}\n')  # an earlier gmts_trl.py run's marker
     model, tok = gmts.build_tiny(hidden=16, layers=1)
     model.save_pretrained(d / "cfgonly")  # then only config.json (and generation_config.json) stays
     os.remove(d / "cfgonly" / "model.safetensors")

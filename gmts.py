@@ -39,6 +39,11 @@ Run:  python gmts.py --preset cpu                                  (offline, CPU
       python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown  (one GPU)
 """
 import os
+import signal
+
+if __name__ == "__main__":  # a stop signal while torch imports (seconds): one line, not a traceback
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, lambda *_: os._exit(os.write(2, b"gmts: error: interrupted while starting\n") and 130))
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

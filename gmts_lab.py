@@ -30,6 +30,10 @@ import os
 import random
 import signal
 
+if __name__ == "__main__":  # a stop signal while torch imports (seconds): one line, not a traceback
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, lambda *_: os._exit(os.write(2, b"gmts: error: interrupted while starting\n") and 130))
+
 import torch
 
 import gmts

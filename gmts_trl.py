@@ -40,6 +40,11 @@ Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                 
       accelerate launch --num_processes 8 gmts_trl.py --model Qwen2.5-1.5B-Instruct --task math --use-vllm
 """
 import os
+import signal
+
+if __name__ == "__main__":  # a stop signal while torch and TRL import (seconds): one line, not a traceback
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, lambda *_: os._exit(os.write(2, b"gmts_trl: error: interrupted while starting\n") and 130))
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 

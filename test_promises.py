@@ -1,0 +1,462 @@
+"""Issue 23, "every promise holds": the README's promises about bad input, faults and run folders, one family each.
+
+PROMISES is the table: each case builds its inputs under tmp_path, runs one entry point (gmts.main, gmts_trl.main or
+gmts_lab.main) in this process and must end with its exit code, exactly one stderr line and no traceback; for the
+run-folder families (1-4) every file that was under tmp_path before is byte for byte the same afterwards. The
+families: 1 never replace what is not the run's own, 2 one writer per run folder, 3 resume cannot drift, 4 a run
+folder is never a dead end and messages are true, 5 faults give one line, 6 bad data is refused, 7 signals and the
+other entry points. Fallbacks that keep training (a damaged checkpoint, the fast rollout path) and the cases that
+need a second process (signals, a closed stdout, compare's workers) follow the table.
+"""
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gmts
+import gmts_lab
+import gmts_trl
+from test_gmts import ENV1, HERE, SMALL, finished, parity_reward  # noqa: F401  (finished: a fixture)
+
+assert finished  # the module-scoped fixture test_gmts builds: a 2-step run with ckpt-000001 and ckpt-000002
+
+TRL = ["--model", "tiny", "--short-prompt", "--steps", "1", "--num-generations", "2", "--per-device-batch-size", "2",
+       "--grad-accum", "1", "--max-completion-length", "8"]
+
+
+def snapshot(folder):
+    """Every regular file's bytes under folder, by relative path (a FIFO is not opened: it would block)."""
+    found = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            path = os.path.join(d, n)
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, folder)] = f.read()
+    return found
+
+
+def _write(path, text):
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(text)
+    return str(path)
+
+
+def _user_folder(*names):
+    """A folder of the user's with these files (a name ending in / is a folder)."""
+    def build(tmp, run):
+        os.makedirs(tmp / "mine")
+        for n in names:
+            if n.endswith("/"):
+                os.makedirs(tmp / "mine" / n)
+            else:
+                _write(tmp / "mine" / n, f"the user's own {n}\n")
+        return str(tmp / "mine")
+    return build
+
+
+def _copy_run(edit=None):
+    def build(tmp, run):
+        out = shutil.copytree(run, tmp / "r")
+        if edit:
+            edit(out)
+        return str(out)
+    return build
+
+
+def _edit_config(fn):
+    def edit(out):
+        cfg = json.loads((out / "run_config.json").read_text())
+        fn(cfg)
+        (out / "run_config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _data(rows_text):
+    return lambda tmp, run: _write(tmp / "d.jsonl", rows_text)
+
+
+def _rows(*rows):
+    return _data("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _fifo(tmp, run):
+    os.mkfifo(tmp / "fifo")
+    return str(tmp / "fifo")
+
+
+def _model_copy(tmp, run):
+    return str(shutil.copytree(run / "ckpt-000002", tmp / "model"))
+
+
+def _no_tokenizer(tmp, run):
+    os.makedirs(tmp / "notok")
+    for n in ("config.json", "model.safetensors"):
+        shutil.copy(run / "ckpt-000002" / n, tmp / "notok" / n)
+    return str(tmp / "notok")
+
+
+def _kept_data_run(tmp, run):
+    """A finished 1-step run on a data file, then the file edited in place."""
+    data = _write(tmp / "d.jsonl", "".join(json.dumps({"nums": [n, 2, 3], "target": n + 5}) + "\n" for n in range(8)))
+    gmts.main([*SMALL, "--data", data, "--steps", "1", "--out", str(tmp / "dr")])
+    _write(tmp / "d.jsonl", "".join(json.dumps({"nums": [n, 2, 3], "target": n + 1}) + "\n" for n in range(8)))
+    return str(tmp / "dr")
+
+
+def _held_by_another(tmp, run):
+    """A copy of the run whose folder another live process holds, as a writing run does."""
+    out = shutil.copytree(run, tmp / "r")
+    code = "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n" \
+           "print('held', flush=True)\ntime.sleep(120)\n"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out / gmts.RUN_MARK)], stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline() == "held\n"
+    HOLDERS.append(holder)
+    return str(out)
+
+
+HOLDERS = []
+PLACES = {
+    "config_json": _user_folder("config.json"),
+    "metrics_png": _user_folder("metrics.png", "notes.txt"),
+    "final_tmp": _user_folder("final.tmp/"),
+    "readme": _user_folder("README.md"),
+    "model": _model_copy,
+    "run": _copy_run(),
+    "held": _held_by_another,
+    "no_select": _copy_run(_edit_config(lambda c: c.pop("select"))),
+    "extra_key": _copy_run(_edit_config(lambda c: c.update(selct="all"))),
+    "no_ckpt": _copy_run(lambda out: [shutil.rmtree(c) for c in gmts.checkpoints(str(out))]),
+    "data_run": _kept_data_run,
+    "file": lambda tmp, run: _write(tmp / "file", "x\n"),
+    "notok": _no_tokenizer,
+    "deep": _data('{"nums": ' + "[" * 100_000 + "]" * 100_000 + ', "target": 1}\n'),
+    "surrogate": _data('{"question": "How many \\ud800 apples?", "answer": "3"}\n'),
+    "fifo": _fifo,
+    "cd_negative": _rows({"nums": [-3, 5], "target": 2}),
+    "cd_empty": _rows({"nums": [], "target": 0}),
+    "cd_huge": _rows({"nums": [10 ** 150, 10 ** 150], "target": 2 * 10 ** 150}),
+    "math_empty": _rows({"question": "  ", "answer": "3"}),
+    "logic_digit": _rows({"names": ["Al1ce", "Bob"], "statements": ["Al1ce: Bob is a knave."],
+                          "solution": {"Al1ce": True, "Bob": False}}),
+    "logic_other": _rows({"names": ["Alice", "Bob"], "statements": ["Alice: Bob is a knave."],
+                          "solution": {"Alice": True, "Carol": False}}),
+    "logic_case": _rows({"names": ["Alice", "alice"], "statements": ["Alice: alice is a knave."],
+                         "solution": {"Alice": True, "alice": False}}),
+}
+
+
+def _interrupt_at(name):
+    """Raise KeyboardInterrupt at the first call of gmts.<name> (patched by the case)."""
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+    return {name: boom}
+
+
+def _interrupt_at_step(step, real):
+    """gmts.log_metrics that raises KeyboardInterrupt at `step`'s line, after the checkpoints before it."""
+    def log(path, rec):
+        if rec["step"] == step:
+            raise KeyboardInterrupt
+        return real(path, rec)
+    return log
+
+
+def _disk_full_safetensors():
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No "
+                              "space left on device\" })")
+    return full
+
+
+def _disk_full_torch_save(obj, path, *a, **k):
+    raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
+                       "data/0: file write failed")
+
+
+def _nan_after_update(real):
+    def update(model, *a, **k):
+        stats = real(model, *a, **k)
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+        return stats
+    return update
+
+
+G, T, L = "gmts", "trl", "lab"
+# (id, family, entry point, argv, exit code, needle, patches {gmts attribute or "module:attribute": value})
+PROMISES = [
+    ("user config.json in --out", 1, G, ["--out", "{config_json}"], 2, "no gmts run of this program wrote", {}),
+    ("user metrics.png in --out", 1, G, ["--out", "{metrics_png}"], 2, "metrics.png", {}),
+    ("user final.tmp/ in --out", 1, G, ["--out", "{final_tmp}"], 2, "final.tmp", {}),
+    ("--out is the --model folder", 1, G, ["--model", "{model}", "--out", "{model}"], 2, "--model folder", {}),
+    ("--out in the committed warm/", 1, G, ["--out", os.path.join(os.path.dirname(gmts.WARM_CPU), "new")], 2,
+     "committed warm", {}),
+    ("trl: user README.md in --out", 1, T, ["--out", "{readme}"], 2, "README.md", {}),
+    ("lab warm --out a training run", 1, L, ["warm", "--out", "{run}"], 2, "not a warm one",
+     {"gmts_lab:sft_warmup": lambda *a, **k: None}),
+    ("lab warm --out an existing file", 1, L, ["warm", "--out", "{file}"], 2, "existing file",
+     {"gmts_lab:sft_warmup": lambda *a, **k: None}),
+    ("resume while another process writes", 2, G, ["--resume", "{held}"], 2, "another process", {}),
+    ("compare --methods gmts,gmts", 2, L, ["compare", "--preset", "smoke", "--methods", "gmts,gmts", "--seeds", "1",
+                                           "--out", "{tmp}/cmp"], 2, "twice", {}),
+    ("resume with another --select", 3, G, ["--resume", "{run}", "--select", "entropy"], 2, "--allow-change", {}),
+    ("resume with another --lr", 3, G, ["--resume", "{run}", "--lr", "0.5"], 2, "--allow-change", {}),
+    ("resume with another --seed", 3, G, ["--resume", "{run}", "--seed", "7"], 2, "--allow-change", {}),
+    ("resume, run_config lacks a key", 3, G, ["--resume", "{no_select}"], 2, "lacks select", {}),
+    ("resume, run_config has an unknown key", 3, G, ["--resume", "{extra_key}"], 2, "unknown keys selct", {}),
+    ("resume, the data file changed", 3, G, ["--resume", "{data_run}", "--steps", "2"], 2, "not the file", {}),
+    ("Ctrl-C at the step-0 eval says no checkpoint", 4, G, ["--out", "{tmp}/o"], 130, "holds no checkpoint yet",
+     _interrupt_at("evaluate")),
+    ("Ctrl-C after a checkpoint names it", 4, G, ["--out", "{tmp}/o", "--steps", "3", "--save-every", "1"], 130,
+     "keeps ckpt-000001: continue with --resume", {"log_metrics": _interrupt_at_step(2, gmts.log_metrics)}),
+    ("full disk in safetensors", 5, G, ["--out", "{tmp}/o"], 1, "No space left on device",
+     {"transformers.modeling_utils:safe_save_file": _disk_full_safetensors()}),
+    ("full disk in torch.save", 5, G, ["--out", "{tmp}/o"], 1, "file write failed", {"torch:save": _disk_full_torch_save}),
+    ("model folder without tokenizer files", 5, G, ["--model", "{notok}"], 1, "no tokenizer files", {}),
+    ("trl: model folder without tokenizer files", 5, T, ["--model", "{notok}"], 1, "no tokenizer files", {}),
+    ("--lr 1e10", 5, G, ["--lr", "1e10"], 2, "--lr must be in (0, 1]", {}),
+    ("non-finite weights after a step", 5, G, ["--out", "{tmp}/o", "--steps", "2"], 1, "non-finite weights",
+     {"policy_update": _nan_after_update(gmts.policy_update)}),
+    ("data nested 100,000 deep", 6, G, ["--data", "{deep}"], 2, "line 1: JSON nested too deep", {}),
+    ("data lone surrogate in a question", 6, G, ["--task", "math", "--data", "{surrogate}"], 2,
+     "line 1: holds a lone surrogate", {}),
+    ("data a FIFO", 6, G, ["--data", "{fifo}"], 2, "not a regular file", {}),
+    ("data /dev/zero", 6, G, ["--data", "/dev/zero"], 2, "not a regular file", {}),
+    ("countdown negative nums", 6, G, ["--data", "{cd_negative}"], 2, "line 1: \"nums\" must be non-empty", {}),
+    ("countdown empty nums", 6, G, ["--data", "{cd_empty}"], 2, "line 1: \"nums\" must be non-empty", {}),
+    ("countdown nums too long to answer", 6, G, ["--data", "{cd_huge}"], 2, "line 1: \"nums\" are too long", {}),
+    ("math empty question", 6, G, ["--task", "math", "--data", "{math_empty}"], 2, "line 1: \"question\" is empty",
+     {}),
+    ("logic name with a digit", 6, G, ["--task", "logic", "--data", "{logic_digit}"], 2, "line 1: name 'Al1ce'", {}),
+    ("logic solution names other people", 6, G, ["--task", "logic", "--data", "{logic_other}"], 2,
+     "line 1: \"solution\" must name exactly", {}),
+    ("logic names clash in case", 6, G, ["--task", "logic", "--data", "{logic_case}"], 2, "ignores case", {}),
+    ("trl: Ctrl-C in trainer.train", 7, T, ["--out", "{tmp}/t"], 130, "interrupted",
+     {"gmts_trl:GMTSTrainer.train": _interrupt_at("x")["x"]}),
+    ("analyze --batches 0", 7, L, ["analyze", "--preset", "smoke", "--batches", "0", "--out", "{tmp}/a"], 2,
+     "--batches must be >= 1", {}),
+    ("analyze a model that earns nothing", 7, L, ["analyze", "--preset", "smoke", "--batches", "1", "--out",
+                                                  "{tmp}/a"], 1, "nothing to analyse", {}),
+    ("--seed 2**63 - 1", 7, G, ["--seed", str(2 ** 63 - 1)], 2, "--seed must be in [0, 2**32)", {}),
+]
+MAINS = {G: (lambda argv: gmts.main(argv), "gmts: error: "), T: (lambda argv: gmts_trl.main(argv), "gmts_trl: error: "),
+         L: (lambda argv: gmts_lab.main(argv), "gmts: error: ")}
+
+
+def _patch(monkeypatch, patches):
+    for where, value in patches.items():
+        module, _, attr = where.rpartition(":")
+        obj = importlib.import_module(module or "gmts")
+        for part in attr.split(".")[:-1]:
+            obj = getattr(obj, part)
+        monkeypatch.setattr(obj, attr.split(".")[-1], value)
+
+
+@pytest.mark.parametrize("family, entry, argv, code, needle, patches",
+                         [pytest.param(*c[1:], id=f"{c[1]}-{c[0]}") for c in PROMISES])
+def test_promise(tmp_path, finished, capsys, monkeypatch, family, entry, argv, code, needle, patches):
+    built = {"tmp": str(tmp_path)}
+
+    def place(m):
+        if m[1] not in built:
+            built[m[1]] = PLACES[m[1]](tmp_path, finished)
+        return built[m[1]]
+    argv = [re.sub(r"\{(\w+)\}", place, a) for a in argv]
+    if entry == G and "--resume" not in argv:
+        argv = [*SMALL, "--out", str(tmp_path / "o"), *argv]  # the case's own flags come last and win
+    if entry == T:
+        argv = [*TRL, "--out", str(tmp_path / "t"), *argv]
+    before = snapshot(tmp_path)
+    warm = snapshot(os.path.dirname(gmts.WARM_CPU))
+    _patch(monkeypatch, patches)
+    run, prefix = MAINS[entry]
+    try:
+        with pytest.raises(SystemExit) as e:
+            run(argv)
+    finally:
+        for h in HOLDERS:
+            h.kill()
+            h.wait()
+        HOLDERS.clear()
+    err = capsys.readouterr().err
+    assert e.value.code == code and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix) and needle in lines[0], err
+    assert snapshot(os.path.dirname(gmts.WARM_CPU)) == warm  # the committed warm starts are never touched
+    after = snapshot(tmp_path)
+    if family <= 4:  # every file that was there is byte for byte the same
+        assert {k: after.get(k) for k in before} == before
+    if family == 5:  # no half-written checkpoint or final model is left behind
+        assert not [k for k in after if ".tmp" in k]
+
+
+# ---- fallbacks that keep training ---------------------------------------------------------------------------------
+
+def _break_template(ck):
+    cfg = json.loads((ck / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }"  # does not compile
+    (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if (ck / "chat_template.jinja").exists():
+        (ck / "chat_template.jinja").write_text(cfg["chat_template"])
+
+
+def _nan_weights(ck):
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(ck / "model.safetensors"))
+    first = sorted(w)[0]
+    w[first][0] = float("nan")
+    save_file(w, str(ck / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _drop_template(ck):
+    cfg = json.loads((ck / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if (ck / "chat_template.jinja").exists():
+        os.remove(ck / "chat_template.jinja")
+
+
+@pytest.mark.parametrize("damage", [_nan_weights, _break_template, _drop_template],
+                         ids=["5-NaN weights", "5-template does not compile", "3-template lost (another format)"])
+def test_a_checkpoint_that_cannot_continue_the_run_falls_back(tmp_path, finished, capsys, monkeypatch, damage):
+    """The newest checkpoint with NaN weights, a chat template that does not compile, or none at all (another prompt
+    format than the run's): --resume says so in one line, reruns step 2 from ckpt-000001 and ends with the
+    uninterrupted run's weights."""
+    from safetensors.torch import load_file
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
+    out = shutil.copytree(finished, tmp_path / "r")
+    damage(out / "ckpt-000002")
+    gmts.main(["--resume", str(out)])
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "ckpt-000002 does not load" in ln]
+    assert len(said) == 1, said
+    new, old = load_file(str(out / "model.safetensors")), load_file(str(finished / "model.safetensors"))
+    assert all(torch.equal(new[k], old[k]) for k in old)
+
+
+def test_the_fast_rollout_path_falls_back_once_and_training_goes_on(tmp_path, capsys, monkeypatch):
+    """--fast-generate on a machine where the static cache fails: one line, then the plain path for every step."""
+    real, calls = gmts.rollout, []
+
+    def rollout(*a, fast=False, **k):
+        calls.append(fast)
+        if fast:
+            raise RuntimeError("torch._dynamo hit a recompile limit\nsecond line of the error")
+        return real(*a, **k)
+    monkeypatch.setattr(gmts, "rollout", rollout)
+    gmts.main([*SMALL, "--steps", "3", "--fast-generate", "--out", str(tmp_path / "o")])
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "fast generation failed" in ln]
+    assert len(said) == 1 and "plain path" in said[0]
+    assert [r["step"] for r in gmts.read_metrics(str(tmp_path / "o"))] == [0, 1, 2, 3]
+    assert calls.count(True) == 1
+
+
+# ---- valid data accepted; a folder without a checkpoint starts afresh --------------------------------------------
+
+def test_a_raw_u2028_inside_a_json_string_is_one_row(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(('{"question": "Tom has 3 apples.\u2028How many?", "answer": "3"}\n'
+                      '{"question": "Ann has 5.", "answer": "5"}\n').encode())
+    rows = gmts.load_rows("math", str(path))
+    assert [r["answer"] for r in rows] == ["3", "5"] and "\u2028" in rows[0]["question"]
+
+
+@pytest.mark.parametrize("how", ["rerun", "resume"])
+def test_a_folder_without_a_checkpoint_starts_afresh(tmp_path, finished, capsys, monkeypatch, how):
+    """A run killed before its first checkpoint leaves run_config.json and an empty metrics.jsonl: a rerun or a
+    --resume starts it afresh (no --overwrite needed), step 0 logged once."""
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
+    out = shutil.copytree(finished, tmp_path / "r")
+    for c in gmts.checkpoints(str(out)):
+        shutil.rmtree(c)
+    (out / "metrics.jsonl").write_text("")
+    cfg = json.loads((out / "run_config.json").read_text())
+    argv = ["--resume", str(out)]
+    if how == "rerun":
+        argv = [*SMALL, "--steps", "2", "--save-every", "1", "--lr", str(cfg["lr"]), "--warmup-steps", "0", "--out",
+                str(out)]
+    gmts.main(argv)
+    assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1, 2]
+    assert capsys.readouterr().err == ""
+
+
+def test_resume_reads_the_data_file_by_its_absolute_path(tmp_path, monkeypatch):
+    """--data given relative to the first cwd is stored absolute: a resume from elsewhere reads the same file."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "d.jsonl", "".join(json.dumps({"nums": [n, 2, 3], "target": n + 5}) + "\n" for n in range(8)))
+    gmts.main([*SMALL, "--data", "d.jsonl", "--steps", "1", "--out", "run"])
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["data"] == str(tmp_path / "d.jsonl")
+    os.makedirs(tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    _write(tmp_path / "elsewhere" / "d.jsonl", json.dumps({"nums": [1, 1], "target": 2}) + "\n")
+    gmts.main(["--resume", str(tmp_path / "run"), "--steps", "2"])
+    assert [r["step"] for r in gmts.read_metrics(str(tmp_path / "run"))] == [0, 1, 2]
+
+
+# ---- a second process: signals, a closed stdout, compare's workers -----------------------------------------------
+
+SMOKE = [sys.executable, os.path.join(HERE, "gmts.py"), "--preset", "smoke", "--steps", "500", "--eval-every", "0"]
+
+
+def _start(argv, tmp_path):
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=ENV1)
+
+
+def _wait_for(proc, text, timeout=240):
+    t0 = time.time()
+    for line in proc.stdout:
+        if text in line or time.time() - t0 > timeout:
+            return line
+    return ""
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGHUP,), (signal.SIGINT, signal.SIGINT)],
+                         ids=["7-SIGTERM", "7-SIGHUP", "7-SIGINT twice in 1 ms"])
+def test_a_stop_signal_is_one_line_and_exit_130(tmp_path, signals):
+    proc = _start([*SMOKE, "--out", str(tmp_path / "o")], tmp_path)
+    assert "step 1 " in _wait_for(proc, "step 1 ")
+    for sig in signals:
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.count("\n") == 1 and "interrupted; " in err and "keeps ckpt-000000" in err, err
+
+
+def test_a_closed_stdout_stops_printing_not_training(tmp_path):
+    """python gmts.py ... | head -1: the run goes on to its end and exits 0."""
+    cmd = " ".join([*SMOKE[:-4], "--steps", "3", "--out", str(tmp_path / "o")]) + " | head -1"
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=ENV1, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith("config ") and r.stdout.count("\n") == 1
+    assert [x["step"] for x in gmts.read_metrics(str(tmp_path / "o"))] == [0, 1, 2, 3]
+    assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_compare_workers_stop_with_the_parent(tmp_path):
+    """SIGINT to compare's parent alone: one line, exit 130, and no worker goes on training."""
+    argv = [sys.executable, os.path.join(HERE, "gmts_lab.py"), "compare", "--preset", "smoke", "--steps", "500",
+            "--eval-every", "0", "--methods", "all,gmts", "--seeds", "1", "--workers", "2", "--out", str(tmp_path / "c")]
+    proc = _start(argv, tmp_path)
+    t0 = time.time()
+    while not (tmp_path / "c" / "gmts-s0" / "ckpt-000000").exists() and time.time() - t0 < 240:
+        time.sleep(0.5)
+    children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    assert children
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.count("\n") == 1 and "interrupted" in err, err
+    time.sleep(1)
+    alive = [c for c in children if os.path.exists(f"/proc/{c}") and "Z" not in open(f"/proc/{c}/stat").read()
+             .split()[2]]
+    assert not alive

@@ -518,8 +518,6 @@ def start_run(cfg: Config, log=print) -> dict:
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     draw, eval_rows = split_rows(cfg)
-    print_of = functools.partial(run_print, cfg)
-    check_data_print(cfg, saved)
     load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     fresh = not checkpoints(cfg.out) or not cfg.resume
     if fresh:
@@ -529,7 +527,7 @@ def start_run(cfg: Config, log=print) -> dict:
             shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
     else:
         want = saved.get("fingerprint", {}).get("prompt")
-        model, tok, state = load_checkpoint(cfg.out, device, log, lambda tok: print_of(tok)["prompt"], want)
+        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
     ref = load()[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None  # pi_ref: where RL starts (deviation 7)
@@ -549,7 +547,8 @@ def start_run(cfg: Config, log=print) -> dict:
     if not fresh:  # resume: the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
-    write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(run_config(cfg, print_of(tok)), indent=1))
+    prints = dict(data=data_print(cfg.data), prompt=prompt_print(tok, cfg.chat_template))  # what a resume checks
+    write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
         f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
         f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if not fresh else ""))
@@ -944,51 +943,35 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
 LINE_CAP = 1 << 20  # bytes per line of a --data file
 
 def _row_problem(task: str, row: dict):
-    """Why a row that has the schema's keys can never earn reward 1.0 from its task's verifier, or None."""
-    for v in row.values():
-        for x in _strings(v):
-            if not _encodes(x):
-                return "holds a lone surrogate (not text a tokenizer can read)"
-    if task == "countdown":
-        if not row["nums"] or min(row["nums"]) < 0:
-            return '"nums" must be non-empty and >= 0 (an answer cannot write a negative number)'
-        if sum(len(str(n)) + 1 for n in row["nums"]) > 201:
-            return '"nums" are too long for an answer the verifier reads (200 characters)'
+    """Why a row with the schema's keys can never earn 1.0 from its verifier (or reach the tokenizer), or None."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate (no tokenizer reads it)"
+    if task == "countdown" and (not row["nums"] or min(row["nums"]) < 0):
+        return '"nums" must be non-empty and >= 0 (an answer cannot write a negative number)'
+    if task == "countdown" and sum(len(str(n)) + 1 for n in row["nums"]) > 201:
+        return '"nums" are too long for an answer the verifier reads (200 characters)'
     if task == "math" and not row["question"].strip():
         return '"question" is empty'
-    if task == "logic":
-        for name in row["names"]:
-            if not re.fullmatch("[A-Za-z]+", name):
-                return f'name {name!r} is not ASCII letters only (the verifier reads [a-z]+)'
-        lower = [n.lower() for n in row["names"]]
-        if len(set(lower)) < len(lower):
-            return '"names" repeat a name (the verifier ignores case)'
-        if not lower or set(lower) != {k.lower() for k in row["solution"]}:
-            return '"solution" must name exactly the people in "names"'
+    if task != "logic":
+        return None
+    lower = []
+    for name in row["names"]:
+        if not re.fullmatch("[A-Za-z]+", name):
+            return f"name {name!r} is not ASCII letters only (the verifier reads [a-z]+)"
+        lower.append(name.lower())
+    if len(set(lower)) < len(lower):
+        return '"names" repeat a name (the verifier ignores case)'
+    if not lower or set(lower) != {k.lower() for k in row["solution"]}:
+        return '"solution" must name exactly the people in "names"'
     return None
 
-def _strings(v) -> list:
-    """The strings in a row's value: itself, a list's items, a dict's keys."""
-    if isinstance(v, str):
-        return [v]
-    found = []
-    if isinstance(v, (list, dict)):
-        for x in v:
-            if isinstance(x, str):
-                found.append(x)
-    return found
-
-def _encodes(x: str) -> bool:
-    try:
-        x.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
 def _jsonl_lines(path: str):
-    """(line number, text) of a regular file, split on "\n" only (a raw U+2028 inside a string is not a break)."""
+    """(line number, text) of a regular file, split on "\n" only (a raw U+2028 inside a string is no break)."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
         raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a .jsonl path")
+    i = 0
     try:
         with open(path, "rb") as f:
             for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
@@ -1241,26 +1224,26 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         os.replace(old, old + ".old")
         shutil.rmtree(old + ".old", ignore_errors=True)
 
-def check_loaded(model, tok, prompt_print=None, want=None):
+def check_loaded(model, tok, chat_template: str = "auto", want=None):
     """ValueError if a loaded checkpoint cannot continue the run: non-finite weights, a chat template that does not
-    render, or another prompt format than the run started with (prompt_print(tok) != want)."""
+    render, or another prompt format than the run started with (prompt_print != want)."""
     for name, p in model.named_parameters():
         if not torch.isfinite(p).all():
             raise ValueError(f"non-finite weights in {name}")
     check_tokenizer(tok)
     if tok.chat_template:
         render_prompt(tok, "2 + 2?", True)
-    if want is not None and prompt_print(tok) != want:
-        raise ValueError(f"its prompt format {prompt_print(tok)} is not the run's {want}")
+    if want is not None and prompt_print(tok, chat_template) != want:
+        raise ValueError(f"its prompt format {prompt_print(tok, chat_template)} is not the run's {want}")
 
-def load_checkpoint(out: str, device: torch.device, log=print, prompt_print=None, want=None) -> tuple:
+def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
     """(model, tok, state) from the newest checkpoint that loads and passes check_loaded; a damaged one is reported
     in one line and the previous one tried. Nothing is unpickled: state.pt is read with weights_only=True. OSError
     if none loads."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
-            check_loaded(model, tok, prompt_print, want)
+            check_loaded(model, tok, chat_template, want)
             state = torch.load(os.path.join(ck, "state.pt"), map_location="cpu", weights_only=True)
             if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "opt" in state):
                 raise ValueError("state.pt holds no step and optimiser")
@@ -1316,93 +1299,75 @@ def plot_metrics(out: str):
     fig.tight_layout()
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
-# ==== Run folder ownership [plumbing]: never replace what is not the run's own; one writer per folder ============
+# ==== Run folder ownership [plumbing]: never replace what is not a run's own; one writer per folder ==============
 import contextlib, fcntl, fnmatch, hashlib, signal  # noqa: E402  (writes, the folder's lock, fingerprints, signals)
 
 class RunError(RuntimeError):
     """A run that cannot go on (non-finite weights, nothing to analyse): one line, exit 1."""
 
-RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes into; a live writer holds flock on it
-MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
-               "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-               "chat_template.*", "README.md")
-WRITES = {  # kind of output -> the names it may write into its folder (fnmatch patterns)
-    "gmts": ("metrics.*", "run_config.json", "ckpt-*", "final.tmp", *MODEL_FILES),
-    "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
-    "warm": MODEL_FILES,
-    "compare": ("compare.md", "compare.png"),
-    "analyze": ("analysis.json",),
-}
-_HELD = {}  # real path of a folder -> the open marker this process holds the lock on
+RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes; its live writer holds flock on it
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
+               "vocab.json", "merges.txt", "chat_template.*", "README.md")
+WRITES = {"gmts": ("metrics.*", "run_config.json", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
+          "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
+          "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
+_HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
 
 def run_kind(out: str):
-    """The kind of output this program wrote into `out` (its marker; a run_config.json alone: a gmts run of an
-    earlier version), "" for a marker being written, or None for a folder it never wrote into."""
+    """The kind in out's marker (a run_config.json alone: a gmts run of an earlier version), "" while a marker is
+    being written, None for a folder this program never wrote into."""
     try:
         with open(os.path.join(out, RUN_MARK)) as f:
             text = f.read()
+        return json.loads(text)["kind"] if text.strip() else ""
     except FileNotFoundError:
         return "gmts" if os.path.isfile(os.path.join(out, "run_config.json")) else None
-    except OSError:
-        return "unreadable"
-    try:
-        return json.loads(text)["kind"] if text.strip() else ""
-    except (ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError):
         return "unreadable"
 
 def _names(out: str, patterns) -> list:
-    """The entries of `out` that match any of the patterns."""
     found = []
     for n in sorted(os.listdir(out)):
         if any(fnmatch.fnmatchcase(n, p) for p in patterns):
             found.append(n)
     return found
 
-def _held_here(out: str):
-    """The locked marker fd this process holds for `out`, if it is still that folder's marker."""
+def _held(out: str):
+    """This process's locked marker fd for `out`, if it still is that folder's marker."""
     fd = _HELD.get(os.path.realpath(out))
-    try:
+    with contextlib.suppress(OSError):
         if fd is not None and os.fstat(fd).st_ino == os.stat(os.path.join(out, RUN_MARK)).st_ino:
             return fd
-    except OSError:
-        pass
     return None
 
-def _locked_elsewhere(out: str) -> bool:
-    if _held_here(out) is not None:
-        return False
+def _lock(out: str, exclusive: bool) -> int:
+    """flock out's marker without waiting (exclusive: created if missing) -> its fd; ValueError if another process
+    holds it, as a live run does."""
+    fd = os.open(os.path.join(out, RUN_MARK), os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
     try:
-        fd = os.open(os.path.join(out, RUN_MARK), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a shared probe: released at close
-        return False
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
-    finally:
         os.close(fd)
+        raise ValueError(f"--out {out}: another process is writing there now; wait for it or choose another --out")
+    return fd
 
-def check_out(out: str, kind: str = "gmts", model: str = "", overwrite: bool = False, resume: bool = False,
-              more: tuple = ()):
-    """ValueError (one line) unless a `kind` output may go into `out` without replacing anything not its own:
-    no other live writer (flock on the marker); no file that this kind writes (or in `more`) unless the folder
-    holds an earlier output of this kind (that one needs --overwrite if it holds a checkpoint or a result; a gmts
-    run may --resume); for training, an --out that neither is nor holds the --model folder nor lies in warm/."""
+def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, resume=False, more: tuple = ()):
+    """ValueError (one line) unless a `kind` output may go into `out` replacing nothing that is not its own: no other
+    live writer; no file this kind writes (or in `more`) unless the folder holds an earlier output of this kind
+    (which needs --overwrite once it holds a checkpoint or a result); not the --model folder or one holding it; in
+    the committed warm/ only warm starts."""
     real = os.path.realpath(out)
     warm = os.path.dirname(os.path.realpath(WARM_CPU))
-    if kind != "warm" and (real == warm or real.startswith(warm + os.sep)):
+    if kind != "warm" and os.path.commonpath([real, warm]) == warm:
         raise ValueError(f"--out {out} lies in {warm}, the committed warm starts; only gmts_lab.py warm writes there")
-    if kind != "warm" and model and os.path.isdir(model):
-        m = os.path.realpath(model)
-        if m == real or m.startswith(real + os.sep):
-            raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
+    if kind != "warm" and os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
+        raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is an existing file, not a folder")
     if not os.path.isdir(out):
         return
-    if _locked_elsewhere(out):
-        raise ValueError(f"--out {out}: another process is writing there now; wait for it or choose another --out")
+    if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
+        os.close(_lock(out, exclusive=False))  # a probe: ValueError while another process writes there
     found = run_kind(out)
     clash = _names(out, WRITES[kind] + tuple(more))
     if not found and clash:
@@ -1410,59 +1375,66 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite: bool = F
                          "--out")
     if found and found != kind:
         raise ValueError(f"--out {out} holds a {found} output of this program, not a {kind} one; choose another --out")
-    if found and not resume and not overwrite and _holds_value(out, kind, more):
-        hint = ""
-        if kind == "gmts":
-            hint = f"continue it with --resume {out}, or "
+    worth = clash
+    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value: a rerun starts it afresh
+        worth = checkpoints(out)
+    if found and worth and not (resume or overwrite):
+        hint = {"gmts": f"continue it with --resume {out}, or "}.get(kind, "")
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
 
-def _holds_value(out: str, kind: str, more: tuple) -> bool:
-    """A gmts run folder is worth keeping once it holds a checkpoint; another kind once it holds any result."""
-    if kind == "gmts":
-        return bool(checkpoints(out))
-    return bool(_names(out, WRITES[kind] + tuple(more)))
-
 def claim_out(out: str, kind: str):
-    """Make `out` this process's to write: create it and its marker and hold flock on the marker until the process
-    ends (the OS releases it if the process is killed); remove a killed writer's .tmp/.old leftovers."""
-    if _held_here(out) is not None:
+    """Make `out` this process's: create it and its marker and hold flock on the marker until the process ends (the
+    OS drops it if the process is killed); then clear a killed run's .tmp and .old leftovers."""
+    if _held(out) is not None:
         return
     os.makedirs(out, exist_ok=True)
-    fd = os.open(os.path.join(out, RUN_MARK), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ValueError(f"--out {out}: another process is writing there now; wait for it or choose another --out")
+    fd = _lock(out, exclusive=True)
     mark = (json.dumps({"kind": kind}) + "\n").encode()
     if os.pread(fd, 4096, 0) != mark:
         os.ftruncate(fd, 0)
         os.pwrite(fd, mark, 0)
     _HELD[os.path.realpath(out)] = fd
-    for n in _names(out, ("*.tmp", "*.old")):
-        if any(fnmatch.fnmatchcase(n, p) for p in WRITES[kind]):
-            shutil.rmtree(os.path.join(out, n), ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(out, n))
+    for n in _names(out, ("ckpt-*.tmp", "ckpt-*.old", "final.tmp", "metrics.jsonl.tmp", "run_config.json.tmp")):
+        shutil.rmtree(os.path.join(out, n), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(out, n))
 
 def release_all():
-    """Close every marker this process holds (its locks go)."""
     for fd in _HELD.values():
         with contextlib.suppress(OSError):
-            os.close(fd)
+            os.close(fd)  # its lock goes with it
     _HELD.clear()
 
 def claim_run(cfg: Config) -> dict:
-    """check_out, then claim_out and check_out again under the lock (another run may have finished in between).
-    -> the saved run_config.json of a --resume, else {}."""
+    """check_out, claim_out, check_out again under the lock (another run may have ended in between); a resume's
+    --data must be the file the run started with. -> the saved run_config.json of a --resume, else {}."""
     if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
         raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
     claim_out(cfg.out, "gmts")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    saved = {}
     if cfg.resume:
-        return read_run_config(cfg.out)
-    return {}
+        saved = read_run_config(cfg.out)
+    if saved.get("fingerprint", {}).get("data") not in (None, data_print(cfg.data)) and not cfg.allow_change:
+        raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or first MB differ); "
+                         "pass --allow-change to train on it")
+    return saved
+
+def data_file(data: str) -> bool:
+    return data not in ("gen", "easy") and data.split(":")[0] != "hf"
+
+def data_print(data: str):
+    """A --data file's size and the sha256 of its first MB (None for gen, easy and hf)."""
+    if not data_file(data):
+        return None
+    with open(data, "rb") as f:
+        return {"size": os.path.getsize(data), "sha256_first_mb": hashlib.sha256(f.read(1 << 20)).hexdigest()}
+
+def prompt_print(tok, chat_template: str) -> dict:
+    """The prompt format: chat template or not, and the template's sha256."""
+    return {"chat": use_chat(tok, chat_template), "template_sha256": hashlib.sha256(str(tok.chat_template).encode())
+            .hexdigest()}
 
 @contextlib.contextmanager
 def writing(path: str):
@@ -1480,47 +1452,11 @@ def writing(path: str):
         raise OSError(f"cannot write {path}: {first}") from None
 
 def write_file(path: str, text: str):
-    """Write a small file whole: a .tmp beside it, then an atomic rename."""
+    """A small file written whole: a .tmp beside it, then an atomic rename."""
     with writing(path + ".tmp"):
         with open(path + ".tmp", "w") as f:
             f.write(text)
     os.replace(path + ".tmp", path)
-
-def data_print(data: str):
-    """A --data file's size and the sha256 of its first MB (None for gen, easy, hf): a resume must find it again."""
-    if data in ("gen", "easy") or data.split(":")[0] == "hf":
-        return None
-    with open(data, "rb") as f:
-        head = f.read(1 << 20)
-    return {"size": os.path.getsize(data), "sha256_first_mb": hashlib.sha256(head).hexdigest()}
-
-def run_print(cfg: Config, tok) -> dict:
-    """What a resume must find again beside the config: the data file and the prompt format (chat or not, and the
-    template's hash)."""
-    chat = use_chat(tok, cfg.chat_template)
-    template = None
-    if chat:
-        template = hashlib.sha256(str(tok.chat_template).encode()).hexdigest()
-    return {"data": data_print(cfg.data), "prompt": {"chat": chat, "template_sha256": template}}
-
-def check_data_print(cfg: Config, saved: dict):
-    """--resume: the --data file must be the one the run started with (unless --allow-change)."""
-    want = saved.get("fingerprint", {}).get("data")
-    if want and not cfg.allow_change and data_print(cfg.data) != want:
-        raise ValueError(f"--data {cfg.data} is not the file the run started with (size or first MB differ); pass "
-                         "--allow-change to train on it")
-
-def run_config(cfg: Config, fingerprint: dict) -> dict:
-    return {**dataclasses.asdict(cfg), "fingerprint": fingerprint}
-
-def folder_state(out: str) -> str:
-    """What an interrupted run leaves in `out`, truthfully, and how to go on."""
-    if _held_here(out) is None:
-        return "nothing was written"
-    done = checkpoints(out)
-    if not done:
-        return f"{out} holds no checkpoint yet: rerun the command to start it afresh"
-    return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 # ==== CLI [plumbing] ==============================================================================================
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device"}  # a resume may
@@ -1546,10 +1482,12 @@ def parse_args(argv=None) -> Config:
     if pre.resume:
         saved = read_run_config(pre.resume)
         check_saved_keys(pre.resume, saved, names)
+        if isinstance(saved["data"], str) and data_file(saved["data"]):  # runs of earlier versions kept it relative
+            saved["data"] = os.path.abspath(saved["data"])
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"))  # a run continues in its own folder
     cfg = Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"})
-    if isinstance(cfg.data, str) and cfg.data not in ("gen", "easy") and cfg.data.split(":")[0] != "hf":
+    if isinstance(cfg.data, str) and data_file(cfg.data):
         cfg.data = os.path.abspath(cfg.data)  # a resume from another folder reads the same file
     for k in sorted(names - FREE):
         if cfg.resume and getattr(cfg, k) != saved[k] and not cfg.allow_change:
@@ -1567,47 +1505,41 @@ def check_saved_keys(out: str, saved: dict, names: set):
         raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
 
 OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_STOPPED = []  # the signal that stopped this process; kept even if its KeyboardInterrupt is swallowed in a __del__
-_MUTED = []  # non-empty once stdout is closed (python gmts.py | head -1): printing stops, training does not
+STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
 
 def _on_signal(signum, frame):
-    """SIGINT, SIGTERM and SIGHUP: one KeyboardInterrupt, later ones ignored (one message, however often pressed).
-    An interrupt raised inside a __del__ is swallowed by Python ('Exception ignored in ...'): say() raises it again."""
-    for sig in STOP_SIGNALS:
+    """The first stop signal raises KeyboardInterrupt, later ones are ignored (one message, however often pressed).
+    Python swallows an exception raised inside a __del__ ('Exception ignored in: <function Group.__del__>', then
+    the run went on and exited 0): _STOPPED remembers it and say() raises it again at the next line."""
+    for sig in STOP:
         signal.signal(sig, signal.SIG_IGN)
     _STOPPED.append(signum)
     raise KeyboardInterrupt
 
-def raise_if_stopped():
+def say(*parts, **kwargs):
+    """print for the CLI: raises a swallowed interrupt again; a closed stdout (| head -1) ends the printing only."""
     if _STOPPED:
         raise KeyboardInterrupt
-
-def say(*parts):
-    """print for the CLI: raises a swallowed interrupt again, and survives a closed stdout."""
-    raise_if_stopped()
-    if _MUTED:
-        return
     try:
-        print(*parts, flush=True)
+        print(*parts, flush=True, **kwargs)
     except BrokenPipeError:
-        _MUTED.append(True)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to print goes nowhere
 
 @contextlib.contextmanager
 def handling_signals():
-    """Install _on_signal for STOP_SIGNALS (main thread only), restore the old handlers after."""
-    old = {}
+    """_on_signal for the stop signals (main thread only); the old handlers come back unless a signal came."""
     _STOPPED.clear()
-    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-        for sig in STOP_SIGNALS:
+    old = {}
+    with contextlib.suppress(ValueError):  # not the main thread
+        for sig in STOP:
             old[sig] = signal.signal(sig, _on_signal)
     try:
         yield
     finally:
-        for sig, handler in old.items():
-            if not _STOPPED:  # after a signal they stay ignored until the exit: one message
-                signal.signal(sig, handler)
+        for sig in old:
+            if not _STOPPED:
+                signal.signal(sig, old[sig])
 
 def main(argv=None):
     with handling_signals():
@@ -1623,7 +1555,7 @@ def _main(argv):
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg, log=say)
-        raise_if_stopped()  # an interrupt swallowed at the very end still counts
+        say("", end="")  # an interrupt swallowed at the very end still counts
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
     except torch.OutOfMemoryError:
@@ -1631,12 +1563,18 @@ def _main(argv):
     except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except KeyboardInterrupt:
-        where = "nothing was written"
-        if out:
-            where = folder_state(out)
-        die(f"interrupted; {where}", 130)
+        die(f"interrupted; {interrupted_state(out)}", 130)
     finally:
         release_all()
+
+def interrupted_state(out) -> str:
+    """What an interrupted run leaves in `out`, truthfully, and how to go on."""
+    if not out or _held(out) is None:
+        return "nothing was written"
+    done = checkpoints(out)
+    if not done:
+        return f"{out} holds no checkpoint yet: rerun the command to start it afresh"
+    return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
     main()

@@ -2,55 +2,85 @@
 gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file.
 
 Read it beside the papers:
-  GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM Reasoning",
-         arXiv 2608.30632. Score a response token by |H_t * omega_t| and train on the top 20% of the batch.
-  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM
-         Reasoning", arXiv 2506.01939. Score a response token by its entropy H_t and train on the top 20%.
+  GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
+         Reasoning", arXiv 2608.30632. Score a response token by |H_t * omega_t| and train on the
+         top 20% of the batch.
+  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
+         for LLM Reasoning", arXiv 2506.01939. Score a response token by its entropy H_t and train
+         on the top 20%.
 
-The algorithm, one training step (train() below follows these numbers):
-  1. draw B prompts from the task                                          [plumbing]
-  2. sample G answers per prompt with HF generate (N = B*G answers)        [paper: rollout]
-  3. score every answer with a rule-based verifier -> reward r_i           [paper: reward]
-  4. group advantages A_i = (r_i - mean_group) / (std_group + eps)        [paper: GRPO advantage]
-  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm     [paper: token statistics]
-  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch   [paper: selection]
-  7. PPO-clip update on the kept tokens only, in micro-batches           [paper: objective]
-  8. log, evaluate, checkpoint                                             [plumbing]
+The algorithm, one training step (train() follows these numbers):
+  1. draw B prompts from the task                                     [plumbing]
+  2. sample G answers per prompt with HF generate (N = B*G answers)   [paper: rollout]
+  3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
+  4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
+  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm [paper: token statistics]
+  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch
+                                                                      [paper: selection]
+  7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
+  8. log, evaluate, checkpoint                                        [plumbing]
+The file follows the same order: Config, rollout (2), advantages (4), token statistics (5),
+selection (6), loss and update (7), train(). The supporting code comes after train(): the tasks
+and their verifiers (3), model loading, evaluation, the run folder and the command line.
 
-Axis legend: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded),
-T response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
-column t holds the statistics of the t-th generated token, predicted from the hidden state one position earlier.
+Axis legend: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left
+padded), T response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE
+positions: column t holds the statistics of the t-th generated token, predicted from the hidden
+state one position earlier.
 
 Deviations from the papers and choices they leave open:
-  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in the 80/20 code.
-  2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before each inner update.
-  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL: selection is
-     a pure mask of one sum, so every method runs at one lr; 'selected' divides by the kept tokens (80/20 code).
+  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in
+     the 80/20 code.
+  2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before
+     each inner update.
+  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
+     selection is a pure mask of one sum, so every method runs at one lr; 'selected' divides by the
+     kept tokens (80/20 code).
   4. Population std in the group advantage (divide by G).
-  5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose rewards are all
-     equal and draws more prompts, up to --max-resample rollout batches per step.
-  6. One step rule: the optimiser steps iff a kept token has a non-zero gradient; the lr follows GRPO steps regardless.
-  7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model --model loads.
-  8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always in fp32.
-  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
- 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
+  5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
+     rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
+  6. One step rule: the optimiser steps iff some token has a non-zero gradient: a kept token with
+     A != 0 and an inactive clip, or (KL on) a token whose log-prob differs from the reference's.
+     With A = 0 everywhere and the policy still equal to its reference, nothing moves. The lr
+     follows GRPO steps regardless.
+  7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model
+     --model loads, and its log-probs take the loss's own code path (equal weights, equal bits).
+  8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
+  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may
+     keep fewer than rho.
+ 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic
+     mirrors countdown.
 
-Run:  python gmts.py --preset cpu                                  (offline, CPU: a tiny warm-started model learns)
-      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown  (one GPU)
+Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
+      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown              (one GPU)
 """
 import os
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, copy, dataclasses, functools, glob, itertools, json, math, random, re, shutil, sys, time
+import argparse
+import ast
+import copy
+import dataclasses
+import functools
+import glob
+import importlib
+import itertools
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 
-# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first =======================
+# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first ==========
 def arg(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
@@ -58,24 +88,34 @@ def arg(default, help: str):
 class Config:
     # run
     out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
-    overwrite: bool = arg(False, "allow a new run into a folder that holds one (its metrics and checkpoints go)")
-    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable checkpoint")
-    allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than the run's")
+    overwrite: bool = arg(False, "allow a new run into a folder that holds one "
+                                 "(its metrics and checkpoints go)")
+    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable "
+                          "checkpoint")
+    allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than "
+                                    "the run's")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
+    report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
+                                 "or wandb (its own folder, OUT/wandb); none: metrics.jsonl only")
     # model
-    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
-    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
+    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), "
+                             "a hub id or a folder")
+    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the "
+                                     "tokenizer), yes, no")
     tiny_hidden: int = arg(64, "--model tiny: hidden size")
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: str = arg("countdown", "countdown, math or logic")
-    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test or a .jsonl path")
-    short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
-    eval_every: int = arg(20, "greedy held-out accuracy every this many steps (0: only at the start and the end)")
+    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test "
+                           "or a .jsonl path")
+    short_prompt: bool = arg(False, "terse prompts without the system line "
+                                    "(for the byte-level tiny model)")
+    eval_every: int = arg(20, "greedy held-out accuracy every this many steps "
+                              "(0: only at the start and the end)")
     eval_size: int = arg(64, "held-out problems (the first rows of the data)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
@@ -84,10 +124,12 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed after each step), "
-                             "fp32 (the master weights); auto: bf16 on CUDA")
-    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
-    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
+    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed "
+                                     "after each step), fp32 (the master weights); auto: bf16 on CUDA")
+    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate "
+                                    "(unset: on with CUDA)")
+    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more "
+                                    "(DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
     # GRPO
     clip_low: float = arg(0.2, "PPO clip eps below 1")
@@ -95,34 +137,43 @@ class Config:
     kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
     std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
-    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens")
+    loss_norm: str = arg("all", "all: divide by all valid response tokens; "
+                                "selected: by the kept tokens")
     # token selection
     select: str = arg("gmts", "all, random, entropy, gmts or gradnorm")
     rho: float = arg(0.2, "share of the batch's response tokens kept")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
-    warmup_steps: int = arg(10, "linear lr warm-up, in optimiser steps")
-    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
+    warmup_steps: int = arg(10, "linear lr warm-up, in update slots (steps x --inner-updates, "
+                                "counted whether or not the optimiser steps)")
+    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step "
+                               "(off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
 
-CHOICES = {"select": ["all", "random", "entropy", "gmts", "gradnorm"], "device": ["auto", "cuda", "mps", "cpu"],
-           "chat_template": ["auto", "yes", "no"], "loss_norm": ["all", "selected"],
-           "sampler_dtype": ["auto", "bf16", "fp32"]}
+CHOICES = {
+    "select": ["all", "random", "entropy", "gmts", "gradnorm"],
+    "device": ["auto", "cuda", "mps", "cpu"],
+    "chat_template": ["auto", "yes", "no"],
+    "loss_norm": ["all", "selected"],
+    "sampler_dtype": ["auto", "bf16", "fp32"],
+    "report_to": ["none", "tensorboard", "wandb"],
+}
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
-    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started (`python gmts_lab.py warm`) to copy the numbers of easy
-    # countdown with random signs; GRPO learns from the reward which signs hit the target.
-    "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80, prompts_per_step=32,
-                group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256, eval_every=10, eval_size=256,
-                save_every=20, filter_groups=False, out="out/cpu"),  # filtering: 2.4x the rollouts, no gain here
+    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started (`python gmts_lab.py warm`) to copy
+    # the numbers of easy countdown with random signs; GRPO learns from the reward which signs hit
+    # the target. No --filter-groups: on this demo it took 2.4x the rollouts for no gain.
+    "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80,
+                prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256,
+                eval_every=10, eval_size=256, save_every=20, filter_groups=False, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
-    "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
-                  group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, lr=1e-4, out="out/smoke"),
+    "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
+                  prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
+                  lr=1e-4, out="out/smoke"),
 }
-
 def die(msg: str, code: int = 2):
     """Bad input: one line on stderr and a non-zero exit, never a traceback."""
     print(f"gmts: error: {msg}", file=sys.stderr)
@@ -161,11 +212,15 @@ def check_config(cfg: Config):
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
-# ==== Small helpers [plumbing] ====================================================================================
+# ==== Small helpers [plumbing] =======================================================================
 def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(name)
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
@@ -176,329 +231,500 @@ def set_seed(seed: int):
     random.seed(seed)
     torch.manual_seed(seed)
 
-# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====================
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: the answer starts inside <think>
-SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
+# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T ========
+# TinyZero's prefill: the answer starts inside <think>.
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"
+SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process and "
+                 "then answer.")
 
 def end_token_ids(tok) -> list:
-    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|> when present."""
-    qwen = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    ids = {tok.eos_token_id} | {i for i in qwen if isinstance(i, int) and i != tok.unk_token_id}
+    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>
+    when present."""
+    ids = {tok.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
     return sorted(i for i in ids if i is not None)
 
 def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with both, but only
-    instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos. yes/no force it."""
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with
+    both, but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and
+    that eos. yes/no force it."""
     if chat != "auto":
         return chat == "yes"
-    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
+    has_template = bool(getattr(tok, "chat_template", None))
+    return has_template and tok.eos_token == "<|im_end|>"
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
-    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
-    inside the assistant's <think> (TinyZero's prefill). system=False drops the system line (terse CPU prompts)."""
+    """The text the model continues: the question in the chat template or a plain User/Assistant
+    frame, ending inside the assistant's <think> (TinyZero's prefill). system=False drops the
+    system line (terse CPU prompts)."""
     if chat:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+        msgs = []
+        if system:
+            msgs.append({"role": "system", "content": SYSTEM_PROMPT})
         msgs.append({"role": "user", "content": question})
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
-    return (SYSTEM_PROMPT + "\n" if system else "") + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return text + ASSISTANT_PREFIX
+    text = f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+    if system:
+        text = SYSTEM_PROMPT + "\n" + text
+    return text
 
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """Prompt strings for task rows; short=True: the task's terse question and no system line."""
-    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
+    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short)
+            for r in rows]
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
-    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and including the first
-    end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is also an end token, so a value test
-    would drop the end token itself from the loss (the tiny-grpo bug)."""
-    T = completion_ids.shape[1]
-    is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=completion_ids.device))  # (N, T)
+    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
+    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>)
+    is also an end token, so a value test would drop the end token itself from the loss (the
+    tiny-grpo bug)."""
+    N, T = completion_ids.shape
+    device = completion_ids.device
+    is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=device))  # (N, T)
     has_end = is_end.any(dim=1)  # (N,)
-    first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
-    resp_mask = torch.arange(T, device=completion_ids.device)[None, :] <= first_end[:, None]  # (N, T)
+    no_end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # keep every position
+    first_end = torch.where(has_end, is_end.int().argmax(dim=1), no_end)  # (N,)
+    resp_mask = torch.arange(T, device=device)[None, :] <= first_end[:, None]  # (N, T)
     return resp_mask, ~has_end
+
+class SamplerLogp:
+    """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
+    generate() calls it before each draw with the ids drawn so far, so each call reads the
+    previous call's distribution at the token that was drawn from it, and keeps its own."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.read = []  # one (N, 1) column per drawn token whose draw has been seen
+        self.pending = None  # (N, V): the distribution of the draw not yet seen
+
+    def __call__(self, drawn: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.read.append(self.pending.gather(1, drawn[:, -1:]))
+        self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        return logits
+
+    def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
+        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw is read here (unless
+        generate ran steps past the end and cut them)."""
+        T = comp.shape[1]
+        if self.pending is not None and len(self.read) < T:
+            self.read.append(self.pending.gather(1, comp[:, -1:]))
+        logp = torch.cat(self.read[:T], dim=1)  # (N, T)
+        return logp.masked_fill(~resp_mask, 0.0)
+
 @torch.no_grad()
-def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
-            sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask, truncated,
-    texts) on the model's device. generate() would fill every knob left unset from the checkpoint's generation_config
-    (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another distribution than the
-    policy we train, so it sees a complete config of our own and a blank model default. fast: a static KV cache
-    (length rounded up to 64: few shapes; generate compiles its step on CUDA). sampler_logp: also `sampler_logp`
-    (N, T), the sampler's log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after
-    the end)."""
+def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
+            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+            fast: bool = False, sampler_logp: bool = False) -> dict:
+    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids,
+    resp_mask, truncated, texts) on the model's device.
+
+    generate() would fill every knob left unset from the checkpoint's generation_config (Qwen
+    instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another
+    distribution than the policy we train, so it sees a complete config of our own and a blank
+    model default. fast: a static KV cache (length rounded up to 64: few shapes; generate compiles
+    its step on CUDA). sampler_logp: also `sampler_logp` (N, T), the sampler's
+    log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after the end).
+    """
     from transformers import GenerationConfig
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    ids, attn = (enc[k].repeat_interleave(group_size, dim=0) for k in ("input_ids", "attention_mask"))  # (N, P)
-    width, limit = ids.shape[1] + max_new_tokens, getattr(model.config, "max_position_embeddings", None)
+    ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # (N, P)
+    attn = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+    width = ids.shape[1] + max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
     if limit and width > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the model's "
-                         f"{limit} positions")
-    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt "
+                         f"exceed the model's {limit} positions")
+    if greedy:
+        knobs = dict(do_sample=False)
+    else:
+        knobs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     if fast:
-        knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
+        cache_len = -(-width // 64) * 64  # width rounded up to a multiple of 64
+        knobs.update(cache_implementation="static", max_cache_len=cache_len)
     end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
-    seen, last = [], []  # generate calls record() before each draw, with the ids drawn so far
-
-    def record(drawn, logits):  # the previous draw's log-prob, read at the token it drew; keep this step's
-        seen.extend(p.gather(1, drawn[:, -1:]) for p in last)
-        last[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
-        return logits
-    was_training, saved = model.training, model.generation_config
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
+                           pad_token_id=tok.pad_token_id, **knobs)
+    recorder = SamplerLogp(temperature) if sampler_logp else None
+    was_training = model.training
+    saved = model.generation_config
     model.eval()
-    model.generation_config = GenerationConfig()  # the checkpoint's sampling knobs never reach this call
+    model.generation_config = GenerationConfig()  # the checkpoint's knobs never reach this call
     try:
         with autocast(device):
             out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
-                                 logits_processor=[record] if sampler_logp else None)  # (N, P + T)
+                                 logits_processor=[recorder] if recorder else None)  # (N, P + T)
     finally:
         model.generation_config = saved
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
-    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask, truncated=truncated,
-                 texts=tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True))
-    if sampler_logp:  # the last draw is read here (unless generate ran steps past the end and cut them)
-        seen.extend(p.gather(1, comp[:, -1:]) for p in last[:comp.shape[1] - len(seen)])
-        batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
+    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id),
+                             skip_special_tokens=True)
+    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
+                 truncated=truncated, texts=texts)
+    if recorder:
+        batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================================
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6):
+
+# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] =====================================
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward values
-    A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by sqrt((G-1)/G)).
-    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean.
+    The POPULATION std (divide by G: the group is all we compare against) gives the clean
+    binary-reward values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std
+    scales them by sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17,
+    never NaN). std_normalize=False: Dr. GRPO's r - mean.
     """
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # (B, 1)
+    same = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (B, 1)
     return adv.masked_fill(same, 0.0).view(-1)  # (N,)
 
 def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere, so they carry a gradient)."""
+    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere: a gradient)."""
     r = rewards.view(-1, group_size)  # (B, G)
     return r.max(dim=1).values != r.min(dim=1).values
 
+def _join_rows(xs: list, key: str, pad_id: int):
+    """One per-answer entry of several rollout batches, joined along the answers. A list is
+    concatenated; (N, W) tensors are padded to one width first: prompt_* on the left (prompts are
+    left padded), the rest on the right; *_ids with pad_id, other entries with 0."""
+    if isinstance(xs[0], list):
+        return [x for part in xs for x in part]
+    if xs[0].dim() == 2:
+        width = max(x.shape[1] for x in xs)
+        fill = 0
+        if key.endswith("_ids"):
+            fill = pad_id
+        padded = []
+        for x in xs:
+            gap = width - x.shape[1]
+            if key.startswith("prompt"):
+                padded.append(F.pad(x, (gap, 0), value=fill))
+            else:
+                padded.append(F.pad(x, (0, gap), value=fill))
+        xs = padded
+    return torch.cat(xs)
+
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
-    groups -> (batch, rewards, adv). Every per-answer entry is carried: lists are indexed, (N, W) tensors padded to
-    one width (prompt_* on the left, the rest on the right; *_ids with pad_id, others with 0). With no informative
-    group the first batch is returned as it is (all A = 0)."""
-    batches, rewards, advs = zip(*parts)
-    keep = torch.cat([informative(r, group_size) for r in rewards]).nonzero().squeeze(1)[:B]  # (<= B,)
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the
+    first B informative groups -> (batch, rewards, adv). Every per-answer entry is carried. With no
+    informative group the first batch is returned as it is (all A = 0)."""
+    batches = [part[0] for part in parts]
+    rewards = torch.cat([part[1] for part in parts])  # (N_all,)
+    advs = torch.cat([part[2] for part in parts])  # (N_all,)
+    keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
     if keep.numel() == 0:
         return parts[0]
-    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
+    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
+    batch = {}
+    for key in batches[0]:
+        joined = _join_rows([b[key] for b in batches], key, pad_id)
+        if isinstance(joined, list):
+            batch[key] = [joined[i] for i in idx.tolist()]
+        else:
+            batch[key] = joined[idx.to(joined.device)]
+    return batch, rewards[idx], advs[idx.to(advs.device)]
 
-    def pick(xs: list, key: str = ""):  # the parts' entries joined, rows idx kept
-        if isinstance(xs[0], list):
-            flat = [x for part in xs for x in part]
-            return [flat[i] for i in idx.tolist()]
-        if xs[0].dim() == 2:
-            w, fill = max(x.shape[1] for x in xs), pad_id if key.endswith("_ids") else 0
-            xs = [F.pad(x, (w - x.shape[1], 0) if key.startswith("prompt") else (0, w - x.shape[1]), value=fill)
-                  for x in xs]
-        x = torch.cat(xs)
-        return x[idx.to(x.device)]
-    return {key: pick([b[key] for b in batches], key) for key in batches[0]}, pick(rewards), pick(advs)
 
-# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========================
-# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
-# ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range) is
+# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ===========
+# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
+# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
-# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h) or
-#    (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
-#    Write omega = r * A where the clip is inactive and omega = 0 where it is active: dl/dtheta = -omega*dlogp_y/dtheta.
+# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
+#    or (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise
+#        dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
+#    Write omega = r * A where the clip is inactive and omega = 0 where it is active:
+#        dl/dtheta = -omega * dlogp_y/dtheta.
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
-#        dl/dz = -(omega / T) * (onehot(y) - p)                                          (the logit gradient)
-# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2, so
-#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm           -> token_stats
-# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i when r = 1):
-#    pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set by p_y, not by H. Over
-#    y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon entropy >= Renyi-2 entropy): IN
-#    EXPECTATION a near-certain position (H ~ 0) has a near-zero logit gradient. Not pointwise: at
-#    p = (0.999, 50 x 2e-5) a sampled rare token has H = 0.012 nats but norm 1.414. Entropy misses such tokens;
-#    gradnorm (below) scores them by their exact norm.
-# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With binary rewards and
-#    k of G answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
-#    (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose answers all got the same reward. Entropy ranking
-#    ignores this factor: it spends budget on tokens whose gradient is small or exactly 0.
-# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3), and keeps the
-#    top rho of the batch. 'gradnorm' uses the exact logit-gradient norm |omega| * grad_norm instead (our
-#    ablation; it costs the same vocabulary reduction as H).
-# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects over the whole
-# batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
+#        dl/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
+# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
+#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
+#    (grad_norm is computed by token_stats).
+# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
+#    when r = 1): pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set
+#    by p_y, not by H. Over y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon
+#    entropy >= Renyi-2 entropy): IN EXPECTATION a near-certain position (H ~ 0) has a near-zero
+#    logit gradient. Not pointwise: at p = (0.999, 50 x 2e-5) a sampled rare token has
+#    H = 0.012 nats but norm 1.4135. Entropy misses such tokens; gradnorm (below) scores them by
+#    their exact norm.
+# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With
+#    binary rewards and k of G answers correct, A = +sqrt((G-k)/k) for the correct and
+#    -sqrt(k/(G-k)) for the wrong ones (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose
+#    answers all got the same reward. Entropy ranking ignores this factor: it spends budget on
+#    tokens whose gradient is small or exactly 0.
+# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3)
+#    and keeps the top rho of the batch. 'gradnorm' uses the exact logit-gradient norm
+#    |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
+# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects
+# over the whole batch; recomputes omega (with the current ratio and clip) before every inner
+# update; computes all of it in fp32.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
-    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
+    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...)
+    -> 3 x (...).
     logp      = log p_y,  p = softmax(logits / T)
     entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation step 3)
+    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
     """
     z = logits.float()
-    logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (...)
-    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number as (1 - p_y)^2 + sum_{j!=y} p_j^2
-    # has no cancellation (1 - p_y = -expm1(logp_y)). Without autograd, p is reused in place: 3 (..., V) buffers.
+    if temperature != 1.0:
+        z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)  # (..., V)
+    y = tokens.unsqueeze(-1)  # (..., 1)
+    logp = logp_all.gather(-1, y).squeeze(-1)  # (...)
+    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number written as
+    # (1 - p_y)^2 + sum_{j != y} p_j^2 has no cancellation (1 - p_y = -expm1(logp_y)).
+    # Without autograd, p is reused in place: 3 (..., V) buffers.
     inplace = not torch.is_grad_enabled()
     p = logp_all.exp()  # (..., V)
-    p = p.scatter_(-1, tokens.unsqueeze(-1), 0.0) if inplace else p.scatter(-1, tokens.unsqueeze(-1), 0.0)  # p_y := 0
-    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2
-    plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
+    if inplace:
+        p.scatter_(-1, y, 0.0)  # p_y := 0
+    else:
+        p = p.scatter(-1, y, 0.0)
+    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2, (...)
+    if inplace:
+        plogp = p.mul_(logp_all)  # (..., V)
+    else:
+        plogp = p * logp_all
     entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
     sq = torch.expm1(logp).square() + others_sq  # (...)
     return logp, entropy, sq.sqrt() / temperature
 
 def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
-    """Final hidden states that PREDICT each response token (position P-1+t predicts token t) -> (n, T, d). Position
-    ids come from the attention mask (cumsum - 1), as generate() computes them under left padding."""
+    """Final hidden states that PREDICT each response token (position P-1+t predicts token t)
+    -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
+    them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1)  # (n, P + T)
+    attn = attn.long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
+    decoder = model.get_decoder()
     with autocast(ids.device):
-        h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # (n, P+T, d)
-    P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
+        h = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    P = batch["prompt_ids"].shape[1]
+    T = batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
 
 @torch.no_grad()
-def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward in micro-batches,
-    the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers, whatever N * T is)."""
+def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
+                      chunk: int) -> tuple:
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
+    in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
+    buffers, whatever N * T is)."""
     head = model.get_output_embeddings()
-    mask, comp = batch["resp_mask"], batch["comp_ids"]
+    mask = batch["resp_mask"]  # (N, T)
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
-    for s in range(0, mask.shape[0], micro_batch):
-        rows, m = slice(s, s + micro_batch), mask[s:s + micro_batch]  # m (n, T)
-        h, y = response_hidden(model, batch, rows)[m], comp[rows][m]  # (M, d), (M,)
-        stats = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
-                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
-        for o, v in zip(out, zip(*stats)):
-            o[rows][m] = torch.cat(v)
+    for start in range(0, mask.shape[0], micro_batch):
+        rows = slice(start, start + micro_batch)
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        y = batch["comp_ids"][rows][m]  # (M,)
+        parts = []
+        for hc, yc in zip(h.split(chunk), y.split(chunk)):
+            parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
+        for o, values in zip(out, zip(*parts)):
+            block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
+            block[m] = torch.cat(values)
     return tuple(out)
 
-def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
-              chunk: int = 1024) -> torch.Tensor:
-    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
-    checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
+def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
+              temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward
+    (activation checkpointing), so the head's memory is bounded by the chunk, not by the number
+    of tokens. (M, d) -> (M,)."""
     from torch.utils.checkpoint import checkpoint
+
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    parts = []
+    for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
+        parts.append(checkpoint(logp, h, y, use_reentrant=False))
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
 
-# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======================
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast to one shape."""
-    return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
+@torch.no_grad()
+def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
+                  chunk: int) -> torch.Tensor:
+    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on exactly the code path of
+    loss_backward (same rows per micro-batch, same chunked head): a model whose weights equal the
+    policy's gives the policy's log-probs bit for bit. The KL reference uses it (deviation 7)."""
+    head = model.get_output_embeddings()
+    out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
+    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # no valid token: split() still yields one empty piece
+            break
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+        r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
+        out[rows[r], t] = logp
+    return out
 
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1). (N,), (N, T) -> (N, T)"""
+
+# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] ==========
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+                clip_high: float) -> torch.Tensor:
+    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
+    above = (adv > 0) & (ratio > 1 + clip_high)
+    below = (adv < 0) & (ratio < 1 - clip_low)
+    return above | below
+
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+          clip_high: float) -> torch.Tensor:
+    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
+    adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
-    return torch.where(clip_active(a, ratio, clip_low, clip_high), torch.zeros_like(ratio), ratio * a)
+    dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
+    return torch.where(dead, torch.zeros_like(ratio), ratio * a)
 
 def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
                  generator: torch.Generator = None) -> torch.Tensor:
     """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
-    scores = {"all": lambda: torch.ones_like(entropy),  # vanilla GRPO (train keeps every token, rho = 1)
-              "random": lambda: torch.rand(entropy.shape, generator=generator).to(entropy.device),  # the control
-              "entropy": lambda: entropy,  # H_t (80/20 paper)
-              "gmts": lambda: (entropy * om).abs(),  # |H_t * omega_t| (GMTS)
-              "gradnorm": lambda: om.abs() * grad_norm}  # the exact logit-gradient norm (derivation step 3)
-    if method not in scores:
-        raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
-    return scores[method]()
+    if method == "all":  # vanilla GRPO (train keeps every token, rho = 1)
+        return torch.ones_like(entropy)
+    if method == "random":  # the control
+        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
+    if method == "entropy":  # H_t (80/20 paper)
+        return entropy
+    if method == "gmts":  # |H_t * omega_t| (GMTS)
+        return (entropy * om).abs()
+    if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3)
+        return om.abs() * grad_norm
+    raise ValueError(f"unknown selection method {method!r}; "
+                     f"choose one of: {', '.join(CHOICES['select'])}")
 
-def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False) -> torch.Tensor:
-    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch: (N, T) -> (N, T) bool.
-    Ties go to the earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold plus a
-    count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24 elements. nonzero=True (gmts,
-    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may keep fewer than k."""
+def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float,
+                  nonzero: bool = False) -> torch.Tensor:
+    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch:
+    (N, T) -> (N, T) bool. Any rho in (0, 1] keeps at least one valid token. Ties go to the
+    earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold
+    plus a count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24
+    elements. nonzero=True (gmts, gradnorm) then drops kept tokens whose score is 0 (their
+    gradient is exactly 0), so they may keep fewer than k."""
     flat_mask = mask.reshape(-1)  # (N*T,)
-    n = int(flat_mask.sum())
-    k = min(n, math.ceil(rho * n - 1e-9))  # the 1e-9 keeps 0.2 * 10 from rounding up to 3
     sel = torch.zeros_like(flat_mask)
-    if k == 0:
+    n = int(flat_mask.sum())
+    if n == 0:
         return sel.view_as(mask)
-    vals = torch.nan_to_num(scores.reshape(-1)[flat_mask].float(), nan=-math.inf)  # (n,)
+    # The 1e-9 keeps a product that floats put just above an integer from rounding up a whole
+    # token: 0.07 * 100 == 7.000000000000001 must give 7, not 8.
+    k = math.ceil(rho * n - 1e-9)
+    k = min(n, max(k, 1))
+    vals = scores.reshape(-1)[flat_mask].float()  # (n,)
+    vals = torch.nan_to_num(vals, nan=-math.inf)
     thr = torch.kthvalue(vals, n - k + 1).values  # the k-th largest value
-    keep, ties = vals > thr, vals == thr
-    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
+    keep = vals > thr
+    ties = vals == thr
+    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))  # the earliest ties fill up to k
     if nonzero:
         keep &= vals > 0
     sel[flat_mask] = keep
     return sel.view_as(mask)
 
-# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================================
-def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                    clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp):
-    (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
+# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ===================
+def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                    clip_low: float, clip_high: float) -> tuple:
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
+    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
+    On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
     ratio = torch.exp(logp - old_logp)
-    loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
     return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and E_{y ~ pi_theta}[k3] = KL. (M,)."""
+    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and
+    E_{y ~ pi_theta}[k3] = KL. Its gradient w.r.t. logp is 1 - exp(ref - logp). (M,)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
-                  chunk: int, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
-    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom  (+ kl_beta * mean k3 over ALL valid tokens).
-    Only the needed positions go through the lm_head (the others have zero gradient: leaving them out is exact).
-    Returns loss, clip_frac, kl and `live`, the kept tokens with a non-zero gradient (policy_update's step rule)."""
-    head, valid = model.get_output_embeddings(), batch["resp_mask"]
-    need = (sel_mask | valid) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
+                  clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
+                  ref_logp: torch.Tensor = None) -> dict:
+    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom
+    (+ kl_beta * mean k3 over ALL valid tokens). Only the needed positions go through the lm_head
+    (the others have zero gradient: leaving them out is exact). Returns loss, clip_frac, kl and
+    `live`, the tokens whose gradient is not zero (policy_update's step rule, deviation 6): kept
+    tokens with A != 0 and an inactive clip, and (KL) tokens where 1 - exp(ref - logp) != 0."""
+    head = model.get_output_embeddings()
+    valid = batch["resp_mask"]  # (N, T)
+    need = sel_mask  # (N, T) positions whose log-prob we need
+    if kl_beta > 0:
+        need = sel_mask | valid
     n_valid = max(int(valid.sum()), 1)
-    loss_sum, clipped, live, kl_sum = 0.0, 0, 0, 0.0
+    stats = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch) if active.numel() else []:
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # nothing kept: split() still yields one empty piece
+            break
         m = need[rows]  # (n, T)
-        logp = head_logp(response_hidden(model, batch, rows)[m], head, batch["comp_ids"][rows][m], temperature, chunk)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,) each
+        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,)
         s = sel_mask[rows][m]  # (M,) bool
         loss = (pg * s).sum() / denom
+        stats["live"] += int((s & ~clip_m & (a != 0)).sum())
         if kl_beta > 0:
-            kl = k3_kl(logp, ref_logp[rows][m])
-            loss = loss + kl_beta * kl.sum() / n_valid  # the KL's normaliser does not depend on the selection
-            kl_sum += float(kl.detach().sum())
+            ref = ref_logp[rows][m]  # (M,)
+            kl = k3_kl(logp, ref)
+            loss = loss + kl_beta * kl.sum() / n_valid  # its normaliser ignores the selection
+            stats["kl"] += float(kl.detach().sum())
+            stats["live"] += int((torch.exp(ref - logp.detach()) != 1).sum())
         loss.backward()
-        loss_sum += float(loss.detach())
-        clipped += int((clip_m & s).sum())
-        live += int((s & ~clip_m & (a != 0)).sum()) + (int(m.sum()) if kl_beta > 0 else 0)
-    return dict(loss=loss_sum, clip_frac=clipped / max(int(sel_mask.sum()), 1), kl=kl_sum / n_valid, live=live)
+        stats["loss"] += float(loss.detach())
+        stats["clipped"] += int((clip_m & s).sum())
+    n_sel = max(int(sel_mask.sum()), 1)
+    return dict(loss=stats["loss"], clip_frac=stats["clipped"] / n_sel,
+                kl=stats["kl"] / n_valid, live=stats["live"])
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, max_grad_norm: float, **kw) -> dict:
-    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the same for every
-    method: step iff some kept token has a non-zero gradient (A = 0 everywhere moves neither the weights nor the Adam
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, denom: float, *, max_grad_norm: float, **kw) -> dict:
+    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the
+    same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
+    everywhere, with the policy still at its reference, moves neither the weights nor the Adam
     moments) and the gradient is finite."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
-    params = [p for p in model.parameters() if p.requires_grad]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if stats["live"] else 0.0
-    stats.update(grad_norm=norm, skipped=int(not (math.isfinite(norm) and math.isfinite(stats["loss"]))))
-    stats["stepped"] = int(stats["live"] > 0 and not stats["skipped"])
+    norm = 0.0
+    if stats["live"]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    finite = math.isfinite(norm) and math.isfinite(stats["loss"])
+    stats["grad_norm"] = norm
+    stats["skipped"] = int(not finite)
+    stats["stepped"] = int(stats["live"] > 0 and finite)
     if stats["stepped"]:
         opt.step()
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-# ==== Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps] ============
+
+# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] =====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at optimiser step i (0-based) of `total`: linear warm-up over `warmup` steps, then (decay) a
-    linear decay that reaches 1 / (total - warmup) at the last step (TRL's default schedule is also linear)."""
+    """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
+    then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
+    schedule is also linear). A slot is one inner update of one GRPO step, stepped or not."""
     up = (i + 1) / max(warmup, 1)
-    return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
+    if not decay:
+        return min(1.0, up)
+    down = max(total - i, 1) / max(total - warmup, 1)
+    return min(1.0, up, down)
 
 def start_run(cfg: Config, log=print) -> dict:
     """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
@@ -558,83 +784,144 @@ def start_run(cfg: Config, log=print) -> dict:
             p.data = p.data.to(torch.bfloat16)
     return run
 
+
 @torch.no_grad()
 def refresh_sampler(sampler, model):
     """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
     if sampler is not model:
         torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
 
-def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict, **extra) -> dict:
+def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask,
+                stats: dict, **extra) -> dict:
     """One line of metrics.jsonl (the README's glossary explains each key)."""
-    n_valid, n_sel = max(int(mask.sum()), 1), max(int(sel_mask.sum()), 1)
-    sampled = torch.cat([informative(r, G) for _, r, _ in parts])  # every group sampled this step
-    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
-                selected_frac=int(sel_mask.sum()) / n_valid, entropy_mean=float((entropy * mask).sum()) / n_valid,
+    n_valid = max(int(mask.sum()), 1)
+    n_sel = max(int(sel_mask.sum()), 1)
+    sampled = torch.cat([informative(part[1], G) for part in parts])  # every group sampled
+    zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
+    return dict(step=step,
+                reward_mean=rewards.mean().item(),
+                acc=(rewards == 1.0).float().mean().item(),
+                selected_frac=int(sel_mask.sum()) / n_valid,
+                entropy_mean=float((entropy * mask).sum()) / n_valid,
                 entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
-                zero_adv_selected_frac=float((sel_mask & (adv == 0)[:, None]).sum()) / n_sel,
-                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
-                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
-                groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
+                zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,
+                grad_norm=stats["grad_norm"],
+                loss=stats["loss"],
+                clip_frac=stats["clip_frac"],
+                kl=stats["kl"],
+                completion_len=n_valid / mask.shape[0],
+                rollout_batches=len(parts),
+                groups_filtered_frac=1.0 - sampled.float().mean().item(),
+                **extra)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder (metrics.jsonl,
-    metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm, om) -> (N, T) scores, if given,
-    replaces token_scores(cfg.select, ...): the notebook trains its own score through it."""
-    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: the newest loadable checkpoint
-    model, tok, task, opt, chat = (run[k] for k in ("model", "tok", "task", "opt", "chat"))
-    B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
-    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
-    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # never keep a zero score (deviation 9)
-    score = score_fn or (lambda logp, *stats: token_scores(cfg.select, *stats))  # (logp, H, grad_norm, omega)
+    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder
+    (metrics.jsonl, metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm,
+    om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...): the notebook trains
+    its own score through it."""
+    check_tracker(cfg.report_to)
+    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: its checkpoint
+    model = run["model"]
+    tok = run["tok"]
+    task = run["task"]
+    opt = run["opt"]
+    B = cfg.prompts_per_step
+    G = cfg.group_size
+    mb = cfg.micro_batch
+    chunk = cfg.stats_chunk
+    rho = cfg.rho
+    if cfg.select == "all" and score_fn is None:
+        rho = 1.0
+    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # deviation 9
+    report = open_tracker(cfg)  # --report-to: tensorboard, wandb or nothing
+    if not cfg.resume:
+        report(read_metrics(cfg.out)[0])  # step 0: the starting model's held-out accuracy
+    show = step_printer(cfg.steps, run["start"], log)  # a progress bar on a terminal
     model.train()
     for step in range(run["start"], cfg.steps + 1):
         t0 = time.time()
-        set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
-        parts = []  # --filter-groups (deviation 5): more prompts until B groups have unequal rewards
-        while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
-            rows = run["draw"](B, step, len(parts))  # 1. B training prompts
-            prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-            batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
-                            fast=run["fast"], sampler_logp=True)  # 2.
-            rewards = torch.tensor([task["reward"](t, rows[n // G]) for n, t in enumerate(batch["texts"])])  # 3. (N,)
-            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
+        set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
+        parts = []  # --filter-groups (deviation 5): more prompts until B groups are informative
+        n_batches = 1
+        if cfg.filter_groups:
+            n_batches = cfg.max_resample
+        while len(parts) < n_batches:
+            # 1. B training prompts
+            rows = run["draw"](B, step, len(parts))
+            prompts = build_prompts(tok, task, rows, run["chat"], cfg.short_prompt)
+            # 2. G answers per prompt, with the sampler's own log-probs
+            batch = rollout(run["sampler"], tok, prompts, G, cfg.max_new_tokens, cfg.temperature,
+                            cfg.top_p, cfg.top_k, fast=run["fast"], sampler_logp=True)
+            # 3. rewards from the task's verifier (TASKS, in the supporting code after train)
+            rewards = torch.zeros(len(batch["texts"]))  # (N,)
+            for n, text in enumerate(batch["texts"]):
+                rewards[n] = task["reward"](text, rows[n // G])
+            # 4. group advantages
+            adv = group_advantages(rewards, G, cfg.std_normalize)  # (N,)
+            adv = adv.to(batch["comp_ids"].device)
             parts.append((batch, rewards, adv))
-            if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
+            n_informative = sum(int(informative(part[1], G).sum()) for part in parts)
+            if n_informative >= B:
                 break
-        batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
-        mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
+        batch, rewards, adv = parts[0]
+        if cfg.filter_groups:
+            batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id)
+        mask = batch["resp_mask"]  # (N, T)
+        t_roll = time.time() - t0
+        # 5. token statistics of the policy that sampled the batch (pi_old): log pi(y_t), H_t and
+        # the logit-gradient norm, each (N, T); the KL reference's log-probs on the loss's path
+        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+        old_logp = logp
+        gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
+        ref_logp = None
+        if run["ref"] is not None:
+            ref_logp = response_logp(run["ref"], batch, mask, cfg.temperature, mb, chunk)
         for inner in range(cfg.inner_updates):
-            # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
-            logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            if inner == 0:  # pi_old: the policy that sampled the batch
-                old_logp, gap = logp, (batch["sampler_logp"] - logp).abs()[mask]  # sampler vs learner precision
-                ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
+            if inner > 0:  # the policy has moved: its statistics again
+                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb,
+                                                             chunk)
             # 6. scores, and the top rho of the WHOLE batch (deviation 1)
             om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
-            sel_mask = select_tokens(score(logp, entropy, grad_norm, om), mask, rho, nonzero)  # (N, T) bool
-            # 7. PPO-clip update on the kept tokens; the lr follows GRPO steps, the step rule is the same for all
-            i = (step - 1) * cfg.inner_updates + inner
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * lr_factor(i, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
-            denom = float(mask.sum()) if cfg.loss_norm == "all" else max(float(sel_mask.sum()), 1.0)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
-                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
+            if score_fn is None:
+                scores = token_scores(cfg.select, entropy, grad_norm, om)
+            else:
+                scores = score_fn(logp, entropy, grad_norm, om)
+            sel_mask = select_tokens(scores, mask, rho, nonzero)  # (N, T) bool
+            # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
+            slot = (step - 1) * cfg.inner_updates + inner
+            total = cfg.steps * cfg.inner_updates
+            lr = cfg.lr * lr_factor(slot, total, cfg.warmup_steps, cfg.lr_decay)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            denom = float(mask.sum())
+            if cfg.loss_norm == "selected":
+                denom = max(float(sel_mask.sum()), 1.0)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
+                                  max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
+                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta,
+                                  ref_logp=ref_logp)
             run["skipped"] += stats["skipped"]
         refresh_sampler(run["sampler"], model)
         # 8. log, evaluate, checkpoint
         dt = time.time() - t0
-        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
-                          skipped_steps=run["skipped"], truncated_frac=batch["truncated"].float().mean().item(),
-                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
-                          sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
+        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats,
+                          lr=opt.param_groups[0]["lr"], skipped_steps=run["skipped"],
+                          truncated_frac=batch["truncated"].float().mean().item(),
+                          rollout_time_s=t_roll, step_time_s=dt,
+                          tokens_per_s=float(mask.sum()) / dt,
+                          sampler_logp_gap=gap.mean().item(),
+                          sampler_logp_gap_max=gap.max().item())
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
+            rec.update(evaluate(model, tok, task, run["eval_rows"], run["chat"],
+                                cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        shown = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
-        log(f"step {step} | " + " | ".join(f"{k} {rec[k]:.3f}" for k in shown if k in rec) + f" | {dt:.2f} s")
+        report(rec)
+        show(step_line(rec), "eval_acc" in rec)
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
             save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
+    show(None, False)
+    report(None)
     save_final(cfg.out, model, tok)
     plot_metrics(cfg.out)
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
@@ -645,6 +932,85 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 # Tasks and verifiers (step 3's rewards), model and tokenizer loading, evaluation, the run folder and its
 # checkpoints, the command line.
 # #####################################################################################################################
+
+# ==== Step lines, the progress bar and trackers [plumbing] ===========================================
+SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
+         "eval_acc")
+
+def step_line(rec: dict) -> str:
+    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
+    fields = [f"step {rec['step']}"]
+    for key in SHOWN:
+        if key in rec:
+            fields.append(f"{key} {rec[key]:.3f}")
+    fields.append(f"{rec['step_time_s']:.2f} s")
+    return " | ".join(fields)
+
+def step_printer(total: int, start: int, log=print):
+    """show(line, keep) prints one step's line. On a terminal (log is print, stdout a TTY) a tqdm
+    bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
+    above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
+    if log is not print or not sys.stdout.isatty():
+        def show(line, keep):
+            if line is not None:
+                log(line)
+        return show
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start - 1, unit="step", file=sys.stdout, dynamic_ncols=True)
+
+    def show(line, keep):
+        if line is None:
+            bar.close()
+            return
+        bar.update(1)
+        bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
+        if keep:
+            bar.write(line)
+    return show
+
+TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to: its module
+
+def check_tracker(name: str):
+    """ValueError (one line) before any work if --report-to's package is not installed."""
+    if name == "none":
+        return
+    try:
+        importlib.import_module(TRACKERS[name])
+    except ImportError:
+        raise ValueError(f"--report-to {name} needs the {name} package "
+                         f"(pip install {name})") from None
+
+def _numbers(rec: dict) -> dict:
+    """The record's numbers, without the step (a tracker's x axis)."""
+    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
+
+def open_tracker(cfg: Config):
+    """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
+    report(None) closes it."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
+
+        def report(rec):
+            if rec is None:
+                writer.close()
+                return
+            for key, value in _numbers(rec).items():
+                writer.add_scalar(key, value, rec["step"])
+        return report
+    if cfg.report_to == "wandb":
+        import wandb
+        name = os.path.basename(os.path.abspath(cfg.out))
+        wandb_run = wandb.init(project="gmts", name=name, dir=cfg.out,
+                               config=dataclasses.asdict(cfg))
+
+        def report(rec):
+            if rec is None:
+                wandb_run.finish()
+                return
+            wandb_run.log(_numbers(rec), step=rec["step"])
+        return report
+    return lambda rec: None
 
 # ==== Tasks and verifiers [paper: reward] =========================================================================
 # Each task = offline generator + prompt + verifier + loader, collected in TASKS.

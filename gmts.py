@@ -88,34 +88,26 @@ def arg(default, help: str):
 class Config:
     # run
     out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
-    overwrite: bool = arg(False, "allow a new run into a folder that holds one "
-                                 "(its metrics and checkpoints go)")
-    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable "
-                          "checkpoint")
-    allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than "
-                                    "the run's")
+    overwrite: bool = arg(False, "allow a new run into a folder that holds one (its metrics and checkpoints go)")
+    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable checkpoint")
+    allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than the run's")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
-                                 "or wandb (its own folder, OUT/wandb); none: metrics.jsonl only")
+                                 "or wandb (OUT/wandb); none: metrics.jsonl only")
     # model
-    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), "
-                             "a hub id or a folder")
-    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the "
-                                     "tokenizer), yes, no")
+    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
+    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
     tiny_hidden: int = arg(64, "--model tiny: hidden size")
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: str = arg("countdown", "countdown, math or logic")
-    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test "
-                           "or a .jsonl path")
-    short_prompt: bool = arg(False, "terse prompts without the system line "
-                                    "(for the byte-level tiny model)")
-    eval_every: int = arg(20, "greedy held-out accuracy every this many steps "
-                              "(0: only at the start and the end)")
+    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test or a .jsonl path")
+    short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
+    eval_every: int = arg(20, "greedy held-out accuracy every this many steps (0: only at the start and the end)")
     eval_size: int = arg(64, "held-out problems (the first rows of the data)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
@@ -124,12 +116,10 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed "
-                                     "after each step), fp32 (the master weights); auto: bf16 on CUDA")
-    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate "
-                                    "(unset: on with CUDA)")
-    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more "
-                                    "(DAPO dynamic sampling)")
+    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed after each step), "
+                                     "fp32 (the master weights); auto: bf16 on CUDA")
+    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
+    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
     # GRPO
     clip_low: float = arg(0.2, "PPO clip eps below 1")
@@ -137,8 +127,7 @@ class Config:
     kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
     std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
-    loss_norm: str = arg("all", "all: divide by all valid response tokens; "
-                                "selected: by the kept tokens")
+    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens")
     # token selection
     select: str = arg("gmts", "all, random, entropy, gmts or gradnorm")
     rho: float = arg(0.2, "share of the batch's response tokens kept")
@@ -146,8 +135,7 @@ class Config:
     lr: float = arg(1e-6, "AdamW learning rate")
     warmup_steps: int = arg(10, "linear lr warm-up, in update slots (steps x --inner-updates, "
                                 "counted whether or not the optimiser steps)")
-    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step "
-                               "(off: constant)")
+    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
@@ -1012,13 +1000,15 @@ def open_tracker(cfg: Config):
         return report
     return lambda rec: None
 
-# ==== Tasks and verifiers [paper: reward] =========================================================================
-# Each task = offline generator + prompt + verifier + loader, collected in TASKS.
-# Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
+# ==== Tasks and verifiers [paper: reward] ============================================================
+# Each task = offline generator + prompt + verifier + loader, collected in TASKS; train()'s step 3
+# calls TASKS[task]["reward"]. Verifiers are pure, cap every length before parsing, use no eval/exec
+# and never raise (a bug costs a reward, not a run).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
 def _never_raise(fn, fallback=0.0):
-    """A last-resort net around a verifier (expected failures are handled inside it): an exception -> fallback."""
+    """A last-resort net around a verifier (expected failures are handled inside it): an
+    exception -> fallback."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -1027,67 +1017,96 @@ def _never_raise(fn, fallback=0.0):
     return functools.wraps(fn)(wrapped)
 
 def _last_answer(text: str):
-    """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear, no regex backtracking."""
+    """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear time,
+    no regex backtracking."""
     end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return None if start < 0 else text[start + len("<answer>"):end]
+    start = text.rfind("<answer>", 0, max(end, 0))
+    if end < 0 or start < 0:
+        return None
+    return text[start + len("<answer>"):end]
 
 # -- countdown (TinyZero): combine the given numbers with + - * / to hit the target --
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
         "/": lambda a, b: a / b if b else None}  # None: division by zero
 _AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
-_CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast would also read "٣" as 3
+_CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads "٣" as 3 too
 
 def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the text back the same."""
-    v, p = _OPS[op](x[0], y[0]), _PREC[op]
-    sx = f"({x[1]})" if x[2] < p else x[1]
-    sy = f"({y[1]})" if y[2] < p or (y[2] == p and op in "-/") else y[1]  # a - (b + c), a / (b * c)
-    return None if v is None else (v, f"{sx} {op} {sy}", p)
+    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the
+    text back the same; None for a division by zero."""
+    value = _OPS[op](x[0], y[0])
+    if value is None:
+        return None
+    p = _PREC[op]
+    left = f"({x[1]})" if x[2] < p else x[1]
+    right_needs = y[2] < p or (y[2] == p and op in "-/")  # a - (b + c), a / (b * c)
+    right = f"({y[1]})" if right_needs else y[1]
+    return value, f"{left} {op} {right}", p
 
 def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right: ([4, 3, 2], '+-') -> (5,
-    '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up answers) are such chains."""
-    value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
-    return value, " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
+    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right:
+    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up
+    answers) are such chains."""
+    value = nums[0]
+    text = str(nums[0])
+    for sign, x in zip(signs, nums[1:]):
+        value += x if sign == "+" else -x
+        text += f" {sign} {x}"
+    return value, text
 
-def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000), ops="+-*/"):
-    """Random numbers and a random expression over them; its value is the target, so every problem is solvable."""
+def _random_expression(rng: random.Random, nums: list, ops: str):
+    """A random expression over all of nums, combined in random order: (value, text, precedence),
+    or None where a step leaves the natural numbers (a fraction, a negative, a division by 0)."""
+    items = [(Fraction(x), str(x), 3) for x in nums]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)  # random order of use
+        z = _combine(items[i], items[j], rng.choice(ops))
+        if z is None or z[0].denominator != 1 or z[0] < 0:
+            return None
+        items = [it for k, it in enumerate(items) if k not in (i, j)]
+        items.append(z)
+    return items[0]
+
+def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
+                      target_range=(1, 1000), ops="+-*/"):
+    """Random numbers and a random expression over them; its value is the target, so every
+    problem is solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
-        items = [(Fraction(x), str(x), 3) for x in nums]
-        while items and len(items) > 1:
-            i, j = rng.sample(range(len(items)), 2)  # random order of use
-            z = _combine(items[i], items[j], rng.choice(ops))
-            ok = z is not None and z[0].denominator == 1 and z[0] >= 0  # exact divisions, natural intermediates
-            items = [it for k, it in enumerate(items) if k not in (i, j)] + [z] if ok else None
-        if items and target_range[0] <= items[0][0] <= target_range[1]:
-            return {"nums": nums, "target": int(items[0][0]), "expr": items[0][1]}
-    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
+        z = _random_expression(rng, nums, ops)
+        if z is not None and target_range[0] <= z[0] <= target_range[1]:
+            return {"nums": nums, "target": int(z[0]), "expr": z[1]}
+    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
+                     f"{target_range}")
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
-    """Exact value of a whitelisted tree, collecting its int literals. Anything else raises ValueError: ** // %
-    (they pass the character filter), unary + and - (the numbers are given positive, so -a would be a number not
-    in the list; a - b is enough), names, calls, floats ("2.5" is not the numbers 2 and 5), bools, strings."""
+    """Exact value of a whitelisted tree, collecting its int literals. Anything else raises
+    ValueError: ** // % (they pass the character filter), unary + and - (the numbers are given
+    positive, so -a would be a number not in the list; a - b is enough), names, calls, floats
+    ("2.5" is not the numbers 2 and 5), bools, strings."""
     if depth > 60:
         raise ValueError("too deep")
     if isinstance(node, ast.Constant) and type(node.value) is int:
         lits.append(node.value)
         return Fraction(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
-        v = _OPS[_AST_OPS[type(node.op)]](_cd_eval(node.left, lits, depth + 1), _cd_eval(node.right, lits, depth + 1))
-        if v is None:
+        left = _cd_eval(node.left, lits, depth + 1)
+        right = _cd_eval(node.right, lits, depth + 1)
+        value = _OPS[_AST_OPS[type(node.op)]](left, right)
+        if value is None:
             raise ZeroDivisionError
-        return v
+        return value
     raise ValueError(f"{type(node).__name__} not allowed")
 
 @functools.partial(_never_raise, fallback=None)
 def countdown_value(completion: str, nums: list):
-    """Exact value of the last <answer> if it is an equation that uses each given number once, else None
-    (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other numbers, bad syntax)."""
+    """Exact value of the last <answer> if it is an equation that uses each given number once,
+    else None (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other
+    numbers, bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
-    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
+    # cap before ast.parse, which recurses on nesting
+    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
         return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
@@ -1098,81 +1117,123 @@ def countdown_value(completion: str, nums: list):
 
 @_never_raise
 def countdown_reward(completion: str, nums: list, target: int) -> float:
-    """1.0: the last <answer> is an equation that uses each given number once and equals the target; 0.1: an answer
-    is there but wrong or invalid; 0.0: no answer tag."""
+    """1.0: the last <answer> is an equation that uses each given number once and equals the
+    target; 0.1: an answer is there but wrong or invalid; 0.0: no answer tag."""
     if _last_answer(completion) is None:
         return 0.0
     return 1.0 if countdown_value(completion, nums) == target else 0.1
 
 # -- math: GSM8K-style word problems, graded by the final number --
-# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn from 2..12),
-# integer literals and the earlier steps' results s1, s2, ...
+# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
+# from 2..12), integer literals and the earlier steps' results s1, s2, ...
 _MATH = [
-    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?", "a*b 150-s1"),
-    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many dollars of change "
-     "are due?", "a*b c*d s1+s2 300-s3"),
-    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among {d} friends. How "
-     "many cookies does each friend get?", "a*b s1-c s2/d"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in {c} days?",
-     "a*b s1*c"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out broken. How many "
-     "good toys does it make in {c} days?", "a*b s1-d s2*c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are left?", "a*b s1-c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How many dollars are "
-     "left?", "a*b c+d s1-s2"),
-    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that in total?",
-     "a*b c*d s1+s2"),
-    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all the marbles away. "
-     "How many marbles are left?", "a*b c*d s1+s2 s3/2"),
+    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?",
+     "a*b 150-s1"),
+    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
+     "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
+    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
+     "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in "
+     "{c} days?", "a*b s1*c"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
+     "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are "
+     "left?", "a*b s1-c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
+     "many dollars are left?", "a*b c+d s1-s2"),
+    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
+     "in total?", "a*b c*d s1+s2"),
+    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all "
+     "the marbles away. How many marbles are left?", "a*b c*d s1+s2 s3/2"),
 ]
 
-def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the integer answer.
-    A draw whose steps leave the natural numbers (a negative or a fraction) is redrawn."""
-    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
-    while fits:
-        question, program = rng.choice(fits)
-        v, steps = {k: rng.randint(2, 12) for k in "abcd"}, []
-        for i, step in enumerate(program.split(), 1):
-            x, op, y = re.split(r"([-+*/])", step)
-            x, y = (v[t] if t in v else int(t) for t in (x, y))
-            z = _OPS[op](Fraction(x), y)
-            if z < 0 or z.denominator != 1:
-                break
-            v[f"s{i}"] = z = int(z)
-            steps.append(f"{x} {op} {y} = {z}")
-        else:
-            return {"question": question.format(who=rng.choice(NAMES), **v), "answer": str(z), "steps": steps}
-    raise ValueError(f"no math template has {n_steps} steps")
+def _run_program(program: str, values: dict):
+    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...),
+    or None if a step leaves the natural numbers (a negative or a fraction)."""
+    steps = []
+    for i, step in enumerate(program.split(), 1):
+        x, op, y = re.split(r"([-+*/])", step)
+        x = values[x] if x in values else int(x)
+        y = values[y] if y in values else int(y)
+        z = _OPS[op](Fraction(x), y)
+        if z < 0 or z.denominator != 1:
+            return None
+        values[f"s{i}"] = int(z)
+        steps.append(f"{x} {op} {y} = {int(z)}")
+    return steps
 
-_DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")  # [0-9], not \d (unicode)
+def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
+    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the
+    integer answer. A draw whose steps leave the natural numbers is redrawn."""
+    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
+    if not fits:
+        raise ValueError(f"no math template has {n_steps} steps")
+    while True:
+        question, program = rng.choice(fits)
+        values = {k: rng.randint(2, 12) for k in "abcd"}
+        steps = _run_program(program, values)
+        if steps is not None:
+            answer = str(values[f"s{len(steps)}"])
+            text = question.format(who=rng.choice(NAMES), **values)
+            return {"question": text, "answer": answer, "steps": steps}
+
+# [0-9], not \d (which matches other scripts' digits too)
+_DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
-_NUM_TOKEN = re.compile(r"-?\$?[0-9][0-9,.]*")  # a single character class per run: nothing to backtrack into
+_NUM_TOKEN = re.compile(r"-?\$?[0-9][0-9,.]*")  # one character class per run: no backtracking
+
+def _decimal(s: str, signed: bool):
+    """Exact value of '1,450', '72.00' or '.5' (with signed=True also '-20'), else None."""
+    sign = 1
+    if signed and s.startswith("-"):
+        sign = -1
+        s = s[1:].strip()
+    if len(s) > 60 or not _DEC.fullmatch(s):  # <= ~50 digits before Fraction sees them
+        return None
+    return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '3/4'; None if not a number."""
+    """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}',
+    '\\frac{-20}{2}', '3/4'; None if not a number."""
     s = s.strip()
     if len(s) > 100:
         return None
     s = s.replace("{,}", ",").replace("\\,", ",")  # LaTeX thousands separators
-    sign = -1 if s.startswith("-") else 1
-    s = s[1:].strip() if sign < 0 else s
-    s = s.removeprefix("\\$").removeprefix("$").removesuffix(".").removesuffix("\\%").removesuffix("%").strip()
+    sign = 1
+    if s.startswith("-"):
+        sign = -1
+        s = s[1:].strip()
+    s = s.removeprefix("\\$").removeprefix("$")
+    s = s.removesuffix(".").removesuffix("\\%").removesuffix("%").strip()
     m = _FRAC.fullmatch(s)
-    parts = [x.strip() for x in (m.groups() if m else s.split("/") if s.count("/") == 1 else [s])]
-    if not all(len(x) <= 60 and _DEC.fullmatch(x) for x in parts):  # <= ~50 digits before Fraction sees them
+    if m:
+        parts = list(m.groups())
+    elif s.count("/") == 1:
+        parts = s.split("/")
+    else:
+        parts = [s]
+    if len(parts) == 1:
+        value = _decimal(parts[0].strip(), signed=False)
+        if value is None:
+            return None
+        return sign * value
+    # a fraction: either side may carry its own sign (\frac{-20}{2}, \frac{20}{-2})
+    top = _decimal(parts[0].strip(), signed=True)
+    bottom = _decimal(parts[1].strip(), signed=True)
+    if top is None or bottom is None or bottom == 0:
         return None
-    vals = [Fraction(x.replace(",", "")) for x in parts]
-    return None if len(vals) == 2 and vals[1] == 0 else sign * (vals[0] / vals[1] if len(vals) == 2 else vals[0])
+    return sign * top / bottom
 
 def _last_boxed(text: str, tries=5, cap=100):
-    """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the last few openings."""
+    """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the
+    last few openings."""
     end = len(text)
     for _ in range(tries):
         i = text.rfind("\\boxed{", 0, end)
         if i < 0:
             return None
-        start, depth = i + len("\\boxed{"), 1
+        start = i + len("\\boxed{")
+        depth = 1
         for j in range(start, min(len(text), start + cap)):
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
@@ -1180,71 +1241,104 @@ def _last_boxed(text: str, tries=5, cap=100):
         end = i
     return None
 
+def _last_number(text: str):
+    """The last run of digits, commas and points in the text (at most ~60 characters, with a
+    '-' just before it), or None."""
+    last_digit = max(text.rfind(d) for d in "0123456789")  # ten C-speed scans, no regex
+    if last_digit < 0:
+        return None
+    first = last_digit
+    while first > 0 and last_digit - first < 60 and text[first - 1] in "0123456789,.":
+        first -= 1
+    number = text[first:last_digit + 1].lstrip(",.")
+    if first > 0 and text[first - 1] == "-":
+        number = "-" + number
+    if parse_number(number) is None:
+        return number.rsplit(",", 1)[-1]  # "3,4,5" is a list: take 5
+    return number
+
 def math_final_answer(text: str):
-    """The last \\boxed{}, else the number after the last ####, else the last number in the text (or None)."""
+    """The last \\boxed{}, else the number after the last ####, else the last number in the text
+    (or None)."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed
     k = text.rfind("####")
-    if k >= 0:
-        m = _NUM_TOKEN.search(text, k + 4, k + 104)
-        return m.group().rstrip(",.") if m else None
-    i = j = max(text.rfind(d) for d in "0123456789")  # ten C-speed scans instead of a regex over the whole text
-    if j < 0:
+    if k < 0:
+        return _last_number(text)
+    m = _NUM_TOKEN.search(text, k + 4, k + 104)
+    if m is None:
         return None
-    while i > 0 and j - i < 60 and text[i - 1] in "0123456789,.":  # walk back over at most 60 characters
-        i -= 1
-    last = ("-" if i > 0 and text[i - 1] == "-" else "") + text[i:j + 1].lstrip(",.")
-    return last if parse_number(last) is not None else last.rsplit(",", 1)[-1]  # "3,4,5" is a list: take 5
+    return m.group().rstrip(",.")
 
 @_never_raise
 def math_reward(completion: str, answer: str) -> float:
-    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus."""
-    gold, got = parse_number(str(answer)), math_final_answer(completion)
-    return 1.0 if gold is not None and got is not None and parse_number(got) == gold else 0.0
+    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
+    bonus."""
+    gold = parse_number(str(answer))
+    got = math_final_answer(completion)
+    if gold is None or got is None:
+        return 0.0
+    return 1.0 if parse_number(got) == gold else 0.0
 
 # -- logic: knights (always truthful) and knaves (always lying) --
-# A claim is ("is", person, is_knight) | ("not", atom) | ("and" | "or" | "if", atom, atom).
+# A claim is ("is", person, is_knight) | ("not", claim) | ("and" | "or" | "if", claim, claim).
 def _holds(c: tuple, world: tuple) -> bool:
-    if c[0] in ("is", "not"):
-        return (world[c[1]] == c[2]) if c[0] == "is" else not _holds(c[1], world)
-    a, b = _holds(c[1], world), _holds(c[2], world)
+    if c[0] == "is":
+        return world[c[1]] == c[2]
+    if c[0] == "not":
+        return not _holds(c[1], world)
+    a = _holds(c[1], world)
+    b = _holds(c[2], world)
     return {"and": a and b, "or": a or b, "if": (not a) or b}[c[0]]
 
 def _say(c: tuple, names: list, me: int) -> str:
+    """A claim as the person `me` says it: 'I am a knight', 'Bob is a knave', 'if ... then ...'."""
     if c[0] == "is":
-        return f"{'I am' if c[1] == me else names[c[1]] + ' is'} a {'knight' if c[2] else 'knave'}"
+        role = "knight" if c[2] else "knave"
+        return f"I am a {role}" if c[1] == me else f"{names[c[1]]} is a {role}"
     if c[0] == "not":
         return "it is not the case that " + _say(c[1], names, me)
-    a, b = _say(c[1], names, me), _say(c[2], names, me)
+    a = _say(c[1], names, me)
+    b = _say(c[2], names, me)
     return f"if {a} then {b}" if c[0] == "if" else f"{a} {c[0]} {b}"
+
+def _random_claim(rng: random.Random, n: int, me: int) -> tuple:
+    """What person `me` of n says: about one person, negated, or two joined by and/or/if."""
+    p, q = rng.sample(range(n), 2)  # two different people, maybe the speaker
+    form = rng.choice(["is", "not", "and", "or", "if"])
+    a = rng.random() < 0.5
+    b = rng.random() < 0.5
+    if form in ("is", "not"):  # a plain claim is about someone else ("I am a knight": nothing)
+        atom = ("is", q if p == me else p, a)
+        return atom if form == "is" else ("not", atom)
+    return (form, ("is", p, a), ("is", q, b))
 
 def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
     for _ in range(100_000):
         n = rng.randint(*n_people)
-        names, claims = rng.sample(NAMES, n), []
-        for me in range(n):
-            p, q = rng.sample(range(n), 2)  # two different people, maybe the speaker
-            form, a, b = rng.choice(["is", "not", "and", "or", "if"]), rng.random() < 0.5, rng.random() < 0.5
-            if form in ("is", "not"):  # a plain claim is about someone else ("I am a knight" says nothing)
-                atom = ("is", q if p == me else p, a)
-                claims.append(atom if form == "is" else ("not", atom))
-            else:
-                claims.append((form, ("is", p, a), ("is", q, b)))
-        worlds = [w for w in itertools.product([True, False], repeat=n)
-                  if all(_holds(c, w) == w[i] for i, c in enumerate(claims))]
+        names = rng.sample(NAMES, n)
+        claims = [_random_claim(rng, n, me) for me in range(n)]
+        worlds = []
+        for w in itertools.product([True, False], repeat=n):
+            if all(_holds(c, w) == w[i] for i, c in enumerate(claims)):
+                worlds.append(w)
         if len(worlds) == 1:  # exactly one consistent assignment
-            said = [_say(c, names, i) for i, c in enumerate(claims)]
-            statements = [f'{name} says: "{t[0].upper() + t[1:]}."' for name, t in zip(names, said)]
-            return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
+            statements = []
+            for i, claim in enumerate(claims):
+                said = _say(claim, names, i)
+                statements.append(f'{names[i]} says: "{said[0].upper() + said[1:]}."')
+            return {"names": names, "statements": statements,
+                    "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
-_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a full stop
+_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
 
 @_never_raise
 def logic_reward(completion: str, solution: dict) -> float:
-    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right roles (any case;
-    entries may be split by , ; or whitespace incl. newlines); 0.1: an answer that is wrong or malformed; 0.0: none."""
+    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right
+    roles (any case; entries may be split by , ; or whitespace incl. newlines); 0.1: an answer
+    that is wrong or malformed; 0.0: none."""
     ans = _last_answer(completion)
     if ans is None:
         return 0.0
@@ -1254,28 +1348,37 @@ def logic_reward(completion: str, solution: dict) -> float:
     got = re.findall(_ENTRY, ans)
     if len({name for name, _ in got}) < len(got):  # someone named twice
         return 0.1
-    return 1.0 if {name: role == "knight" for name, role in got} == {k.lower(): v for k, v in solution.items()} else 0.1
+    said = {name: role == "knight" for name, role in got}
+    truth = {name.lower(): is_knight for name, is_knight in solution.items()}
+    return 1.0 if said == truth else 0.1
 
 # -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
-_FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
+_FORMAT = ("Show your work in <think> </think> tags. And return the final answer in "
+           "<answer> </answer> tags")
 
 def countdown_prompt(row: dict, short=False) -> str:
-    nums, t = row["nums"], row["target"]
-    return f"Make {t} from {' '.join(map(str, nums))}." if short else (
-        f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use basic arithmetic operations "
-        f"(+, -, *, /) and each number must be used exactly once. {_FORMAT}, "
-        f"for example <answer> (1 + 2) / 3 </answer>.")
+    nums = row["nums"]
+    t = row["target"]
+    if short:
+        return f"Make {t} from {' '.join(map(str, nums))}."
+    return (f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use "
+            f"basic arithmetic operations (+, -, *, /) and each number must be used exactly "
+            f"once. {_FORMAT}, for example <answer> (1 + 2) / 3 </answer>.")
 
 def math_prompt(row: dict, short=False) -> str:
-    return row["question"] if short else (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
-                                          f"for example <answer> \\boxed{{42}} </answer>.")
+    if short:
+        return row["question"]
+    return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
+            f"for example <answer> \\boxed{{42}} </answer>.")
 
 def logic_prompt(row: dict, short=False) -> str:
     said = "\n".join(row["statements"])
-    return said if short else (
-        f"On an island every inhabitant is a knight, who always tells the truth, or a knave, who always lies. You meet "
-        f"{len(row['names'])} inhabitants: {', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? "
-        f"{_FORMAT}, one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
+    if short:
+        return said
+    return (f"On an island every inhabitant is a knight, who always tells the truth, or a knave, "
+            f"who always lies. You meet {len(row['names'])} inhabitants: "
+            f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
+            f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 
 # -- loaders: data = "gen" | "easy" | "hf" | "hf:test" | path.jsonl --
 def _gsm8k_row(question: str, solution) -> dict:

@@ -1,36 +1,27 @@
 """
-gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file.
-
-Read it beside the papers:
+gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file. Read it beside the papers:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
-         Reasoning", arXiv 2608.30632. Score a response token by |H_t * omega_t| and train on the
-         top 20% of the batch.
-  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
-         for LLM Reasoning", arXiv 2506.01939. Score a response token by its entropy H_t and train
-         on the top 20%.
+         Reasoning", arXiv 2608.30632: train on the top 20% of the batch's tokens by |H_t * omega_t|.
+  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for
+         LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
-The algorithm, one training step (train() follows these numbers):
+One training step, as train() numbers it (the file follows this order; the supporting code, with the
+tasks' verifiers of step 3, comes after train()):
   1. draw B prompts from the task                                     [plumbing]
   2. sample G answers per prompt with HF generate (N = B*G answers)   [paper: rollout]
   3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
   5. per response token: log pi(y_t), entropy H_t, logit-gradient norm [paper: token statistics]
-  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch
-                                                                      [paper: selection]
+  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch [selection]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
-The file follows the same order: Config, rollout (2), advantages (4), token statistics (5),
-selection (6), loss and update (7), train(). The supporting code comes after train(): the tasks
-and their verifiers (3), model loading, evaluation, the run folder and the command line.
 
-Axis legend: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left
-padded), T response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE
-positions: column t holds the statistics of the t-th generated token, predicted from the hidden
-state one position earlier.
+Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
+response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
+column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in
-     the 80/20 code.
+  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or GPU (80/20 code).
   2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before
      each inner update.
   3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
@@ -39,15 +30,14 @@ Deviations from the papers and choices they leave open:
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
-  6. One step rule: the optimiser steps iff some token has a non-zero gradient: a kept token with
-     A != 0 and an inactive clip, or (KL on) a token whose log-prob differs from the reference's.
-     With A = 0 everywhere and the policy still equal to its reference, nothing moves. The lr
-     follows GRPO steps regardless.
+  6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
+     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's), so
+     a batch with A = 0 everywhere and the policy at its reference moves nothing. The lr follows GRPO
+     steps regardless.
   7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model
-     --model loads, and its log-probs take the loss's own code path (equal weights, equal bits).
+     --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
-  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may
-     keep fewer than rho.
+  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0): maybe < rho.
  10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic
      mirrors countdown.
 
@@ -59,21 +49,8 @@ import os
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse
-import ast
-import copy
-import dataclasses
-import functools
-import glob
-import importlib
-import itertools
-import json
-import math
-import random
-import re
-import shutil
-import sys
-import time
+import argparse, ast, copy, dataclasses, functools, glob, importlib, itertools, json, math, random, re
+import shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -202,13 +179,11 @@ def check_config(cfg: Config):
 
 # ==== Small helpers [plumbing] =======================================================================
 def pick_device(name: str = "auto") -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    if name == "auto" and torch.cuda.is_available():
+        name = "cuda"
+    if name == "auto" and torch.backends.mps.is_available():
+        name = "mps"
+    return torch.device("cpu" if name == "auto" else name)
 
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
@@ -220,14 +195,11 @@ def set_seed(seed: int):
     torch.manual_seed(seed)
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T ========
-# TinyZero's prefill: the answer starts inside <think>.
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"
-SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process and "
-                 "then answer.")
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
+SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 
 def end_token_ids(tok) -> list:
-    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>
-    when present."""
+    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
     ids = {tok.eos_token_id}
     for name in ("<|im_end|>", "<|endoftext|>"):
         i = tok.convert_tokens_to_ids(name)
@@ -236,88 +208,73 @@ def end_token_ids(tok) -> list:
     return sorted(i for i in ids if i is not None)
 
 def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with
-    both, but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and
-    that eos. yes/no force it."""
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with both,
+    but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos."""
     if chat != "auto":
         return chat == "yes"
-    has_template = bool(getattr(tok, "chat_template", None))
-    return has_template and tok.eos_token == "<|im_end|>"
+    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
     """The text the model continues: the question in the chat template or a plain User/Assistant
-    frame, ending inside the assistant's <think> (TinyZero's prefill). system=False drops the
-    system line (terse CPU prompts)."""
-    if chat:
-        msgs = []
-        if system:
-            msgs.append({"role": "system", "content": SYSTEM_PROMPT})
-        msgs.append({"role": "user", "content": question})
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return text + ASSISTANT_PREFIX
-    text = f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
-    if system:
-        text = SYSTEM_PROMPT + "\n" + text
-    return text
+    frame, ending inside the assistant's <think>. system=False drops the system line (terse prompts)."""
+    if not chat:
+        head = SYSTEM_PROMPT + "\n" if system else ""
+        return head + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+    msgs.append({"role": "user", "content": question})
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
 
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """Prompt strings for task rows; short=True: the task's terse question and no system line."""
-    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short)
-            for r in rows]
+    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
-    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>)
-    is also an end token, so a value test would drop the end token itself from the loss (the
-    tiny-grpo bug)."""
+    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is
+    also an end token, so a value test would drop the end token itself from the loss (tiny-grpo's bug)."""
     N, T = completion_ids.shape
     device = completion_ids.device
     is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=device))  # (N, T)
     has_end = is_end.any(dim=1)  # (N,)
-    no_end = torch.full((N,), T - 1, dtype=torch.long, device=device)  # keep every position
+    no_end = torch.full((N,), T - 1, device=device)  # an answer without an end keeps every position
     first_end = torch.where(has_end, is_end.int().argmax(dim=1), no_end)  # (N,)
     resp_mask = torch.arange(T, device=device)[None, :] <= first_end[:, None]  # (N, T)
     return resp_mask, ~has_end
 
 class SamplerLogp:
     """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
-    generate() calls it before each draw with the ids drawn so far, so each call reads the
-    previous call's distribution at the token that was drawn from it, and keeps its own."""
+    generate() calls it before each draw with the ids drawn so far, so each call reads the previous
+    call's distribution at the token drawn from it, and keeps its own for the next call."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
-        self.read = []  # one (N, 1) column per drawn token whose draw has been seen
+        self.read = []  # one (N, 1) column per draw already seen
         self.pending = None  # (N, V): the distribution of the draw not yet seen
 
     def __call__(self, drawn: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.pending is not None:
             self.read.append(self.pending.gather(1, drawn[:, -1:]))
-        self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # (N, V)
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw is read here (unless
+        """(N, T) log-probs of comp's tokens, 0 after the end; the last draw is read here (unless
         generate ran steps past the end and cut them)."""
-        T = comp.shape[1]
-        if self.pending is not None and len(self.read) < T:
+        if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
-        logp = torch.cat(self.read[:T], dim=1)  # (N, T)
-        return logp.masked_fill(~resp_mask, 0.0)
+        return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
 
 @torch.no_grad()
-def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
-            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
-            fast: bool = False, sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids,
-    resp_mask, truncated, texts) on the model's device.
-
-    generate() would fill every knob left unset from the checkpoint's generation_config (Qwen
-    instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another
-    distribution than the policy we train, so it sees a complete config of our own and a blank
-    model default. fast: a static KV cache (length rounded up to 64: few shapes; generate compiles
-    its step on CUDA). sampler_logp: also `sampler_logp` (N, T), the sampler's
-    log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after the end).
-    """
+def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
+            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
+            sampler_logp: bool = False) -> dict:
+    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask,
+    truncated, texts) on the model's device. generate() would fill every knob left unset from the
+    checkpoint's generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...),
+    sampling from another distribution than the policy we train, so it sees a complete config of our
+    own and a blank model default. fast: a static KV cache (its length rounded up to 64: few shapes;
+    generate compiles its step on CUDA). sampler_logp: also `sampler_logp` (N, T), the sampler's
+    log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after the end)."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -326,21 +283,18 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
     width = ids.shape[1] + max_new_tokens
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and width > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt "
-                         f"exceed the model's {limit} positions")
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the "
+                         f"model's {limit} positions")
+    knobs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     if greedy:
         knobs = dict(do_sample=False)
-    else:
-        knobs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     if fast:
-        cache_len = -(-width // 64) * 64  # width rounded up to a multiple of 64
-        knobs.update(cache_implementation="static", max_cache_len=cache_len)
+        knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
     end_ids = end_token_ids(tok)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
                            pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
-    was_training = model.training
-    saved = model.generation_config
+    was_training, saved = model.training, model.generation_config
     model.eval()
     model.generation_config = GenerationConfig()  # the checkpoint's knobs never reach this call
     try:
@@ -352,24 +306,21 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
-    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id),
-                             skip_special_tokens=True)
+    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
     batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
                  truncated=truncated, texts=texts)
     if recorder:
         batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] =====================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean
-    binary-reward values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std
-    scales them by sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17,
-    never NaN). std_normalize=False: Dr. GRPO's r - mean.
-    """
+    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward
+    values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by
+    sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN).
+    std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -383,31 +334,23 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(dim=1).values != r.min(dim=1).values
 
 def _join_rows(xs: list, key: str, pad_id: int):
-    """One per-answer entry of several rollout batches, joined along the answers. A list is
-    concatenated; (N, W) tensors are padded to one width first: prompt_* on the left (prompts are
-    left padded), the rest on the right; *_ids with pad_id, other entries with 0."""
+    """One per-answer entry of several rollout batches, joined along the answers: lists concatenated,
+    (N, W) tensors padded to one width first (prompt_* on the left, as prompts are, the rest on the
+    right; *_ids with pad_id, other entries with 0)."""
     if isinstance(xs[0], list):
         return [x for part in xs for x in part]
     if xs[0].dim() == 2:
         width = max(x.shape[1] for x in xs)
-        fill = 0
-        if key.endswith("_ids"):
-            fill = pad_id
-        padded = []
-        for x in xs:
-            gap = width - x.shape[1]
-            if key.startswith("prompt"):
-                padded.append(F.pad(x, (gap, 0), value=fill))
-            else:
-                padded.append(F.pad(x, (0, gap), value=fill))
-        xs = padded
+        fill = pad_id if key.endswith("_ids") else 0
+        left = key.startswith("prompt")
+        xs = [F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=fill)
+              for x in xs]
     return torch.cat(xs)
 
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the
-    first B informative groups -> (batch, rewards, adv). Every per-answer entry is carried. With no
-    informative group the first batch is returned as it is (all A = 0)."""
-    batches = [part[0] for part in parts]
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
+    B informative groups -> (batch, rewards, adv), every per-answer entry carried. With no informative
+    group the first batch is returned as it is (all A = 0)."""
     rewards = torch.cat([part[1] for part in parts])  # (N_all,)
     advs = torch.cat([part[2] for part in parts])  # (N_all,)
     keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
@@ -415,14 +358,13 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
         return parts[0]
     idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
     batch = {}
-    for key in batches[0]:
-        joined = _join_rows([b[key] for b in batches], key, pad_id)
+    for key in parts[0][0]:
+        joined = _join_rows([part[0][key] for part in parts], key, pad_id)
         if isinstance(joined, list):
             batch[key] = [joined[i] for i in idx.tolist()]
         else:
             batch[key] = joined[idx.to(joined.device)]
     return batch, rewards[idx], advs[idx.to(advs.device)]
-
 
 # ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ===========
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
@@ -458,16 +400,13 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 # update; computes all of it in fp32.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
-    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...)
-    -> 3 x (...).
+    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
     logp      = log p_y,  p = softmax(logits / T)
     entropy   = -sum_j p_j log p_j                                   (nats)
     grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
     """
     z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp_all = torch.log_softmax(z, dim=-1)  # (..., V)
+    logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
     y = tokens.unsqueeze(-1)  # (..., 1)
     logp = logp_all.gather(-1, y).squeeze(-1)  # (...)
     # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number written as
@@ -475,15 +414,9 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     # Without autograd, p is reused in place: 3 (..., V) buffers.
     inplace = not torch.is_grad_enabled()
     p = logp_all.exp()  # (..., V)
-    if inplace:
-        p.scatter_(-1, y, 0.0)  # p_y := 0
-    else:
-        p = p.scatter(-1, y, 0.0)
+    p = p.scatter_(-1, y, 0.0) if inplace else p.scatter(-1, y, 0.0)  # p_y := 0
     others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2, (...)
-    if inplace:
-        plogp = p.mul_(logp_all)  # (..., V)
-    else:
-        plogp = p * logp_all
+    plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
     entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
     sq = torch.expm1(logp).square() + others_sq  # (...)
     return logp, entropy, sq.sqrt() / temperature
@@ -493,19 +426,15 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
     them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1)  # (n, P + T)
-    attn = attn.long()
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
-    decoder = model.get_decoder()
     with autocast(ids.device):
-        h = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    P = batch["prompt_ids"].shape[1]
-    T = batch["comp_ids"].shape[1]
+        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
 
 @torch.no_grad()
-def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
-                      chunk: int) -> tuple:
+def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
     """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
     in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
     buffers, whatever N * T is)."""
@@ -535,12 +464,9 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = []
-    for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
-        parts.append(checkpoint(logp, h, y, use_reentrant=False))
-    if not parts:
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(parts)
+    parts = [checkpoint(logp, h, y, use_reentrant=False)
+             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 @torch.no_grad()
 def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
@@ -560,7 +486,6 @@ def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, mi
         r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
         out[rows[r], t] = logp
     return out
-
 
 # ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] ==========
 def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
@@ -702,7 +627,6 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-
 # ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] =====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
@@ -779,28 +703,21 @@ def refresh_sampler(sampler, model):
     if sampler is not model:
         torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
 
-def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask,
-                stats: dict, **extra) -> dict:
+def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict,
+                **extra) -> dict:
     """One line of metrics.jsonl (the README's glossary explains each key)."""
     n_valid = max(int(mask.sum()), 1)
     n_sel = max(int(sel_mask.sum()), 1)
     sampled = torch.cat([informative(part[1], G) for part in parts])  # every group sampled
     zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
-    return dict(step=step,
-                reward_mean=rewards.mean().item(),
-                acc=(rewards == 1.0).float().mean().item(),
+    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
                 selected_frac=int(sel_mask.sum()) / n_valid,
                 entropy_mean=float((entropy * mask).sum()) / n_valid,
                 entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
                 zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,
-                grad_norm=stats["grad_norm"],
-                loss=stats["loss"],
-                clip_frac=stats["clip_frac"],
-                kl=stats["kl"],
-                completion_len=n_valid / mask.shape[0],
-                rollout_batches=len(parts),
-                groups_filtered_frac=1.0 - sampled.float().mean().item(),
-                **extra)
+                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
+                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
+                groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
     """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder
@@ -813,10 +730,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     tok = run["tok"]
     task = run["task"]
     opt = run["opt"]
-    B = cfg.prompts_per_step
-    G = cfg.group_size
-    mb = cfg.micro_batch
-    chunk = cfg.stats_chunk
+    B, G = cfg.prompts_per_step, cfg.group_size  # prompts per step, answers per prompt
+    mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
     rho = cfg.rho
     if cfg.select == "all" and score_fn is None:
         rho = 1.0
@@ -866,8 +781,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             ref_logp = response_logp(run["ref"], batch, mask, cfg.temperature, mb, chunk)
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
-                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb,
-                                                             chunk)
+                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. scores, and the top rho of the WHOLE batch (deviation 1)
             om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
             if score_fn is None:
@@ -886,9 +800,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                 denom = max(float(sel_mask.sum()), 1.0)
             stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
                                   max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
-                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta,
-                                  ref_logp=ref_logp)
+                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb,
+                                  chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
             run["skipped"] += stats["skipped"]
         refresh_sampler(run["sampler"], model)
         # 8. log, evaluate, checkpoint
@@ -896,10 +809,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats,
                           lr=opt.param_groups[0]["lr"], skipped_steps=run["skipped"],
                           truncated_frac=batch["truncated"].float().mean().item(),
-                          rollout_time_s=t_roll, step_time_s=dt,
-                          tokens_per_s=float(mask.sum()) / dt,
-                          sampler_logp_gap=gap.mean().item(),
-                          sampler_logp_gap_max=gap.max().item())
+                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
+                          sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate(model, tok, task, run["eval_rows"], run["chat"],
                                 cfg.short_prompt, cfg.max_new_tokens))

@@ -1,42 +1,48 @@
 """
-gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file.
+gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file. Read it beside the papers:
+  GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
+         Reasoning", arXiv 2608.30632: train on the top 20% of the batch's tokens by |H_t * omega_t|.
+  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for
+         LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
-Read it beside the papers:
-  GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM Reasoning",
-         arXiv 2608.30632. Score a response token by |H_t * omega_t| and train on the top 20% of the batch.
-  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM
-         Reasoning", arXiv 2506.01939. Score a response token by its entropy H_t and train on the top 20%.
+One training step, as train() numbers it (the file follows this order; the supporting code, with the
+tasks' verifiers of step 3, comes after train()):
+  1. draw B prompts from the task                                     [plumbing]
+  2. sample G answers per prompt with HF generate (N = B*G answers)   [paper: rollout]
+  3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
+  4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
+  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm [paper: token statistics]
+  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch [selection]
+  7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
+  8. log, evaluate, checkpoint                                        [plumbing]
 
-The algorithm, one training step (train() below follows these numbers):
-  1. draw B prompts from the task                                          [plumbing]
-  2. sample G answers per prompt with HF generate (N = B*G answers)        [paper: rollout]
-  3. score every answer with a rule-based verifier -> reward r_i           [paper: reward]
-  4. group advantages A_i = (r_i - mean_group) / (std_group + eps)        [paper: GRPO advantage]
-  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm     [paper: token statistics]
-  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch   [paper: selection]
-  7. PPO-clip update on the kept tokens only, in micro-batches           [paper: objective]
-  8. log, evaluate, checkpoint                                             [plumbing]
-
-Axis legend: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded),
-T response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
-column t holds the statistics of the t-th generated token, predicted from the hidden state one position earlier.
+Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
+response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
+column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or per GPU as in the 80/20 code.
-  2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before each inner update.
-  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL: selection is
-     a pure mask of one sum, so every method runs at one lr; 'selected' divides by the kept tokens (80/20 code).
+  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or GPU (80/20 code).
+  2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before
+     each inner update.
+  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
+     selection is a pure mask of one sum, so every method runs at one lr; 'selected' divides by the
+     kept tokens (80/20 code).
   4. Population std in the group advantage (divide by G).
-  5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose rewards are all
-     equal and draws more prompts, up to --max-resample rollout batches per step.
-  6. One step rule: the optimiser steps iff a kept token has a non-zero gradient; the lr follows GRPO steps regardless.
-  7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model --model loads.
-  8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always in fp32.
-  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0), so they may keep < rho.
- 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic mirrors countdown.
+  5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
+     rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
+  6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
+     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's), so
+     a batch with A = 0 everywhere and the policy at its reference moves nothing. The lr follows GRPO
+     steps regardless.
+  7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model
+     --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
+  8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
+  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0): maybe < rho.
+ 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic
+     mirrors countdown.
 
-Run:  python gmts.py --preset cpu                                  (offline, CPU: a tiny warm-started model learns)
-      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown  (one GPU)
+Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
+      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown              (one GPU)
 """
 import os
 import signal
@@ -48,14 +54,15 @@ if __name__ == "__main__":  # a stop signal while torch imports (seconds): one l
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, copy, dataclasses, functools, glob, itertools, json, math, random, re, shutil, sys, time
+import argparse, ast, copy, dataclasses, functools, glob, importlib, itertools, json, math, random, re
+import shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 
-# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first =======================
+# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first ==========
 def arg(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
@@ -70,6 +77,8 @@ class Config:
     device: str = arg("auto", "auto picks cuda > mps > cpu")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
+    report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
+                                 "or wandb (OUT/wandb); none: metrics.jsonl only")
     # model
     model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
     chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
@@ -90,7 +99,7 @@ class Config:
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
     sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed after each step), "
-                             "fp32 (the master weights); auto: bf16 on CUDA")
+                                     "fp32 (the master weights); auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
     filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
@@ -106,28 +115,35 @@ class Config:
     rho: float = arg(0.2, "share of the batch's response tokens kept")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
-    warmup_steps: int = arg(10, "linear lr warm-up, in optimiser steps")
+    warmup_steps: int = arg(10, "linear lr warm-up, in update slots (steps x --inner-updates, "
+                                "counted whether or not the optimiser steps)")
     lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
 
-CHOICES = {"select": ["all", "random", "entropy", "gmts", "gradnorm"], "device": ["auto", "cuda", "mps", "cpu"],
-           "chat_template": ["auto", "yes", "no"], "loss_norm": ["all", "selected"],
-           "sampler_dtype": ["auto", "bf16", "fp32"]}
+CHOICES = {
+    "select": ["all", "random", "entropy", "gmts", "gradnorm"],
+    "device": ["auto", "cuda", "mps", "cpu"],
+    "chat_template": ["auto", "yes", "no"],
+    "loss_norm": ["all", "selected"],
+    "sampler_dtype": ["auto", "bf16", "fp32"],
+    "report_to": ["none", "tensorboard", "wandb"],
+}
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
-    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started (`python gmts_lab.py warm`) to copy the numbers of easy
-    # countdown with random signs; GRPO learns from the reward which signs hit the target.
-    "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80, prompts_per_step=32,
-                group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256, eval_every=10, eval_size=256,
-                save_every=20, filter_groups=False, out="out/cpu"),  # filtering: 2.4x the rollouts, no gain here
+    # Offline CPU demo: a 0.27M-parameter Qwen2 warm-started (`python gmts_lab.py warm`) to copy
+    # the numbers of easy countdown with random signs; GRPO learns from the reward which signs hit
+    # the target. No --filter-groups: on this demo it took 2.4x the rollouts for no gain.
+    "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80,
+                prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256,
+                eval_every=10, eval_size=256, save_every=20, filter_groups=False, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
-    "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2, prompts_per_step=2,
-                  group_size=4, max_new_tokens=16, eval_every=1, eval_size=4, lr=1e-4, out="out/smoke"),
+    "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
+                  prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
+                  lr=1e-4, out="out/smoke"),
 }
-
 def die(msg: str, code: int = 2):
     """Bad input: one line on stderr and a non-zero exit, never a traceback."""
     print(f"gmts: error: {msg}", file=sys.stderr)
@@ -168,11 +184,13 @@ def check_config(cfg: Config):
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
-# ==== Small helpers [plumbing] ====================================================================================
+# ==== Small helpers [plumbing] =======================================================================
 def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(name)
+    if name == "auto" and torch.cuda.is_available():
+        name = "cuda"
+    if name == "auto" and torch.backends.mps.is_available():
+        name = "mps"
+    return torch.device("cpu" if name == "auto" else name)
 
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
@@ -183,329 +201,449 @@ def set_seed(seed: int):
     random.seed(seed)
     torch.manual_seed(seed)
 
-# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====================
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: the answer starts inside <think>
+# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T ========
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 
 def end_token_ids(tok) -> list:
-    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|> when present."""
-    qwen = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    ids = {tok.eos_token_id} | {i for i in qwen if isinstance(i, int) and i != tok.unk_token_id}
+    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
+    ids = {tok.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
     return sorted(i for i in ids if i is not None)
 
 def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with both, but only
-    instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos. yes/no force it."""
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with both,
+    but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos."""
     if chat != "auto":
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
-    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
-    inside the assistant's <think> (TinyZero's prefill). system=False drops the system line (terse CPU prompts)."""
-    if chat:
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
-        msgs.append({"role": "user", "content": question})
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
-    return (SYSTEM_PROMPT + "\n" if system else "") + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+    """The text the model continues: the question in the chat template or a plain User/Assistant
+    frame, ending inside the assistant's <think>. system=False drops the system line (terse prompts)."""
+    if not chat:
+        head = SYSTEM_PROMPT + "\n" if system else ""
+        return head + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+    msgs.append({"role": "user", "content": question})
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
 
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """Prompt strings for task rows; short=True: the task's terse question and no system line."""
     return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
-    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and including the first
-    end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is also an end token, so a value test
-    would drop the end token itself from the loss (the tiny-grpo bug)."""
-    T = completion_ids.shape[1]
-    is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=completion_ids.device))  # (N, T)
+    """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
+    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is
+    also an end token, so a value test would drop the end token itself from the loss (tiny-grpo's bug)."""
+    N, T = completion_ids.shape
+    device = completion_ids.device
+    is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=device))  # (N, T)
     has_end = is_end.any(dim=1)  # (N,)
-    first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, T - 1, dtype=torch.long))
-    resp_mask = torch.arange(T, device=completion_ids.device)[None, :] <= first_end[:, None]  # (N, T)
+    no_end = torch.full((N,), T - 1, device=device)  # an answer without an end keeps every position
+    first_end = torch.where(has_end, is_end.int().argmax(dim=1), no_end)  # (N,)
+    resp_mask = torch.arange(T, device=device)[None, :] <= first_end[:, None]  # (N, T)
     return resp_mask, ~has_end
+
+class SamplerLogp:
+    """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
+    generate() calls it before each draw with the ids drawn so far, so each call reads the previous
+    call's distribution at the token drawn from it, and keeps its own for the next call."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.read = []  # one (N, 1) column per draw already seen
+        self.pending = None  # (N, V): the distribution of the draw not yet seen
+
+    def __call__(self, drawn: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.read.append(self.pending.gather(1, drawn[:, -1:]))
+        self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # (N, V)
+        return logits
+
+    def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
+        """(N, T) log-probs of comp's tokens, 0 after the end; the last draw is read here (unless
+        generate ran steps past the end and cut them)."""
+        if self.pending is not None and len(self.read) < comp.shape[1]:
+            self.read.append(self.pending.gather(1, comp[:, -1:]))
+        return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
+
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
             sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask, truncated,
-    texts) on the model's device. generate() would fill every knob left unset from the checkpoint's generation_config
-    (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling from another distribution than the
-    policy we train, so it sees a complete config of our own and a blank model default. fast: a static KV cache
-    (length rounded up to 64: few shapes; generate compiles its step on CUDA). sampler_logp: also `sampler_logp`
-    (N, T), the sampler's log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after
-    the end)."""
+    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask,
+    truncated, texts) on the model's device. generate() would fill every knob left unset from the
+    checkpoint's generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...),
+    sampling from another distribution than the policy we train, so it sees a complete config of our
+    own and a blank model default. fast: a static KV cache (its length rounded up to 64: few shapes;
+    generate compiles its step on CUDA). sampler_logp: also `sampler_logp` (N, T), the sampler's
+    log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after the end)."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    ids, attn = (enc[k].repeat_interleave(group_size, dim=0) for k in ("input_ids", "attention_mask"))  # (N, P)
-    width, limit = ids.shape[1] + max_new_tokens, getattr(model.config, "max_position_embeddings", None)
+    ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # (N, P)
+    attn = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+    width = ids.shape[1] + max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
     if limit and width > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the model's "
-                         f"{limit} positions")
-    knobs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the "
+                         f"model's {limit} positions")
+    knobs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    if greedy:
+        knobs = dict(do_sample=False)
     if fast:
         knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
     end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
-    seen, last = [], []  # generate calls record() before each draw, with the ids drawn so far
-
-    def record(drawn, logits):  # the previous draw's log-prob, read at the token it drew; keep this step's
-        seen.extend(p.gather(1, drawn[:, -1:]) for p in last)
-        last[:] = [torch.log_softmax(logits.float() / temperature, dim=-1)]
-        return logits
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
+                           pad_token_id=tok.pad_token_id, **knobs)
+    recorder = SamplerLogp(temperature) if sampler_logp else None
     was_training, saved = model.training, model.generation_config
     model.eval()
-    model.generation_config = GenerationConfig()  # the checkpoint's sampling knobs never reach this call
+    model.generation_config = GenerationConfig()  # the checkpoint's knobs never reach this call
     try:
         with autocast(device):
             out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
-                                 logits_processor=[record] if sampler_logp else None)  # (N, P + T)
+                                 logits_processor=[recorder] if recorder else None)  # (N, P + T)
     finally:
         model.generation_config = saved
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
-    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask, truncated=truncated,
-                 texts=tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True))
-    if sampler_logp:  # the last draw is read here (unless generate ran steps past the end and cut them)
-        seen.extend(p.gather(1, comp[:, -1:]) for p in last[:comp.shape[1] - len(seen)])
-        batch["sampler_logp"] = torch.cat(seen[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)  # (N, T)
+    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
+    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
+                 truncated=truncated, texts=texts)
+    if recorder:
+        batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================================
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = 1e-6):
+# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] =====================================
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward values
-    A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by sqrt((G-1)/G)).
-    A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean.
-    """
+    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward
+    values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by
+    sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN).
+    std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # (B, 1)
+    same = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (B, 1)
     return adv.masked_fill(same, 0.0).view(-1)  # (N,)
 
 def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere, so they carry a gradient)."""
+    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere: a gradient)."""
     r = rewards.view(-1, group_size)  # (B, G)
     return r.max(dim=1).values != r.min(dim=1).values
 
+def _join_rows(xs: list, key: str, pad_id: int):
+    """One per-answer entry of several rollout batches, joined along the answers: lists concatenated,
+    (N, W) tensors padded to one width first (prompt_* on the left, as prompts are, the rest on the
+    right; *_ids with pad_id, other entries with 0)."""
+    if isinstance(xs[0], list):
+        return [x for part in xs for x in part]
+    if xs[0].dim() == 2:
+        width = max(x.shape[1] for x in xs)
+        fill = pad_id if key.endswith("_ids") else 0
+        left = key.startswith("prompt")
+        xs = [F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=fill)
+              for x in xs]
+    return torch.cat(xs)
+
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first B informative
-    groups -> (batch, rewards, adv). Every per-answer entry is carried: lists are indexed, (N, W) tensors padded to
-    one width (prompt_* on the left, the rest on the right; *_ids with pad_id, others with 0). With no informative
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
+    B informative groups -> (batch, rewards, adv), every per-answer entry carried. With no informative
     group the first batch is returned as it is (all A = 0)."""
-    batches, rewards, advs = zip(*parts)
-    keep = torch.cat([informative(r, group_size) for r in rewards]).nonzero().squeeze(1)[:B]  # (<= B,)
+    rewards = torch.cat([part[1] for part in parts])  # (N_all,)
+    advs = torch.cat([part[2] for part in parts])  # (N_all,)
+    keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
     if keep.numel() == 0:
         return parts[0]
-    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # the answers of the kept groups
+    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
+    batch = {}
+    for key in parts[0][0]:
+        joined = _join_rows([part[0][key] for part in parts], key, pad_id)
+        if isinstance(joined, list):
+            batch[key] = [joined[i] for i in idx.tolist()]
+        else:
+            batch[key] = joined[idx.to(joined.device)]
+    return batch, rewards[idx], advs[idx.to(advs.device)]
 
-    def pick(xs: list, key: str = ""):  # the parts' entries joined, rows idx kept
-        if isinstance(xs[0], list):
-            flat = [x for part in xs for x in part]
-            return [flat[i] for i in idx.tolist()]
-        if xs[0].dim() == 2:
-            w, fill = max(x.shape[1] for x in xs), pad_id if key.endswith("_ids") else 0
-            xs = [F.pad(x, (w - x.shape[1], 0) if key.startswith("prompt") else (0, w - x.shape[1]), value=fill)
-                  for x in xs]
-        x = torch.cat(xs)
-        return x[idx.to(x.device)]
-    return {key: pick([b[key] for b in batches], key) for key in batches[0]}, pick(rewards), pick(advs)
-
-# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========================
-# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage A_i,
-# ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range) is
+# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ===========
+# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
+# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
-# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h) or
-#    (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
-#    Write omega = r * A where the clip is inactive and omega = 0 where it is active: dl/dtheta = -omega*dlogp_y/dtheta.
+# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
+#    or (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise
+#        dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
+#    Write omega = r * A where the clip is inactive and omega = 0 where it is active:
+#        dl/dtheta = -omega * dlogp_y/dtheta.
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
-#        dl/dz = -(omega / T) * (onehot(y) - p)                                          (the logit gradient)
-# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2, so
-#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm           -> token_stats
-# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i when r = 1):
-#    pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set by p_y, not by H. Over
-#    y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon entropy >= Renyi-2 entropy): IN
-#    EXPECTATION a near-certain position (H ~ 0) has a near-zero logit gradient. Not pointwise: at
-#    p = (0.999, 50 x 2e-5) a sampled rare token has H = 0.012 nats but norm 1.414. Entropy misses such tokens;
-#    gradnorm (below) scores them by their exact norm.
-# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With binary rewards and
-#    k of G answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
-#    (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose answers all got the same reward. Entropy ranking
-#    ignores this factor: it spends budget on tokens whose gradient is small or exactly 0.
-# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3), and keeps the
-#    top rho of the batch. 'gradnorm' uses the exact logit-gradient norm |omega| * grad_norm instead (our
-#    ablation; it costs the same vocabulary reduction as H).
-# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects over the whole
-# batch; recomputes omega (with the current ratio and clip) before every inner update; computes all of it in fp32.
+#        dl/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
+# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
+#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
+#    (grad_norm is computed by token_stats).
+# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
+#    when r = 1): pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set
+#    by p_y, not by H. Over y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon
+#    entropy >= Renyi-2 entropy): IN EXPECTATION a near-certain position (H ~ 0) has a near-zero
+#    logit gradient. Not pointwise: at p = (0.999, 50 x 2e-5) a sampled rare token has
+#    H = 0.012 nats but norm 1.4135. Entropy misses such tokens; gradnorm (below) scores them by
+#    their exact norm.
+# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With
+#    binary rewards and k of G answers correct, A = +sqrt((G-k)/k) for the correct and
+#    -sqrt(k/(G-k)) for the wrong ones (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose
+#    answers all got the same reward. Entropy ranking ignores this factor: it spends budget on
+#    tokens whose gradient is small or exactly 0.
+# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3)
+#    and keeps the top rho of the batch. 'gradnorm' uses the exact logit-gradient norm
+#    |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
+# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects
+# over the whole batch; recomputes omega (with the current ratio and clip) before every inner
+# update; computes all of it in fp32.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
     logp      = log p_y,  p = softmax(logits / T)
     entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation step 3)
+    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
     """
     z = logits.float()
     logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (...)
-    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number as (1 - p_y)^2 + sum_{j!=y} p_j^2
-    # has no cancellation (1 - p_y = -expm1(logp_y)). Without autograd, p is reused in place: 3 (..., V) buffers.
+    y = tokens.unsqueeze(-1)  # (..., 1)
+    logp = logp_all.gather(-1, y).squeeze(-1)  # (...)
+    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number written as
+    # (1 - p_y)^2 + sum_{j != y} p_j^2 has no cancellation (1 - p_y = -expm1(logp_y)).
+    # Without autograd, p is reused in place: 3 (..., V) buffers.
     inplace = not torch.is_grad_enabled()
     p = logp_all.exp()  # (..., V)
-    p = p.scatter_(-1, tokens.unsqueeze(-1), 0.0) if inplace else p.scatter(-1, tokens.unsqueeze(-1), 0.0)  # p_y := 0
-    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2
+    p = p.scatter_(-1, y, 0.0) if inplace else p.scatter(-1, y, 0.0)  # p_y := 0
+    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2, (...)
     plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
     entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
     sq = torch.expm1(logp).square() + others_sq  # (...)
     return logp, entropy, sq.sqrt() / temperature
 
 def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
-    """Final hidden states that PREDICT each response token (position P-1+t predicts token t) -> (n, T, d). Position
-    ids come from the attention mask (cumsum - 1), as generate() computes them under left padding."""
+    """Final hidden states that PREDICT each response token (position P-1+t predicts token t)
+    -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
+    them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
     attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
-        h = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # (n, P+T, d)
+        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
 
 @torch.no_grad()
 def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward in micro-batches,
-    the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers, whatever N * T is)."""
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
+    in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
+    buffers, whatever N * T is)."""
     head = model.get_output_embeddings()
-    mask, comp = batch["resp_mask"], batch["comp_ids"]
+    mask = batch["resp_mask"]  # (N, T)
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
-    for s in range(0, mask.shape[0], micro_batch):
-        rows, m = slice(s, s + micro_batch), mask[s:s + micro_batch]  # m (n, T)
-        h, y = response_hidden(model, batch, rows)[m], comp[rows][m]  # (M, d), (M,)
-        stats = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
-                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
-        for o, v in zip(out, zip(*stats)):
-            o[rows][m] = torch.cat(v)
+    for start in range(0, mask.shape[0], micro_batch):
+        rows = slice(start, start + micro_batch)
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        y = batch["comp_ids"][rows][m]  # (M,)
+        parts = []
+        for hc, yc in zip(h.split(chunk), y.split(chunk)):
+            parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
+        for o, values in zip(out, zip(*parts)):
+            block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
+            block[m] = torch.cat(values)
     return tuple(out)
 
-def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
-              chunk: int = 1024) -> torch.Tensor:
-    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward (activation
-    checkpointing), so the head's memory is bounded by the chunk, not by the number of tokens. (M, d) -> (M,)."""
+def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
+              temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward
+    (activation checkpointing), so the head's memory is bounded by the chunk, not by the number
+    of tokens. (M, d) -> (M,)."""
     from torch.utils.checkpoint import checkpoint
+
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    parts = [checkpoint(logp, h, y, use_reentrant=False)
+             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
-# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======================
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast to one shape."""
-    return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
+@torch.no_grad()
+def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
+                  chunk: int) -> torch.Tensor:
+    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on exactly the code path of
+    loss_backward (same rows per micro-batch, same chunked head): a model whose weights equal the
+    policy's gives the policy's log-probs bit for bit. The KL reference uses it (deviation 7)."""
+    head = model.get_output_embeddings()
+    out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
+    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # no valid token: split() still yields one empty piece
+            break
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+        r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
+        out[rows[r], t] = logp
+    return out
 
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1). (N,), (N, T) -> (N, T)"""
+# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] ==========
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+                clip_high: float) -> torch.Tensor:
+    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
+    above = (adv > 0) & (ratio > 1 + clip_high)
+    below = (adv < 0) & (ratio < 1 - clip_low)
+    return above | below
+
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+          clip_high: float) -> torch.Tensor:
+    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
+    adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
-    return torch.where(clip_active(a, ratio, clip_low, clip_high), torch.zeros_like(ratio), ratio * a)
+    dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
+    return torch.where(dead, torch.zeros_like(ratio), ratio * a)
 
 def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
                  generator: torch.Generator = None) -> torch.Tensor:
     """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
-    scores = {"all": lambda: torch.ones_like(entropy),  # vanilla GRPO (train keeps every token, rho = 1)
-              "random": lambda: torch.rand(entropy.shape, generator=generator).to(entropy.device),  # the control
-              "entropy": lambda: entropy,  # H_t (80/20 paper)
-              "gmts": lambda: (entropy * om).abs(),  # |H_t * omega_t| (GMTS)
-              "gradnorm": lambda: om.abs() * grad_norm}  # the exact logit-gradient norm (derivation step 3)
-    if method not in scores:
-        raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
-    return scores[method]()
+    if method == "all":  # vanilla GRPO (train keeps every token, rho = 1)
+        return torch.ones_like(entropy)
+    if method == "random":  # the control
+        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
+    if method == "entropy":  # H_t (80/20 paper)
+        return entropy
+    if method == "gmts":  # |H_t * omega_t| (GMTS)
+        return (entropy * om).abs()
+    if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3)
+        return om.abs() * grad_norm
+    raise ValueError(f"unknown selection method {method!r}; "
+                     f"choose one of: {', '.join(CHOICES['select'])}")
 
-def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False) -> torch.Tensor:
-    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch: (N, T) -> (N, T) bool.
-    Ties go to the earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold plus a
-    count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24 elements. nonzero=True (gmts,
-    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may keep fewer than k."""
+def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float,
+                  nonzero: bool = False) -> torch.Tensor:
+    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch:
+    (N, T) -> (N, T) bool. Any rho in (0, 1] keeps at least one valid token. Ties go to the
+    earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold
+    plus a count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24
+    elements. nonzero=True (gmts, gradnorm) then drops kept tokens whose score is 0 (their
+    gradient is exactly 0), so they may keep fewer than k."""
     flat_mask = mask.reshape(-1)  # (N*T,)
-    n = int(flat_mask.sum())
-    k = min(n, math.ceil(rho * n - 1e-9))  # the 1e-9 keeps 0.2 * 10 from rounding up to 3
     sel = torch.zeros_like(flat_mask)
-    if k == 0:
+    n = int(flat_mask.sum())
+    if n == 0:
         return sel.view_as(mask)
-    vals = torch.nan_to_num(scores.reshape(-1)[flat_mask].float(), nan=-math.inf)  # (n,)
+    # The 1e-9 keeps a product that floats put just above an integer from rounding up a whole
+    # token: 0.07 * 100 == 7.000000000000001 must give 7, not 8.
+    k = math.ceil(rho * n - 1e-9)
+    k = min(n, max(k, 1))
+    vals = scores.reshape(-1)[flat_mask].float()  # (n,)
+    vals = torch.nan_to_num(vals, nan=-math.inf)
     thr = torch.kthvalue(vals, n - k + 1).values  # the k-th largest value
-    keep, ties = vals > thr, vals == thr
-    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))
+    keep = vals > thr
+    ties = vals == thr
+    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))  # the earliest ties fill up to k
     if nonzero:
         keep &= vals > 0
     sel[flat_mask] = keep
     return sel.view_as(mask)
 
-# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================================
-def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                    clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp):
-    (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
+# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ===================
+def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                    clip_low: float, clip_high: float) -> tuple:
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
+    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
+    On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
     ratio = torch.exp(logp - old_logp)
-    loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
     return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and E_{y ~ pi_theta}[k3] = KL. (M,)."""
+    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and
+    E_{y ~ pi_theta}[k3] = KL. Its gradient w.r.t. logp is 1 - exp(ref - logp). (M,)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int,
-                  chunk: int, kl_beta: float = 0.0, ref_logp: torch.Tensor = None) -> dict:
-    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom  (+ kl_beta * mean k3 over ALL valid tokens).
-    Only the needed positions go through the lm_head (the others have zero gradient: leaving them out is exact).
-    Returns loss, clip_frac, kl and `live`, the kept tokens with a non-zero gradient (policy_update's step rule)."""
-    head, valid = model.get_output_embeddings(), batch["resp_mask"]
-    need = (sel_mask | valid) if kl_beta > 0 else sel_mask  # (N, T) positions whose log-prob we need
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
+                  clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
+                  ref_logp: torch.Tensor = None) -> dict:
+    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom
+    (+ kl_beta * mean k3 over ALL valid tokens). Only the needed positions go through the lm_head
+    (the others have zero gradient: leaving them out is exact). Returns loss, clip_frac, kl and
+    `live`, the tokens whose gradient is not zero (policy_update's step rule, deviation 6): kept
+    tokens with A != 0 and an inactive clip, and (KL) tokens where 1 - exp(ref - logp) != 0."""
+    head = model.get_output_embeddings()
+    valid = batch["resp_mask"]  # (N, T)
+    need = sel_mask  # (N, T) positions whose log-prob we need
+    if kl_beta > 0:
+        need = sel_mask | valid
     n_valid = max(int(valid.sum()), 1)
-    loss_sum, clipped, live, kl_sum = 0.0, 0, 0, 0.0
+    stats = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch) if active.numel() else []:
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # nothing kept: split() still yields one empty piece
+            break
         m = need[rows]  # (n, T)
-        logp = head_logp(response_hidden(model, batch, rows)[m], head, batch["comp_ids"][rows][m], temperature, chunk)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,) each
+        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,)
         s = sel_mask[rows][m]  # (M,) bool
         loss = (pg * s).sum() / denom
+        stats["live"] += int((s & ~clip_m & (a != 0)).sum())
         if kl_beta > 0:
-            kl = k3_kl(logp, ref_logp[rows][m])
-            loss = loss + kl_beta * kl.sum() / n_valid  # the KL's normaliser does not depend on the selection
-            kl_sum += float(kl.detach().sum())
+            ref = ref_logp[rows][m]  # (M,)
+            kl = k3_kl(logp, ref)
+            loss = loss + kl_beta * kl.sum() / n_valid  # its normaliser ignores the selection
+            stats["kl"] += float(kl.detach().sum())
+            stats["live"] += int((torch.exp(ref - logp.detach()) != 1).sum())
         loss.backward()
-        loss_sum += float(loss.detach())
-        clipped += int((clip_m & s).sum())
-        live += int((s & ~clip_m & (a != 0)).sum()) + (int(m.sum()) if kl_beta > 0 else 0)
-    return dict(loss=loss_sum, clip_frac=clipped / max(int(sel_mask.sum()), 1), kl=kl_sum / n_valid, live=live)
+        stats["loss"] += float(loss.detach())
+        stats["clipped"] += int((clip_m & s).sum())
+    n_sel = max(int(sel_mask.sum()), 1)
+    return dict(loss=stats["loss"], clip_frac=stats["clipped"] / n_sel,
+                kl=stats["kl"] / n_valid, live=stats["live"])
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, max_grad_norm: float, **kw) -> dict:
-    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the same for every
-    method: step iff some kept token has a non-zero gradient (A = 0 everywhere moves neither the weights nor the Adam
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, denom: float, *, max_grad_norm: float, **kw) -> dict:
+    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the
+    same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
+    everywhere, with the policy still at its reference, moves neither the weights nor the Adam
     moments) and the gradient is finite."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
-    params = [p for p in model.parameters() if p.requires_grad]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if stats["live"] else 0.0
-    stats.update(grad_norm=norm, skipped=int(not (math.isfinite(norm) and math.isfinite(stats["loss"]))))
-    stats["stepped"] = int(stats["live"] > 0 and not stats["skipped"])
+    norm = 0.0
+    if stats["live"]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    finite = math.isfinite(norm) and math.isfinite(stats["loss"])
+    stats["grad_norm"] = norm
+    stats["skipped"] = int(not finite)
+    stats["stepped"] = int(stats["live"] > 0 and finite)
     if stats["stepped"]:
         opt.step()
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-# ==== Training loop [paper: the algorithm box; the numbered comments are the module docstring's steps] ============
+# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] =====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at optimiser step i (0-based) of `total`: linear warm-up over `warmup` steps, then (decay) a
-    linear decay that reaches 1 / (total - warmup) at the last step (TRL's default schedule is also linear)."""
+    """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
+    then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
+    schedule is also linear). A slot is one inner update of one GRPO step, stepped or not."""
     up = (i + 1) / max(warmup, 1)
-    return min(1.0, up, max(total - i, 1) / max(total - warmup, 1)) if decay else min(1.0, up)
+    if not decay:
+        return min(1.0, up)
+    down = max(total - i, 1) / max(total - warmup, 1)
+    return min(1.0, up, down)
 
 def start_run(cfg: Config, log=print) -> dict:
     """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
@@ -566,84 +704,132 @@ def start_run(cfg: Config, log=print) -> dict:
             p.data = p.data.to(torch.bfloat16)
     return run
 
+
 @torch.no_grad()
 def refresh_sampler(sampler, model):
     """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
     if sampler is not model:
         torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
 
-def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict, **extra) -> dict:
+def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict,
+                **extra) -> dict:
     """One line of metrics.jsonl (the README's glossary explains each key)."""
-    n_valid, n_sel = max(int(mask.sum()), 1), max(int(sel_mask.sum()), 1)
-    sampled = torch.cat([informative(r, G) for _, r, _ in parts])  # every group sampled this step
+    n_valid = max(int(mask.sum()), 1)
+    n_sel = max(int(sel_mask.sum()), 1)
+    sampled = torch.cat([informative(part[1], G) for part in parts])  # every group sampled
+    zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
     return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
-                selected_frac=int(sel_mask.sum()) / n_valid, entropy_mean=float((entropy * mask).sum()) / n_valid,
+                selected_frac=int(sel_mask.sum()) / n_valid,
+                entropy_mean=float((entropy * mask).sum()) / n_valid,
                 entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
-                zero_adv_selected_frac=float((sel_mask & (adv == 0)[:, None]).sum()) / n_sel,
+                zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,
                 grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
                 completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
                 groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder (metrics.jsonl,
-    metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm, om) -> (N, T) scores, if given,
-    replaces token_scores(cfg.select, ...): the notebook trains its own score through it."""
-    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: the newest loadable checkpoint
-    model, tok, task, opt, chat = (run[k] for k in ("model", "tok", "task", "opt", "chat"))
-    B, G, mb, chunk = cfg.prompts_per_step, cfg.group_size, cfg.micro_batch, cfg.stats_chunk
-    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho
-    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # never keep a zero score (deviation 9)
-    score = score_fn or (lambda logp, *stats: token_scores(cfg.select, *stats))  # (logp, H, grad_norm, omega)
+    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder
+    (metrics.jsonl, metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm,
+    om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...): the notebook trains
+    its own score through it."""
+    check_tracker(cfg.report_to)
+    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: its checkpoint
+    model = run["model"]
+    tok = run["tok"]
+    task = run["task"]
+    opt = run["opt"]
+    B, G = cfg.prompts_per_step, cfg.group_size  # prompts per step, answers per prompt
+    mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
+    rho = cfg.rho
+    if cfg.select == "all" and score_fn is None:
+        rho = 1.0
+    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # deviation 9
+    report = open_tracker(cfg)  # --report-to: tensorboard, wandb or nothing
+    if not cfg.resume:
+        report(read_metrics(cfg.out)[0])  # step 0: the starting model's held-out accuracy
+    show = step_printer(cfg.steps, run["start"], log)  # a progress bar on a terminal
     model.train()
     for step in range(run["start"], cfg.steps + 1):
         t0 = time.time()
-        set_seed(cfg.seed * 1_000_003 + step)  # every step's randomness is a function of (seed, step): resumable
-        parts = []  # --filter-groups (deviation 5): more prompts until B groups have unequal rewards
-        while len(parts) < (cfg.max_resample if cfg.filter_groups else 1):
-            rows = run["draw"](B, step, len(parts))  # 1. B training prompts
-            prompts = build_prompts(tok, task, rows, chat, cfg.short_prompt)
-            batch = fast_or_plain_rollout(run, log, prompts, G, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                                          cfg.top_k, sampler_logp=True)  # 2. (run["fast"] falls back once)
-            rewards = torch.tensor([task["reward"](t, rows[n // G]) for n, t in enumerate(batch["texts"])])  # 3. (N,)
-            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # 4. (N,)
+        set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
+        parts = []  # --filter-groups (deviation 5): more prompts until B groups are informative
+        n_batches = 1
+        if cfg.filter_groups:
+            n_batches = cfg.max_resample
+        while len(parts) < n_batches:
+            # 1. B training prompts
+            rows = run["draw"](B, step, len(parts))
+            prompts = build_prompts(tok, task, rows, run["chat"], cfg.short_prompt)
+            # 2. G answers per prompt, with the sampler's own log-probs
+            batch = fast_or_plain_rollout(run, log, prompts, G, cfg.max_new_tokens, cfg.temperature,
+                                          cfg.top_p, cfg.top_k, sampler_logp=True)  # run["fast"] falls back once
+            # 3. rewards from the task's verifier (TASKS, in the supporting code after train)
+            rewards = torch.zeros(len(batch["texts"]))  # (N,)
+            for n, text in enumerate(batch["texts"]):
+                rewards[n] = task["reward"](text, rows[n // G])
+            # 4. group advantages
+            adv = group_advantages(rewards, G, cfg.std_normalize)  # (N,)
+            adv = adv.to(batch["comp_ids"].device)
             parts.append((batch, rewards, adv))
-            if sum(int(informative(r, G).sum()) for _, r, _ in parts) >= B:
+            n_informative = sum(int(informative(part[1], G).sum()) for part in parts)
+            if n_informative >= B:
                 break
-        batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id) if cfg.filter_groups else parts[0]
-        mask, t_roll = batch["resp_mask"], time.time() - t0  # (N, T)
+        batch, rewards, adv = parts[0]
+        if cfg.filter_groups:
+            batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id)
+        mask = batch["resp_mask"]  # (N, T)
+        t_roll = time.time() - t0
+        # 5. token statistics of the policy that sampled the batch (pi_old): log pi(y_t), H_t and
+        # the logit-gradient norm, each (N, T); the KL reference's log-probs on the loss's path
+        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+        old_logp = logp
+        gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
+        ref_logp = None
+        if run["ref"] is not None:
+            ref_logp = response_logp(run["ref"], batch, mask, cfg.temperature, mb, chunk)
         for inner in range(cfg.inner_updates):
-            # 5. token statistics of the current policy: log pi(y_t), H_t, the logit-gradient norm, each (N, T)
-            logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            if inner == 0:  # pi_old: the policy that sampled the batch
-                old_logp, gap = logp, (batch["sampler_logp"] - logp).abs()[mask]  # sampler vs learner precision
-                ref_logp = batch_token_stats(run["ref"], batch, cfg.temperature, mb, chunk)[0] if run["ref"] else None
+            if inner > 0:  # the policy has moved: its statistics again
+                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. scores, and the top rho of the WHOLE batch (deviation 1)
             om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
-            sel_mask = select_tokens(score(logp, entropy, grad_norm, om), mask, rho, nonzero)  # (N, T) bool
-            # 7. PPO-clip update on the kept tokens; the lr follows GRPO steps, the step rule is the same for all
-            i = (step - 1) * cfg.inner_updates + inner
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * lr_factor(i, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
-            denom = float(mask.sum()) if cfg.loss_norm == "all" else max(float(sel_mask.sum()), 1.0)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
-                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
+            if score_fn is None:
+                scores = token_scores(cfg.select, entropy, grad_norm, om)
+            else:
+                scores = score_fn(logp, entropy, grad_norm, om)
+            sel_mask = select_tokens(scores, mask, rho, nonzero)  # (N, T) bool
+            # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
+            slot = (step - 1) * cfg.inner_updates + inner
+            total = cfg.steps * cfg.inner_updates
+            lr = cfg.lr * lr_factor(slot, total, cfg.warmup_steps, cfg.lr_decay)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            denom = float(mask.sum())
+            if cfg.loss_norm == "selected":
+                denom = max(float(sel_mask.sum()), 1.0)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
+                                  max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
+                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb,
+                                  chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
             run["skipped"] += stats["skipped"]
         refresh_sampler(run["sampler"], model)
         check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
         # 8. log, evaluate, checkpoint
         dt = time.time() - t0
-        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats, lr=opt.param_groups[0]["lr"],
-                          skipped_steps=run["skipped"], truncated_frac=batch["truncated"].float().mean().item(),
+        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats,
+                          lr=opt.param_groups[0]["lr"], skipped_steps=run["skipped"],
+                          truncated_frac=batch["truncated"].float().mean().item(),
                           rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
                           sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(evaluate(model, tok, task, run["eval_rows"], chat, cfg.short_prompt, cfg.max_new_tokens))
+            rec.update(evaluate(model, tok, task, run["eval_rows"], run["chat"],
+                                cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        shown = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
-        log(f"step {step} | " + " | ".join(f"{k} {rec[k]:.3f}" for k in shown if k in rec) + f" | {dt:.2f} s")
+        report(rec)
+        show(step_line(rec), "eval_acc" in rec)
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
             save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
+    show(None, False)
+    report(None)
     save_final(cfg.out, model, tok)
     plot_metrics(cfg.out)
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
@@ -655,13 +841,94 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 # checkpoints, the command line.
 # #####################################################################################################################
 
-# ==== Tasks and verifiers [paper: reward] =========================================================================
-# Each task = offline generator + prompt + verifier + loader, collected in TASKS.
-# Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs a reward).
+# ==== Step lines, the progress bar and trackers [plumbing] ===========================================
+SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
+         "eval_acc")
+
+def step_line(rec: dict) -> str:
+    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
+    fields = [f"step {rec['step']}"]
+    for key in SHOWN:
+        if key in rec:
+            fields.append(f"{key} {rec[key]:.3f}")
+    fields.append(f"{rec['step_time_s']:.2f} s")
+    return " | ".join(fields)
+
+def step_printer(total: int, start: int, log=print):
+    """show(line, keep) prints one step's line. On a terminal (log is print, stdout a TTY) a tqdm
+    bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
+    above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
+    if log is not print or not sys.stdout.isatty():
+        def show(line, keep):
+            if line is not None:
+                log(line)
+        return show
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start - 1, unit="step", file=sys.stdout, dynamic_ncols=True)
+
+    def show(line, keep):
+        if line is None:
+            bar.close()
+            return
+        bar.update(1)
+        bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
+        if keep:
+            bar.write(line)
+    return show
+
+TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to: its module
+
+def check_tracker(name: str):
+    """ValueError (one line) before any work if --report-to's package is not installed."""
+    if name == "none":
+        return
+    try:
+        importlib.import_module(TRACKERS[name])
+    except ImportError:
+        raise ValueError(f"--report-to {name} needs the {name} package "
+                         f"(pip install {name})") from None
+
+def _numbers(rec: dict) -> dict:
+    """The record's numbers, without the step (a tracker's x axis)."""
+    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
+
+def open_tracker(cfg: Config):
+    """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
+    report(None) closes it."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
+
+        def report(rec):
+            if rec is None:
+                writer.close()
+                return
+            for key, value in _numbers(rec).items():
+                writer.add_scalar(key, value, rec["step"])
+        return report
+    if cfg.report_to == "wandb":
+        import wandb
+        name = os.path.basename(os.path.abspath(cfg.out))
+        wandb_run = wandb.init(project="gmts", name=name, dir=cfg.out,
+                               config=dataclasses.asdict(cfg))
+
+        def report(rec):
+            if rec is None:
+                wandb_run.finish()
+                return
+            wandb_run.log(_numbers(rec), step=rec["step"])
+        return report
+    return lambda rec: None
+
+# ==== Tasks and verifiers [paper: reward] ============================================================
+# Each task = offline generator + prompt + verifier + loader, collected in TASKS; train()'s step 3
+# calls TASKS[task]["reward"]. Verifiers are pure, cap every length before parsing, use no eval/exec
+# and never raise (a bug costs a reward, not a run).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 
 def _never_raise(fn, fallback=0.0):
-    """A last-resort net around a verifier (expected failures are handled inside it): an exception -> fallback."""
+    """A last-resort net around a verifier (expected failures are handled inside it): an
+    exception -> fallback."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -670,67 +937,96 @@ def _never_raise(fn, fallback=0.0):
     return functools.wraps(fn)(wrapped)
 
 def _last_answer(text: str):
-    """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear, no regex backtracking."""
+    """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear time,
+    no regex backtracking."""
     end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return None if start < 0 else text[start + len("<answer>"):end]
+    start = text.rfind("<answer>", 0, max(end, 0))
+    if end < 0 or start < 0:
+        return None
+    return text[start + len("<answer>"):end]
 
 # -- countdown (TinyZero): combine the given numbers with + - * / to hit the target --
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
         "/": lambda a, b: a / b if b else None}  # None: division by zero
 _AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
-_CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast would also read "٣" as 3
+_CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads "٣" as 3 too
 
 def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the text back the same."""
-    v, p = _OPS[op](x[0], y[0]), _PREC[op]
-    sx = f"({x[1]})" if x[2] < p else x[1]
-    sy = f"({y[1]})" if y[2] < p or (y[2] == p and op in "-/") else y[1]  # a - (b + c), a / (b * c)
-    return None if v is None else (v, f"{sx} {op} {sy}", p)
+    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the
+    text back the same; None for a division by zero."""
+    value = _OPS[op](x[0], y[0])
+    if value is None:
+        return None
+    p = _PREC[op]
+    left = f"({x[1]})" if x[2] < p else x[1]
+    right_needs = y[2] < p or (y[2] == p and op in "-/")  # a - (b + c), a / (b * c)
+    right = f"({y[1]})" if right_needs else y[1]
+    return value, f"{left} {op} {right}", p
 
 def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right: ([4, 3, 2], '+-') -> (5,
-    '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up answers) are such chains."""
-    value = nums[0] + sum(x if s == "+" else -x for s, x in zip(signs, nums[1:]))
-    return value, " ".join([str(nums[0])] + [f"{s} {x}" for s, x in zip(signs, nums[1:])])
+    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right:
+    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up
+    answers) are such chains."""
+    value = nums[0]
+    text = str(nums[0])
+    for sign, x in zip(signs, nums[1:]):
+        value += x if sign == "+" else -x
+        text += f" {sign} {x}"
+    return value, text
 
-def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99), target_range=(1, 1000), ops="+-*/"):
-    """Random numbers and a random expression over them; its value is the target, so every problem is solvable."""
+def _random_expression(rng: random.Random, nums: list, ops: str):
+    """A random expression over all of nums, combined in random order: (value, text, precedence),
+    or None where a step leaves the natural numbers (a fraction, a negative, a division by 0)."""
+    items = [(Fraction(x), str(x), 3) for x in nums]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)  # random order of use
+        z = _combine(items[i], items[j], rng.choice(ops))
+        if z is None or z[0].denominator != 1 or z[0] < 0:
+            return None
+        items = [it for k, it in enumerate(items) if k not in (i, j)]
+        items.append(z)
+    return items[0]
+
+def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
+                      target_range=(1, 1000), ops="+-*/"):
+    """Random numbers and a random expression over them; its value is the target, so every
+    problem is solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
-        items = [(Fraction(x), str(x), 3) for x in nums]
-        while items and len(items) > 1:
-            i, j = rng.sample(range(len(items)), 2)  # random order of use
-            z = _combine(items[i], items[j], rng.choice(ops))
-            ok = z is not None and z[0].denominator == 1 and z[0] >= 0  # exact divisions, natural intermediates
-            items = [it for k, it in enumerate(items) if k not in (i, j)] + [z] if ok else None
-        if items and target_range[0] <= items[0][0] <= target_range[1]:
-            return {"nums": nums, "target": int(items[0][0]), "expr": items[0][1]}
-    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
+        z = _random_expression(rng, nums, ops)
+        if z is not None and target_range[0] <= z[0] <= target_range[1]:
+            return {"nums": nums, "target": int(z[0]), "expr": z[1]}
+    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
+                     f"{target_range}")
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
-    """Exact value of a whitelisted tree, collecting its int literals. Anything else raises ValueError: ** // %
-    (they pass the character filter), unary + and - (the numbers are given positive, so -a would be a number not
-    in the list; a - b is enough), names, calls, floats ("2.5" is not the numbers 2 and 5), bools, strings."""
+    """Exact value of a whitelisted tree, collecting its int literals. Anything else raises
+    ValueError: ** // % (they pass the character filter), unary + and - (the numbers are given
+    positive, so -a would be a number not in the list; a - b is enough), names, calls, floats
+    ("2.5" is not the numbers 2 and 5), bools, strings."""
     if depth > 60:
         raise ValueError("too deep")
     if isinstance(node, ast.Constant) and type(node.value) is int:
         lits.append(node.value)
         return Fraction(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
-        v = _OPS[_AST_OPS[type(node.op)]](_cd_eval(node.left, lits, depth + 1), _cd_eval(node.right, lits, depth + 1))
-        if v is None:
+        left = _cd_eval(node.left, lits, depth + 1)
+        right = _cd_eval(node.right, lits, depth + 1)
+        value = _OPS[_AST_OPS[type(node.op)]](left, right)
+        if value is None:
             raise ZeroDivisionError
-        return v
+        return value
     raise ValueError(f"{type(node).__name__} not allowed")
 
 @functools.partial(_never_raise, fallback=None)
 def countdown_value(completion: str, nums: list):
-    """Exact value of the last <answer> if it is an equation that uses each given number once, else None
-    (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other numbers, bad syntax)."""
+    """Exact value of the last <answer> if it is an equation that uses each given number once,
+    else None (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other
+    numbers, bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
-    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
+    # cap before ast.parse, which recurses on nesting
+    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
         return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
@@ -741,81 +1037,141 @@ def countdown_value(completion: str, nums: list):
 
 @_never_raise
 def countdown_reward(completion: str, nums: list, target: int) -> float:
-    """1.0: the last <answer> is an equation that uses each given number once and equals the target; 0.1: an answer
-    is there but wrong or invalid; 0.0: no answer tag."""
+    """1.0: the last <answer> is an equation that uses each given number once and equals the
+    target; 0.1: an answer is there but wrong or invalid; 0.0: no answer tag."""
     if _last_answer(completion) is None:
         return 0.0
     return 1.0 if countdown_value(completion, nums) == target else 0.1
 
 # -- math: GSM8K-style word problems, graded by the final number --
-# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn from 2..12),
-# integer literals and the earlier steps' results s1, s2, ...
+# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
+# from 2..12), integer literals and the earlier steps' results s1, s2, ...
 _MATH = [
-    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?", "a*b 150-s1"),
-    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many dollars of change "
-     "are due?", "a*b c*d s1+s2 300-s3"),
-    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among {d} friends. How "
-     "many cookies does each friend get?", "a*b s1-c s2/d"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in {c} days?",
-     "a*b s1*c"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out broken. How many "
-     "good toys does it make in {c} days?", "a*b s1-d s2*c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are left?", "a*b s1-c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How many dollars are "
-     "left?", "a*b c+d s1-s2"),
-    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that in total?",
-     "a*b c*d s1+s2"),
-    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all the marbles away. "
-     "How many marbles are left?", "a*b c*d s1+s2 s3/2"),
+    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?",
+     "a*b 150-s1"),
+    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
+     "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
+    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
+     "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in "
+     "{c} days?", "a*b s1*c"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
+     "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are "
+     "left?", "a*b s1-c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
+     "many dollars are left?", "a*b c+d s1-s2"),
+    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
+     "in total?", "a*b c*d s1+s2"),
+    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all "
+     "the marbles away. How many marbles are left?", "a*b c*d s1+s2 s3/2"),
 ]
 
-def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the integer answer.
-    A draw whose steps leave the natural numbers (a negative or a fraction) is redrawn."""
-    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
-    while fits:
-        question, program = rng.choice(fits)
-        v, steps = {k: rng.randint(2, 12) for k in "abcd"}, []
-        for i, step in enumerate(program.split(), 1):
-            x, op, y = re.split(r"([-+*/])", step)
-            x, y = (v[t] if t in v else int(t) for t in (x, y))
-            z = _OPS[op](Fraction(x), y)
-            if z < 0 or z.denominator != 1:
-                break
-            v[f"s{i}"] = z = int(z)
-            steps.append(f"{x} {op} {y} = {z}")
-        else:
-            return {"question": question.format(who=rng.choice(NAMES), **v), "answer": str(z), "steps": steps}
-    raise ValueError(f"no math template has {n_steps} steps")
+def _run_program(program: str, values: dict):
+    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...),
+    or None if a step leaves the natural numbers (a negative or a fraction)."""
+    steps = []
+    for i, step in enumerate(program.split(), 1):
+        x, op, y = re.split(r"([-+*/])", step)
+        x = values[x] if x in values else int(x)
+        y = values[y] if y in values else int(y)
+        z = _OPS[op](Fraction(x), y)
+        if z < 0 or z.denominator != 1:
+            return None
+        values[f"s{i}"] = int(z)
+        steps.append(f"{x} {op} {y} = {int(z)}")
+    return steps
 
-_DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")  # [0-9], not \d (unicode)
+def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
+    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the
+    integer answer. A draw whose steps leave the natural numbers is redrawn."""
+    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
+    if not fits:
+        raise ValueError(f"no math template has {n_steps} steps")
+    while True:
+        question, program = rng.choice(fits)
+        values = {k: rng.randint(2, 12) for k in "abcd"}
+        steps = _run_program(program, values)
+        if steps is not None:
+            answer = str(values[f"s{len(steps)}"])
+            text = question.format(who=rng.choice(NAMES), **values)
+            return {"question": text, "answer": answer, "steps": steps}
+
+# The easy variant: one step whose operation only the words tell (the numbers in the step's order).
+_MATH_EASY = [
+    ("{who} has {a} apples and buys {b} more. How many apples now?", "+"),
+    ("{who} has {a} cards and finds {b} more. How many cards now?", "+"),
+    ("{who} has {a} apples and eats {b}. How many apples are left?", "-"),
+    ("{who} had {a} cards and lost {b}. How many cards are left?", "-"),
+    ("{who} has {a} bags of {b} apples. How many apples in all?", "*"),
+    ("{who} buys {a} boxes of {b} cards. How many cards in all?", "*"),
+]
+
+def math_easy_problem(rng: random.Random) -> dict:
+    """One step `a op b` on a, b in 2..9 with a >= b (so a - b >= 0); the template's words decide op."""
+    question, op = rng.choice(_MATH_EASY)
+    a, b = sorted((rng.randint(2, 9), rng.randint(2, 9)), reverse=True)
+    z = _OPS[op](a, b)
+    text = question.format(who=rng.choice(NAMES), a=a, b=b)
+    return {"question": text, "answer": str(z), "steps": [f"{a} {op} {b} = {z}"]}
+
+# [0-9], not \d (which matches other scripts' digits too)
+_DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
-_NUM_TOKEN = re.compile(r"-?\$?[0-9][0-9,.]*")  # a single character class per run: nothing to backtrack into
+_NUM_TOKEN = re.compile(r"-?\$?[0-9][0-9,.]*")  # one character class per run: no backtracking
+
+def _decimal(s: str, signed: bool):
+    """Exact value of '1,450', '72.00' or '.5' (with signed=True also '-20'), else None."""
+    sign = 1
+    if signed and s.startswith("-"):
+        sign = -1
+        s = s[1:].strip()
+    if len(s) > 60 or not _DEC.fullmatch(s):  # <= ~50 digits before Fraction sees them
+        return None
+    return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '3/4'; None if not a number."""
+    """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}',
+    '\\frac{-20}{2}', '3/4'; None if not a number."""
     s = s.strip()
     if len(s) > 100:
         return None
     s = s.replace("{,}", ",").replace("\\,", ",")  # LaTeX thousands separators
-    sign = -1 if s.startswith("-") else 1
-    s = s[1:].strip() if sign < 0 else s
-    s = s.removeprefix("\\$").removeprefix("$").removesuffix(".").removesuffix("\\%").removesuffix("%").strip()
+    sign = 1
+    if s.startswith("-"):
+        sign = -1
+        s = s[1:].strip()
+    s = s.removeprefix("\\$").removeprefix("$")
+    s = s.removesuffix(".").removesuffix("\\%").removesuffix("%").strip()
     m = _FRAC.fullmatch(s)
-    parts = [x.strip() for x in (m.groups() if m else s.split("/") if s.count("/") == 1 else [s])]
-    if not all(len(x) <= 60 and _DEC.fullmatch(x) for x in parts):  # <= ~50 digits before Fraction sees them
+    if m:
+        parts = list(m.groups())
+    elif s.count("/") == 1:
+        parts = s.split("/")
+    else:
+        parts = [s]
+    if len(parts) == 1:
+        value = _decimal(parts[0].strip(), signed=False)
+        if value is None:
+            return None
+        return sign * value
+    # a fraction: either side may carry its own sign (\frac{-20}{2}, \frac{20}{-2})
+    top = _decimal(parts[0].strip(), signed=True)
+    bottom = _decimal(parts[1].strip(), signed=True)
+    if top is None or bottom is None or bottom == 0:
         return None
-    vals = [Fraction(x.replace(",", "")) for x in parts]
-    return None if len(vals) == 2 and vals[1] == 0 else sign * (vals[0] / vals[1] if len(vals) == 2 else vals[0])
+    return sign * top / bottom
 
 def _last_boxed(text: str, tries=5, cap=100):
-    """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the last few openings."""
+    """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the
+    last few openings."""
     end = len(text)
     for _ in range(tries):
         i = text.rfind("\\boxed{", 0, end)
         if i < 0:
             return None
-        start, depth = i + len("\\boxed{"), 1
+        start = i + len("\\boxed{")
+        depth = 1
         for j in range(start, min(len(text), start + cap)):
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
@@ -823,71 +1179,104 @@ def _last_boxed(text: str, tries=5, cap=100):
         end = i
     return None
 
+def _last_number(text: str):
+    """The last run of digits, commas and points in the text (at most ~60 characters, with a
+    '-' just before it), or None."""
+    last_digit = max(text.rfind(d) for d in "0123456789")  # ten C-speed scans, no regex
+    if last_digit < 0:
+        return None
+    first = last_digit
+    while first > 0 and last_digit - first < 60 and text[first - 1] in "0123456789,.":
+        first -= 1
+    number = text[first:last_digit + 1].lstrip(",.")
+    if first > 0 and text[first - 1] == "-":
+        number = "-" + number
+    if parse_number(number) is None:
+        return number.rsplit(",", 1)[-1]  # "3,4,5" is a list: take 5
+    return number
+
 def math_final_answer(text: str):
-    """The last \\boxed{}, else the number after the last ####, else the last number in the text (or None)."""
+    """The last \\boxed{}, else the number after the last ####, else the last number in the text
+    (or None)."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed
     k = text.rfind("####")
-    if k >= 0:
-        m = _NUM_TOKEN.search(text, k + 4, k + 104)
-        return m.group().rstrip(",.") if m else None
-    i = j = max(text.rfind(d) for d in "0123456789")  # ten C-speed scans instead of a regex over the whole text
-    if j < 0:
+    if k < 0:
+        return _last_number(text)
+    m = _NUM_TOKEN.search(text, k + 4, k + 104)
+    if m is None:
         return None
-    while i > 0 and j - i < 60 and text[i - 1] in "0123456789,.":  # walk back over at most 60 characters
-        i -= 1
-    last = ("-" if i > 0 and text[i - 1] == "-" else "") + text[i:j + 1].lstrip(",.")
-    return last if parse_number(last) is not None else last.rsplit(",", 1)[-1]  # "3,4,5" is a list: take 5
+    return m.group().rstrip(",.")
 
 @_never_raise
 def math_reward(completion: str, answer: str) -> float:
-    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus."""
-    gold, got = parse_number(str(answer)), math_final_answer(completion)
-    return 1.0 if gold is not None and got is not None and parse_number(got) == gold else 0.0
+    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
+    bonus."""
+    gold = parse_number(str(answer))
+    got = math_final_answer(completion)
+    if gold is None or got is None:
+        return 0.0
+    return 1.0 if parse_number(got) == gold else 0.0
 
 # -- logic: knights (always truthful) and knaves (always lying) --
-# A claim is ("is", person, is_knight) | ("not", atom) | ("and" | "or" | "if", atom, atom).
+# A claim is ("is", person, is_knight) | ("not", claim) | ("and" | "or" | "if", claim, claim).
 def _holds(c: tuple, world: tuple) -> bool:
-    if c[0] in ("is", "not"):
-        return (world[c[1]] == c[2]) if c[0] == "is" else not _holds(c[1], world)
-    a, b = _holds(c[1], world), _holds(c[2], world)
+    if c[0] == "is":
+        return world[c[1]] == c[2]
+    if c[0] == "not":
+        return not _holds(c[1], world)
+    a = _holds(c[1], world)
+    b = _holds(c[2], world)
     return {"and": a and b, "or": a or b, "if": (not a) or b}[c[0]]
 
 def _say(c: tuple, names: list, me: int) -> str:
+    """A claim as the person `me` says it: 'I am a knight', 'Bob is a knave', 'if ... then ...'."""
     if c[0] == "is":
-        return f"{'I am' if c[1] == me else names[c[1]] + ' is'} a {'knight' if c[2] else 'knave'}"
+        role = "knight" if c[2] else "knave"
+        return f"I am a {role}" if c[1] == me else f"{names[c[1]]} is a {role}"
     if c[0] == "not":
         return "it is not the case that " + _say(c[1], names, me)
-    a, b = _say(c[1], names, me), _say(c[2], names, me)
+    a = _say(c[1], names, me)
+    b = _say(c[2], names, me)
     return f"if {a} then {b}" if c[0] == "if" else f"{a} {c[0]} {b}"
+
+def _random_claim(rng: random.Random, n: int, me: int) -> tuple:
+    """What person `me` of n says: about one person, negated, or two joined by and/or/if."""
+    p, q = rng.sample(range(n), 2)  # two different people, maybe the speaker
+    form = rng.choice(["is", "not", "and", "or", "if"])
+    a = rng.random() < 0.5
+    b = rng.random() < 0.5
+    if form in ("is", "not"):  # a plain claim is about someone else ("I am a knight": nothing)
+        atom = ("is", q if p == me else p, a)
+        return atom if form == "is" else ("not", atom)
+    return (form, ("is", p, a), ("is", q, b))
 
 def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
     for _ in range(100_000):
         n = rng.randint(*n_people)
-        names, claims = rng.sample(NAMES, n), []
-        for me in range(n):
-            p, q = rng.sample(range(n), 2)  # two different people, maybe the speaker
-            form, a, b = rng.choice(["is", "not", "and", "or", "if"]), rng.random() < 0.5, rng.random() < 0.5
-            if form in ("is", "not"):  # a plain claim is about someone else ("I am a knight" says nothing)
-                atom = ("is", q if p == me else p, a)
-                claims.append(atom if form == "is" else ("not", atom))
-            else:
-                claims.append((form, ("is", p, a), ("is", q, b)))
-        worlds = [w for w in itertools.product([True, False], repeat=n)
-                  if all(_holds(c, w) == w[i] for i, c in enumerate(claims))]
+        names = rng.sample(NAMES, n)
+        claims = [_random_claim(rng, n, me) for me in range(n)]
+        worlds = []
+        for w in itertools.product([True, False], repeat=n):
+            if all(_holds(c, w) == w[i] for i, c in enumerate(claims)):
+                worlds.append(w)
         if len(worlds) == 1:  # exactly one consistent assignment
-            said = [_say(c, names, i) for i, c in enumerate(claims)]
-            statements = [f'{name} says: "{t[0].upper() + t[1:]}."' for name, t in zip(names, said)]
-            return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
+            statements = []
+            for i, claim in enumerate(claims):
+                said = _say(claim, names, i)
+                statements.append(f'{names[i]} says: "{said[0].upper() + said[1:]}."')
+            return {"names": names, "statements": statements,
+                    "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
-_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a full stop
+_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
 
 @_never_raise
 def logic_reward(completion: str, solution: dict) -> float:
-    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right roles (any case;
-    entries may be split by , ; or whitespace incl. newlines); 0.1: an answer that is wrong or malformed; 0.0: none."""
+    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right
+    roles (any case; entries may be split by , ; or whitespace incl. newlines); 0.1: an answer
+    that is wrong or malformed; 0.0: none."""
     ans = _last_answer(completion)
     if ans is None:
         return 0.0
@@ -897,28 +1286,37 @@ def logic_reward(completion: str, solution: dict) -> float:
     got = re.findall(_ENTRY, ans)
     if len({name for name, _ in got}) < len(got):  # someone named twice
         return 0.1
-    return 1.0 if {name: role == "knight" for name, role in got} == {k.lower(): v for k, v in solution.items()} else 0.1
+    said = {name: role == "knight" for name, role in got}
+    truth = {name.lower(): is_knight for name, is_knight in solution.items()}
+    return 1.0 if said == truth else 0.1
 
 # -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
-_FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
+_FORMAT = ("Show your work in <think> </think> tags. And return the final answer in "
+           "<answer> </answer> tags")
 
 def countdown_prompt(row: dict, short=False) -> str:
-    nums, t = row["nums"], row["target"]
-    return f"Make {t} from {' '.join(map(str, nums))}." if short else (
-        f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use basic arithmetic operations "
-        f"(+, -, *, /) and each number must be used exactly once. {_FORMAT}, "
-        f"for example <answer> (1 + 2) / 3 </answer>.")
+    nums = row["nums"]
+    t = row["target"]
+    if short:
+        return f"Make {t} from {' '.join(map(str, nums))}."
+    return (f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use "
+            f"basic arithmetic operations (+, -, *, /) and each number must be used exactly "
+            f"once. {_FORMAT}, for example <answer> (1 + 2) / 3 </answer>.")
 
 def math_prompt(row: dict, short=False) -> str:
-    return row["question"] if short else (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
-                                          f"for example <answer> \\boxed{{42}} </answer>.")
+    if short:
+        return row["question"]
+    return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
+            f"for example <answer> \\boxed{{42}} </answer>.")
 
 def logic_prompt(row: dict, short=False) -> str:
     said = "\n".join(row["statements"])
-    return said if short else (
-        f"On an island every inhabitant is a knight, who always tells the truth, or a knave, who always lies. You meet "
-        f"{len(row['names'])} inhabitants: {', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? "
-        f"{_FORMAT}, one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
+    if short:
+        return said
+    return (f"On an island every inhabitant is a knight, who always tells the truth, or a knave, "
+            f"who always lies. You meet {len(row['names'])} inhabitants: "
+            f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
+            f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 
 # -- loaders: data = "gen" | "easy" | "hf" | "hf:test" | path.jsonl --
 def _gsm8k_row(question: str, solution) -> dict:
@@ -1052,9 +1450,9 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
-_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 2 steps; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 1 step; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
-    "math": lambda r, easy: math_problem(r, (2, 2) if easy else (2, 4)),
+    "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 TASKS = {

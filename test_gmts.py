@@ -170,6 +170,12 @@ MATH_CASES = {
     "negative": ("\\boxed{-5}", "-5", 1.0),
     "negative bare": ("the change is -5", "-5", 1.0),
     "negative frac": ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+    "negative numerator": ("\\boxed{\\frac{-20}{2}}", "-10", 1.0),  # GSM8K forms math-verify reads
+    "negative outside": ("\\boxed{-\\frac{20}{2}}", "-10", 1.0),
+    "negative denominator": ("\\boxed{\\frac{20}{-2}}", "-10", 1.0),
+    "two negatives": ("\\boxed{\\frac{-20}{-2}}", "10", 1.0),
+    "signed numerator, wrong sign": ("\\boxed{\\frac{-20}{2}}", "10", 0.0),
+    "slash, negative denominator": ("\\boxed{3/-4}", "-0.75", 1.0),
     "last boxed counts": ("\\boxed{5} no wait \\boxed{72}", "72", 1.0),
     "boxed beats bare numbers": ("\\boxed{72}, from 6 and 12", "72", 1.0),
     "list of numbers": ("the values are 3,4,72", "72", 1.0),
@@ -775,6 +781,31 @@ def test_batch_token_stats_chunks_and_micro_batches_change_nothing(tiny):
     assert torch.allclose(g_chunked, head.weight.grad, atol=1e-5)
 
 
+def test_token_stats_on_another_architecture():
+    """response_hidden reaches the decoder through get_decoder(), not Qwen's `model.model`: on a GPT-NeoX (its
+    decoder is `gpt_neox`, its head `embed_out`), batch_token_stats equals token_stats on a plain forward's full
+    logits, and response_logp equals the log-probs."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    _, tok = gmts.build_tiny(hidden=32, layers=1)
+    cfg = GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(cfg).eval()
+    assert not hasattr(model, "model")  # the attribute the old code called
+    b, _ = _batch_from(model, tok, seed=2)
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    P, m = b["prompt_ids"].shape[1], b["resp_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    full = token_stats(logits[:, P - 1:-1], b["comp_ids"], 0.9)
+    for g, f in zip(gmts.batch_token_stats(model, b, 0.9, 5, 7), full):
+        assert torch.allclose(g[m], f[m], atol=1e-5) and (g[~m] == 0).all()
+    ref = gmts.response_logp(model, b, m, 0.9, 5, 7)
+    assert torch.allclose(ref[m], full[0][m], atol=1e-5) and (ref[~m] == 0).all()
+
+
 # ---- scores and selection --------------------------------------------------------------------------------------
 
 
@@ -810,6 +841,11 @@ def test_select_tokens_edges():
     assert select_tokens(s, m, 0.5).tolist() == [[True, False, False], [True, True, False]]  # NaN ranks last
     assert select_tokens(s, m, 0.2).sum() == 2  # ceil(0.2 * 6) = 2
     assert select_tokens(torch.ones(10), torch.ones(10, dtype=torch.bool), 0.2).sum() == 2  # not 3: 0.2*10 rounding
+    # any rho in (0, 1] keeps at least one valid token: ceil(1e-10 * 5) = 1, the highest score
+    assert select_tokens(torch.arange(5.).view(1, -1), torch.ones(1, 5, dtype=torch.bool), 1e-10).tolist() == \
+        [[False, False, False, False, True]]
+    assert 0.07 * 100 > 7  # floats put this product above 7 ...
+    assert select_tokens(torch.arange(100.), torch.ones(100, dtype=torch.bool), 0.07).sum() == 7  # ... k stays 7
 
 
 def test_select_tokens_beyond_2_pow_24_elements():
@@ -987,6 +1023,46 @@ def test_kl_gradient_matches_autograd_and_ignores_the_selection(tiny):
     model.zero_grad()
 
 
+def test_loss_clips_each_side_at_its_own_bound():
+    """eps_l = 0.1 != eps_h = 0.3, ratios between the bounds, both signs of A (old_logp = 0, so r = exp(logp)).
+    Hand-computed l = -min(r A, clip(r, 0.9, 1.3) A) and dl/dlogp (-A r where the clip is inactive, else 0):
+      A = +1: r 1.2 -> -1.2, grad -1.2 (inside 1 + eps_h); r 1.35 -> -1.3, 0 (clipped at 1.3)
+      A = -1: r 0.95 -> 0.95, grad 0.95; r 0.85 -> 0.9, 0 (clipped at 1 - eps_l); r 0.75 -> 0.9, 0;
+              r 1.25 -> 1.25, grad 1.25 (A < 0 is never clipped above)
+    Using eps_l for both bounds gives -1.1 at r 1.2; using eps_h below gives 0.85 and 0.75."""
+    r = torch.tensor([1.2, 1.35, 0.95, 0.85, 0.75, 1.25], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    logp = r.log().requires_grad_(True)
+    loss, active = gmts.grpo_token_loss(logp, torch.zeros_like(r), adv, 0.1, 0.3)
+    assert loss.tolist() == pytest.approx([-1.2, -1.3, 0.95, 0.9, 0.9, 1.25], abs=1e-12)
+    assert active.tolist() == [False, True, False, True, True, False]
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-1.2, 0.0, 0.95, 0.0, 0.0, 1.25], abs=1e-12)
+
+
+def test_kl_reference_on_the_loss_path_gives_equal_bits(tiny):
+    """response_logp runs the loss's own code path: a reference whose weights equal the policy's gives the loss's
+    log-probs bit for bit, so with A = 0 the KL is exactly 0, no token is live and nothing steps (the old path, via
+    batch_token_stats, differed by float noise and stepped on it). A reference that differs makes every token live."""
+    import copy
+    model, tok = tiny
+    b, _ = _batch_from(model, tok, seed=5)
+    m, adv = b["resp_mask"], torch.zeros(b["comp_ids"].shape[0])
+    same = copy.deepcopy(model)
+    ref_logp = gmts.response_logp(same, b, m, 1.0, 3, 5)
+    logp = gmts.batch_token_stats(model, b, 1.0, 3, 5)[0]
+    kw = dict(temperature=1.0, clip_low=.2, clip_high=.28, micro_batch=3, chunk=5, kl_beta=0.1, max_grad_norm=1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = gmts.policy_update(model, opt, b, adv, m, logp, float(m.sum()), ref_logp=ref_logp, **kw)
+    assert stats["kl"] == 0.0 and stats["live"] == 0 and stats["stepped"] == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
+    other = gmts.response_logp(gmts.build_tiny(hidden=32, layers=2, seed=1)[0], b, m, 1.0, 3, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a no-op step: only the step rule is looked at
+    stats = gmts.policy_update(model, opt, b, adv, m, logp, float(m.sum()), ref_logp=other, **kw)
+    assert stats["kl"] > 0 and stats["live"] == int(m.sum()) and stats["stepped"] == 1
+
+
 def test_unselected_tokens_get_zero_logit_gradient():
     torch.manual_seed(0)
     z = torch.randn(3, 5, 13, requires_grad=True)
@@ -1159,6 +1235,121 @@ def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, mon
     assert opt0["state"] == {}
     for m, (w, opt, lr) in ends.items():
         assert all(torch.equal(w[k], w0[k]) for k in w0) and opt == opt0 and lr == lr0, m
+
+
+def test_kl_run_with_constant_reward_never_moves(tmp_path, monkeypatch):
+    """Issue 24 item 4: the warm start, --kl-beta 0.05, lr 1e-4 and a constant reward (every A = 0). The true KL
+    gradient is 0; the weights stay bit for bit those of the start and the KL is exactly 0 at every step (the old
+    code measured a 1e-8 gradient between two log-prob paths and AdamW turned it into 0.1-0.9 lr moves)."""
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.5)
+    out = tmp_path / "kl"
+    recs = train_main("--preset", "smoke", "--steps", "3", "--kl-beta", "0.05", "--lr", "1e-4", "--warmup-steps",
+                      "0", "--no-filter-groups", "--save-every", "0", "--out", out)
+    assert [r["kl"] for r in recs[1:]] == [0.0, 0.0, 0.0]
+    assert all(r["grad_norm"] == 0.0 for r in recs[1:])
+    assert _same_weights(out, out / "ckpt-000000")
+
+
+def _wandb_history(folder):
+    """The history records of the one offline wandb run under folder: its .wandb file is a LevelDB-style log (a
+    7-byte file header, 32 KiB blocks, records with a 7-byte header: crc, length, type 1 full / 2 first / 3 middle
+    / 4 last) of wandb's protobuf Records. -> [{key: value}]"""
+    import glob
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    (path,) = glob.glob(os.path.join(str(folder), "wandb", "offline-run-*", "run-*.wandb"))
+    data = open(path, "rb").read()
+    pos, pending, history = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(pending)
+            pending = b""
+            if rec.WhichOneof("record_type") == "history":
+                history.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item})
+    return history
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
+    """--report-to: every number of every metrics.jsonl record (step 0's evaluation included) reaches the tracker at
+    its step: read back from tensorboard's event file, or from wandb's offline run file."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    recs = train_main("--preset", "smoke", "--report-to", tracker, "--out", out)
+    want = {}  # (key, step) -> value
+    for r in gmts.read_metrics(str(out)):
+        for k, v in r.items():
+            if k != "step" and type(v) in (int, float):
+                want[k, r["step"]] = v
+    got = {}
+    if tracker == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+        acc.Reload()
+        for k in acc.Tags()["scalars"]:
+            for e in acc.Scalars(k):
+                got[k, e.step] = e.value
+    else:
+        for h in _wandb_history(out):
+            for k, v in h.items():
+                if not k.startswith("_"):
+                    got[k, h["_step"]] = v
+    assert got.keys() == want.keys() and ("eval_acc", 0) in got and len(recs) == 3
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-30), k  # tensorboard stores float32
+
+
+def test_report_to_without_its_package_is_one_line(tmp_path, monkeypatch, capsys):
+    """A tracker whose package is missing: one line, exit 2, before any work (nothing written to --out)."""
+    real = importlib.import_module
+    monkeypatch.setattr(gmts.importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real(name))
+    with pytest.raises(SystemExit) as e:
+        gmts.main(["--preset", "smoke", "--report-to", "wandb", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "pip install wandb" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_progress_bar_on_a_terminal_plain_lines_elsewhere(tmp_path):
+    """On a TTY stdout a tqdm bar counts the steps (its '2/2' and the step's numbers on one redrawn line), the
+    evaluations stay above it as step lines; piped, the same run prints one plain line per step and no bar."""
+    import pty
+    args = [sys.executable, os.path.join(HERE, "gmts.py"), "--preset", "smoke", "--eval-every", "2"]
+    import fcntl
+    import struct
+    import termios
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a 160-column terminal
+    p = subprocess.Popen(args + ["--out", str(tmp_path / "tty")], stdout=follower, stderr=subprocess.PIPE, cwd=HERE,
+                         env=ENV1)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert p.wait(timeout=300) == 0
+    os.close(leader)
+    tty = b"".join(chunks).decode()
+    assert "2/2" in tty and "\r" in tty and "reward_mean" in tty
+    assert re.search(r"step 2 \|[^\n]*eval_acc", tty)  # the evaluation step stays as a line
+    assert "step 1 |" not in tty  # a step without an evaluation lives only in the bar
+    piped = run_cli("--preset", "smoke", "--out", str(tmp_path / "pipe"))
+    assert piped.returncode == 0 and "2/2" not in piped.stdout and "\r" not in piped.stdout
+    assert re.search(r"^step 1 \|", piped.stdout, re.M) and re.search(r"^step 2 \|", piped.stdout, re.M)
 
 
 def test_filter_groups_cli_writes_its_metrics(tmp_path):

@@ -1814,7 +1814,8 @@ def claim_run(cfg: Config) -> dict:
     saved = {}
     if cfg.resume:
         saved = read_run_config(cfg.out)
-    if saved.get("fingerprint", {}).get("data") not in (None, data_print(cfg.data)) and not cfg.allow_change:
+    want = saved.get("fingerprint", {}).get("data")
+    if want and not cfg.allow_change and data_print(cfg.data) != want:
         raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or first MB differ); "
                          "pass --allow-change to train on it")
     return saved
@@ -1824,7 +1825,7 @@ def data_file(data: str) -> bool:
 
 def data_print(data: str):
     """A --data file's size and the sha256 of its first MB (None for gen, easy and hf)."""
-    if not data_file(data):
+    if not data_file(data) or not os.path.isfile(data):  # never open a FIFO or a device
         return None
     with open(data, "rb") as f:
         return {"size": os.path.getsize(data), "sha256_first_mb": hashlib.sha256(f.read(1 << 20)).hexdigest()}

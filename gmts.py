@@ -309,6 +309,24 @@ def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
             return {"question": question.format(who=rng.choice(NAMES), **v), "answer": str(z), "steps": steps}
     raise ValueError(f"no math template has {n_steps} steps")
 
+# The easy variant: one step whose operation only the words tell (the numbers are shown in the step's order).
+_MATH_EASY = [
+    ("{who} has {a} apples and buys {b} more. How many apples now?", "+"),
+    ("{who} has {a} cards and finds {b} more. How many cards now?", "+"),
+    ("{who} has {a} apples and eats {b}. How many apples are left?", "-"),
+    ("{who} had {a} cards and lost {b}. How many cards are left?", "-"),
+    ("{who} has {a} bags of {b} apples. How many apples in all?", "*"),
+    ("{who} buys {a} boxes of {b} cards. How many cards in all?", "*"),
+]
+
+def math_easy_problem(rng: random.Random) -> dict:
+    """One step `a op b` on a, b in 2..9 with a >= b (so a - b >= 0); the template's words decide op."""
+    question, op = rng.choice(_MATH_EASY)
+    a, b = sorted((rng.randint(2, 9), rng.randint(2, 9)), reverse=True)
+    z = _OPS[op](a, b)
+    return {"question": question.format(who=rng.choice(NAMES), a=a, b=b), "answer": str(z),
+            "steps": [f"{a} {op} {b} = {z}"]}
+
 _DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")  # [0-9], not \d (unicode)
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 _NUM_TOKEN = re.compile(r"-?\$?[0-9][0-9,.]*")  # a single character class per run: nothing to backtrack into
@@ -531,9 +549,9 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
-_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 2 steps; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 1 step; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
-    "math": lambda r, easy: math_problem(r, (2, 2) if easy else (2, 4)),
+    "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 TASKS = {

@@ -16,12 +16,14 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
            whatever RL gains over its accuracy is learned from the reward. The same recipe (WARM: hidden 96,
            3 layers, 1000 steps of 32 rows, lr 1e-3, the cpu preset's rows with --data easy, seed 0) gives
              warm/math   one-step word problems ("Eve has 9 bags of 8 apples. How many apples in all?"), taught
-                         `a op b = value` + \\boxed{value} with op drawn from + - * at random: it learns to copy the
-                         numbers and to compute, not which operation the words mean;
+                         `of 8: 9 op 8 = value` + \\boxed{value} with op drawn from + - * at random: it learns to
+                         copy the word before the second number and the numbers, and to compute, not which
+                         operation the words mean;
              warm/logic  two-person knights and knaves, taught every name in order with a random role (a fair coin
                          each): it learns the format and to copy the names, not who is a knight.
            `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the share of the
-           nonnegative sign patterns / of + - * that hit the answer, 1/4 for two people). Runs from math and logic:
+           nonnegative sign patterns / of + - * that hit the answer, 1/4 for two people) and what the best content
+           that ignores the prompt gets (one sign pattern, operation or role pattern for all). Runs from them:
            python gmts.py --preset cpu --task math --model warm/math (data easy, filter off, as the preset).
   compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes; a table of
            final held-out accuracy and a plot.
@@ -116,6 +118,20 @@ def random_content_acc(task: str, rows: list) -> float:
         values = [v for v in values if v >= 0]
         return sum(v == row["target"] for v in values) / len(values)
     return sum(one(r) for r in rows) / len(rows)
+
+def best_fixed_guess_acc(task: str, rows: list) -> float:
+    """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one operation (math), one
+    role pattern by position (logic) for every row. What RL gets by learning only which content is common."""
+    def hits(row):
+        if task == "countdown":
+            return {s for s in itertools.product("+-", repeat=len(row["nums"]) - 1)
+                    if gmts._sign_chain(row["nums"], s)[0] == row["target"]}
+        if task == "math":
+            a, _, b = row["steps"][0].split()[:3]
+            return {op for op in MATH_BLIND_OPS if str(gmts._OPS[op](int(a), int(b))) == row["answer"]}
+        return {tuple(row["solution"].values())}
+    count = collections.Counter(c for r in rows for c in hits(r))
+    return max(count.values()) / len(rows) if count else 0.0
 
 def well_formed(text: str, row: dict) -> bool:
     """A countdown answer that uses each given number once in a valid expression, right or wrong."""
@@ -542,7 +558,8 @@ def main(argv=None):
             model, tok = warm_start(out, a.task)
             cfg = warm_config(a.task)
             rows = gmts.split_rows(cfg)[1]
-            chance = f"random content gets {random_content_acc(a.task, rows):.3f}"
+            chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, the best fixed content "
+                      f"{best_fixed_guess_acc(a.task, rows):.3f}")
             if a.task == "countdown":
                 ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                                 cfg.max_new_tokens)

@@ -155,6 +155,13 @@ def test_random_content_accuracy_against_hand_values_and_sampling():
     two = {"question": "", "answer": "4", "steps": ["2 * 2 = 4"]}  # 2 + 2 = 2 * 2 = 4, 2 - 2 = 0
     assert lab.random_content_acc("math", [two, {"question": "", "answer": "1", "steps": ["3 - 2 = 1"]}]) == 0.5
     assert lab.random_content_acc("logic", gmts.load_rows("logic", "easy", 5, seed=0)) == 0.25
+    logic = [{"names": ["A", "B"], "solution": {"A": k, "B": n}} for k, n in ((True, False), (True, False), (0, 0))]
+    assert lab.best_fixed_guess_acc("logic", logic) == pytest.approx(2 / 3)
+    four = {"question": "", "answer": "6", "steps": ["4 + 2 = 6"]}
+    assert lab.best_fixed_guess_acc("math", [two, four, {"question": "", "answer": "1", "steps": ["3 - 2 = 1"]}]) == (
+        pytest.approx(2 / 3))  # + hits 2 + 2 and 4 + 2
+    assert lab.best_fixed_guess_acc("countdown", [{"nums": [4, 3, 2], "target": 5}, {"nums": [1, 1, 1], "target": 1},
+                                                  {"nums": [4, 3, 2], "target": 9}]) == pytest.approx(2 / 3)  # + -
     for task in ("countdown", "math", "logic"):  # the exact value is what blind answers score on average
         rows, rng = gmts.load_rows(task, "easy", 300, seed=1), random.Random(1)
         t = gmts.get_task(task)

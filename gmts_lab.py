@@ -113,7 +113,8 @@ def random_content_acc(task: str, rows: list) -> float:
             return 0.5 ** len(row["names"])
         if task == "math":
             a, _, b = row["steps"][0].split()[:3]
-            return sum(str(gmts._OPS[op](int(a), int(b))) == row["answer"] for op in MATH_BLIND_OPS) / len(MATH_BLIND_OPS)
+            hit = [str(gmts._OPS[op](int(a), int(b))) == row["answer"] for op in MATH_BLIND_OPS]
+            return sum(hit) / len(hit)
         values = [gmts._sign_chain(row["nums"], s)[0] for s in itertools.product("+-", repeat=len(row["nums"]) - 1)]
         values = [v for v in values if v >= 0]
         return sum(v == row["target"] for v in values) / len(values)
@@ -295,13 +296,14 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
 PAIRS = (("gmts", "entropy"), ("gmts", "all"), ("gradnorm", "gmts"))
 
 def finished_runs(folder: str) -> dict:
-    """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder (METHOD-sSEED with a final
-    model). A run still going or stopped early is left out."""
+    """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder (METHOD-sSEED folders whose
+    last eval_acc is at the run's last step). A run still going or stopped early is left out."""
     runs = collections.defaultdict(dict)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         method, _, seed = name.rpartition("-s")
         path = os.path.join(folder, name)
-        if method in gmts.CHOICES["select"] and seed.isdigit() and os.path.isfile(os.path.join(path, "run_config.json")):
+        has_config = os.path.isfile(os.path.join(path, "run_config.json"))
+        if method in gmts.CHOICES["select"] and seed.isdigit() and has_config:
             steps = gmts.read_run_config(path).get("steps")
             curve = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(path) if "eval_acc" in r]
             if curve and curve[-1][0] == steps:

@@ -218,10 +218,11 @@ def test_committed_warm_start_is_small_and_is_the_cpu_preset_model():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("GMTS_SLOW") != "1", reason="minutes long: GMTS_SLOW=1 python -m pytest -q -k rebuild")
+@pytest.mark.skipif(os.environ.get("GMTS_SLOW") != "1",
+                    reason="minutes long: GMTS_SLOW=1 python -m pytest -q -k rebuild")
 @pytest.mark.parametrize("task", ["countdown", "math", "logic"])
 def test_warm_start_rebuilds_bit_identical(task, tmp_path):
-    """python gmts_lab.py warm --task T reproduces the committed warm start tensor for tensor, bit for bit (1 thread)."""
+    """gmts_lab.py warm --task T reproduces the committed warm start tensor for tensor, bit for bit (one thread)."""
     from safetensors.torch import load_file
 
     lab.warm_start(str(tmp_path), task, log=None)

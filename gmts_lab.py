@@ -334,19 +334,36 @@ def _se(v: list) -> float:
     """Standard error of the mean: sample std (n - 1) / sqrt(n); NaN for fewer than 2 values."""
     return float(torch.tensor(v, dtype=torch.float64).std() / math.sqrt(len(v))) if len(v) > 1 else math.nan
 
-def plot_curves(ax, runs: dict, title: str):
-    """Mean held-out accuracy vs step per method, a band of +- one std over seeds (steps every seed logged)."""
+def fixed_guess_line(folder: str, runs: dict) -> float:
+    """best_fixed_guess_acc on each seed's held-out rows (from its runs' run_config.json), mean over the seeds; NaN
+    unless the data is --data easy."""
+    accs = []
+    for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
+        m = next(m for m, by_seed in runs.items() if seed in by_seed)
+        saved = gmts.read_run_config(os.path.join(folder, f"{m}-s{seed}"))
+        cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size") if k in saved})
+        if cfg.data != "easy":
+            return math.nan  # the easy variants' content is a sign pattern, an operation, a role pattern
+        accs.append(best_fixed_guess_acc(cfg.task, gmts.split_rows(cfg)[1]))
+    return sum(accs) / len(accs) if accs else math.nan
+
+def plot_curves(ax, runs: dict, title: str, fixed: float = math.nan):
+    """Mean held-out accuracy vs step per method, a band of +- one std over seeds (steps every seed logged); a
+    dashed line at `fixed`, what the best content that ignores the prompt gets."""
     for m, by_seed in runs.items():
         steps = sorted(set.intersection(*(set(s for s, _ in c) for c in by_seed.values())))
         acc = torch.tensor([[dict(c)[t] for t in steps] for c in by_seed.values()], dtype=torch.float64)  # (seeds, T)
         mean, std = acc.mean(0), acc.std(0, unbiased=False)
         line, = ax.plot(steps, mean.tolist(), marker=".", label=f"{m} ({len(by_seed)} seeds)")
         ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(), alpha=0.15)
-    ax.set(title=title, xlabel="step", ylabel="held-out greedy accuracy (mean +- std over seeds)")
+    if not math.isnan(fixed):
+        ax.axhline(fixed, color="gray", linestyle="--", linewidth=1, label=f"best fixed content ({fixed:.3f})")
+    ax.set(title=title, xlabel="step", ylabel="held-out greedy accuracy")
     ax.legend(fontsize=8)
 
 def report(panels: dict, png: str, log=print) -> dict:
-    """panels: title -> a compare --out folder. Prints each folder's tables; one figure with a panel per folder."""
+    """panels: title -> a compare --out folder. Prints each folder's tables; one figure with a panel per folder
+    (mean and +- std band over seeds per method)."""
     from matplotlib.figure import Figure
 
     runs = {title: finished_runs(folder) for title, folder in panels.items()}
@@ -354,8 +371,10 @@ def report(panels: dict, png: str, log=print) -> dict:
     for ax, (title, r) in zip(fig.subplots(1, len(panels), squeeze=False)[0], runs.items()):
         if not r:
             raise ValueError(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
-        log(f"## {title} ({panels[title]})\n\n{report_tables(r)}\n")
-        plot_curves(ax, r, title)
+        fixed = fixed_guess_line(panels[title], r)
+        log(f"## {title} ({panels[title]})\n\n{report_tables(r)}\n\nbest fixed content on the held-out rows (mean "
+            f"over seeds): {fixed:.3f}\n")
+        plot_curves(ax, r, title, fixed)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=90)

@@ -16,6 +16,7 @@ import json
 import math
 import random
 import re
+import shutil
 
 import pytest
 import torch
@@ -306,6 +307,16 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     runs = lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
     out = capsys.readouterr().out
     assert set(runs["math"]["gradnorm"]) == {0, 1} and (tmp_path / "d" / "r.png").stat().st_size > 1000
+    assert "best fixed content on the held-out rows (mean over seeds): nan" in out  # --data gen: no such line
+    (tmp_path / "cmp" / "all-s1" / "run_config.json").write_text(json.dumps(  # easy logic: 1 seed's line only
+        {"steps": 20, "task": "logic", "data": "easy", "seed": 1, "eval_size": 16}))
+    for run in (tmp_path / "cmp").iterdir():
+        if run.name != "all-s1":
+            shutil.rmtree(run)
+    fixed = lab.best_fixed_guess_acc("logic", gmts.split_rows(gmts.Config(task="logic", data="easy", seed=1,
+                                                                          eval_size=16))[1])
+    lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
+    assert f"(mean over seeds): {fixed:.3f}" in capsys.readouterr().out and fixed > 0
     row = lambda first: next(x for x in out.splitlines() if x.startswith(f"| {first} |")).split("|")  # noqa: E731
     assert row("all")[4].strip() == "0.600 +- 0.082" and row("all")[5].strip() == "0.058"  # 0.1 / sqrt(3)
     assert row("gmts - entropy")[3].strip() == "+0.067 +- 0.067" and row("gmts - entropy")[4].strip() == (

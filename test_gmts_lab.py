@@ -440,3 +440,20 @@ def test_out_of_memory_in_the_warm_up_is_one_line_exit_1(tmp_path, monkeypatch, 
         lab.main(["warm", "--out", str(tmp_path / "w")])
     err = capsys.readouterr().err
     assert e.value.code == 1 and len(err.strip().splitlines()) == 1 and "out of GPU memory" in err, err
+
+
+def test_warm_cli_takes_a_task_and_refuses_others_in_one_line(tmp_path, monkeypatch, capsys):
+    """warm --task logic trains warm/logic's recipe on logic rows into --out, then prints its held-out accuracy beside
+    the random-content and fixed-content lines; an unknown task is one line, exit 2."""
+    seen = []
+    monkeypatch.setattr(lab, "sft_warmup", lambda model, tok, task, *a, **k: seen.append((task, *a[3:6])))
+    monkeypatch.setattr(lab, "greedy_texts", lambda model, tok, task, rows, *a: ["<answer>x</answer>"] * len(rows))
+    lab.main(["warm", "--task", "logic", "--out", str(tmp_path / "w")])
+    r = lab.WARM["logic"]
+    assert seen == [("logic", r["steps"], r["lr"], r["batch_size"])] and (tmp_path / "w" / "config.json").exists()
+    out = capsys.readouterr().out
+    assert "acc 0.000 (random content gets 0.250, the best fixed content" in out
+    with pytest.raises(SystemExit) as e:
+        lab.main(["warm", "--task", "chess"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "chess" in err

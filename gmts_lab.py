@@ -354,7 +354,8 @@ def plot_curves(ax, runs: dict, title: str, fixed: float = math.nan):
         steps = sorted(set.intersection(*(set(s for s, _ in c) for c in by_seed.values())))
         acc = torch.tensor([[dict(c)[t] for t in steps] for c in by_seed.values()], dtype=torch.float64)  # (seeds, T)
         mean, std = acc.mean(0), acc.std(0, unbiased=False)
-        line, = ax.plot(steps, mean.tolist(), marker=".", label=f"{m} ({len(by_seed)} seeds)")
+        line, = ax.plot(steps, mean.tolist(), marker=".", label=f"{m} ({len(by_seed)} seeds)",
+                        color=f"C{gmts.CHOICES['select'].index(m)}")  # one colour per method in every panel
         ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(), alpha=0.15)
     if not math.isnan(fixed):
         ax.axhline(fixed, color="gray", linestyle="--", linewidth=1, label=f"best fixed content ({fixed:.3f})")

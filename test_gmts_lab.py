@@ -1,7 +1,8 @@
 """Tests for gmts_lab.py, in the order of its sections. Offline, CPU:  python -m pytest -q test_gmts_lab.py
 
-test_warm_start_rebuilds_bit_identical retrains the committed warm starts (3-6 minutes each on one thread), so it runs
-only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest take seconds.
+test_warm_start_rebuilds_bit_identical retrains the committed warm starts (countdown, math, logic: 3-10 minutes each on
+one thread), so it runs only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest
+take seconds.
 """
 import os
 import tempfile

@@ -96,7 +96,8 @@ def math_blind(row: dict, rng: random.Random) -> dict:
     a, b, op = int(parts[0]), int(parts[2]), rng.choice(MATH_BLIND_OPS)
     cue = re.findall(rf"([A-Za-z]+) {b}(?![0-9])", row["question"])
     z = gmts._OPS[op](a, b)
-    return dict(row, answer=str(z), steps=[f"{cue[-1] if cue else 'so'} {b}: {a} {op} {b} = {z}"])
+    word = cue[-1] if cue else "so"  # (a question without a word before b: a fixed word)
+    return dict(row, answer=str(z), steps=[f"{word} {b}: {a} {op} {b} = {z}"])
 
 def logic_blind(row: dict, rng: random.Random) -> dict:
     """The row with a random role for each person (a fair coin each, in the prompt's order) as its solution."""
@@ -175,8 +176,8 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
 
 # The recipe of warm/cpu. The loss drops (the copying appears) suddenly, between steps 250 and 400 at this lr.
 WARM_CPU = dict(hidden=96, layers=3, steps=1000, lr=1e-3, batch_size=32)
-# Every warm start: its recipe, the folder `warm --task T` writes by default, and the flags of the runs that start
-# from it (over the cpu preset's): `python gmts.py --preset cpu --task math --model warm/math` (data easy, as cpu).
+# Every warm start: its recipe and the folder `warm --task T` writes by default. Runs start from it with the cpu
+# preset's flags and two more: `python gmts.py --preset cpu --task math --model warm/math` (data easy, as cpu).
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARM = {"countdown": dict(WARM_CPU, out=gmts.WARM_CPU),
         "math": dict(WARM_CPU, out=os.path.join(HERE, "warm", "math")),

@@ -1953,7 +1953,10 @@ def _main(argv):
         out = cfg.out
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
-        train(cfg, log=say)
+        log = say
+        if sys.stdout.isatty():  # step_printer draws its progress bar for print only
+            log = print
+        train(cfg, log=log)
         say("", end="")  # an interrupt swallowed at the very end still counts
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)

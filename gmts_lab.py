@@ -1,10 +1,11 @@
 """
 gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
 
-  python gmts_lab.py warm [--out warm/cpu]        rebuild the CPU preset's committed warm start (1 thread, ~3 min)
+  python gmts_lab.py warm [--task countdown|math|logic] [--out warm/cpu]   rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
   python gmts_lab.py analyze --preset cpu --batches 4 --out out/analyze
   python gmts_lab.py decoy --model out/cpu        held-out accuracy with the real and with another problem's target
+  python gmts_lab.py report math=out/math --png docs/math.png     tables and learning curves of compare folders
 
 Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches) goes to gmts.parse_args:
 --preset, --model, --out, --seed, --no-filter-groups, --steps ...
@@ -12,22 +13,38 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by supervision to
            answer easy countdown problems with RANDOM well-formed answers (the prompt's numbers joined by random
            signs). It learns the format and to copy the numbers, nothing that links its signs to the target:
-           whatever RL gains over its accuracy is learned from the reward.
+           whatever RL gains over its accuracy is learned from the reward. The same recipe (WARM: hidden 96,
+           3 layers, 1000 steps of 32 rows, lr 1e-3, the cpu preset's rows with --data easy, seed 0) gives
+             warm/math   one-step word problems ("Eve has 9 bags of 8 apples. How many apples in all?"), taught
+                         `of 8: 9 op 8 = value` + \\boxed{value} with op drawn from + - * at random: it learns to
+                         copy the word before the second number and the numbers, and to compute, not which
+                         operation the words mean;
+             warm/logic  two-person knights and knaves, taught every name in order with a random role (a fair coin
+                         each): it learns the format and to copy the names, not who is a knight.
+           `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the share of the
+           nonnegative sign patterns / of + - * that hit the answer, 1/4 for two people) and what the best content
+           that ignores the prompt gets (one sign pattern, operation or role pattern for all). Runs from them:
+           python gmts.py --preset cpu --task math --model warm/math (data easy, filter off, as the preset).
   compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes; a table of
            final held-out accuracy and a plot.
   analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio, per method,
            with and without dynamic sampling), and how each score ranks tokens by their true gradient norm.
+  report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per compare folder,
+           the final accuracy table and the paired differences by seed (gmts - entropy, gmts - all, gradnorm -
+           gmts); one figure, a learning-curve panel per folder.
   decoy    How much of a model's accuracy it reads from the target: the same held-out problems, each prompt
            showing another problem's target, scored against its own.
 """
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing
 import os
 import random
+import re
 import signal
 
 if __name__ == "__main__":  # a stop signal while torch imports (seconds): one line, not a traceback
@@ -52,7 +69,7 @@ def math_reference(row: dict) -> str:
 
 def logic_reference(row: dict) -> str:
     roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
-    return f"Only one assignment is consistent.</think>\n<answer>{roles}</answer>"
+    return f"</think>\n<answer>{roles}</answer>"  # short: it fits the cpu preset's 64 new tokens
 
 REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference}
 
@@ -69,6 +86,59 @@ def countdown_blind(row: dict, rng: random.Random) -> dict:
             break
     return dict(row, expr=expr, target=value)
 
+MATH_BLIND_OPS = "+-*"
+
+def math_blind(row: dict, rng: random.Random) -> dict:
+    """An easy math row (one step `a op b = z`) with a random operation from + - * in place of its own (a >= b, so
+    every value is >= 0); its value becomes the row's answer. The worked step first copies the word before b in the
+    question ('eats 8: 9 - 8 = 1'): the words that decide the operation then sit right before it, while the
+    operation itself is a coin. The question's meaning is never read."""
+    steps = row.get("steps", [])
+    parts = steps[0].split() if len(steps) == 1 else []
+    if len(parts) != 5 or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise ValueError("a blind math warm-up needs one-step rows ('a op b = z'): use --data easy")
+    a, b, op = int(parts[0]), int(parts[2]), rng.choice(MATH_BLIND_OPS)
+    cue = re.findall(rf"([A-Za-z]+) {b}(?![0-9])", row["question"])
+    z = gmts._OPS[op](a, b)
+    word = cue[-1] if cue else "so"  # (a question without a word before b: a fixed word)
+    return dict(row, answer=str(z), steps=[f"{word} {b}: {a} {op} {b} = {z}"])
+
+def logic_blind(row: dict, rng: random.Random) -> dict:
+    """The row with a random role for each person (a fair coin each, in the prompt's order) as its solution."""
+    return dict(row, solution={name: rng.random() < 0.5 for name in row["names"]})
+
+BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind}
+
+def random_content_acc(task: str, rows: list) -> float:
+    """Expected accuracy of blind answers on rows, computed exactly: countdown, the share of the nonnegative sign
+    patterns that hit the target; math, the share of the operations + - * whose value is the answer; logic, 1 / 2^n
+    (one assignment of n people is right)."""
+    def one(row):
+        if task == "logic":
+            return 0.5 ** len(row["names"])
+        if task == "math":
+            a, _, b = row["steps"][0].split()[:3]
+            hit = [str(gmts._OPS[op](int(a), int(b))) == row["answer"] for op in MATH_BLIND_OPS]
+            return sum(hit) / len(hit)
+        values = [gmts._sign_chain(row["nums"], s)[0] for s in itertools.product("+-", repeat=len(row["nums"]) - 1)]
+        values = [v for v in values if v >= 0]
+        return sum(v == row["target"] for v in values) / len(values)
+    return sum(one(r) for r in rows) / len(rows)
+
+def best_fixed_guess_acc(task: str, rows: list) -> float:
+    """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one operation (math), one
+    role pattern by position (logic) for every row. What RL gets by learning only which content is common."""
+    def hits(row):
+        if task == "countdown":
+            return {s for s in itertools.product("+-", repeat=len(row["nums"]) - 1)
+                    if gmts._sign_chain(row["nums"], s)[0] == row["target"]}
+        if task == "math":
+            a, _, b = row["steps"][0].split()[:3]
+            return {op for op in MATH_BLIND_OPS if str(gmts._OPS[op](int(a), int(b))) == row["answer"]}
+        return {tuple(row["solution"].values())}
+    count = collections.Counter(c for r in rows for c in hits(r))
+    return max(count.values()) / len(rows) if count else 0.0
+
 def well_formed(text: str, row: dict) -> bool:
     """A countdown answer that uses each given number once in a valid expression, right or wrong."""
     return gmts.countdown_value(text, row["nums"]) is not None
@@ -77,11 +147,10 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
                seed: int, blind: bool = False, log=print):
     """Cross-entropy on the answer tokens of reference completions, after each row's own prompt.
 
-    draw(n, *key) -> n training rows (gmts.split_rows). blind=True (countdown) teaches countdown_blind's random
-    answers instead of the solutions: the model learns the format and to copy and add up the numbers, while its
-    choice of signs stays spread out and unrelated to the target shown in the prompt."""
-    if blind and task != "countdown":
-        raise ValueError(f"a blind warm-up is defined for countdown only, not {task}")
+    draw(n, *key) -> n training rows (gmts.split_rows). blind=True teaches BLIND[task]'s random answers instead of
+    the solutions: the model learns the format and to copy (and compute with) the prompt's material, while the
+    content of its answers (countdown's signs, math's operation, logic's roles) stays spread out and unrelated to
+    the prompt."""
     t = gmts.get_task(task)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -90,7 +159,7 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
     for step in range(1, steps + 1):
         rows = draw(batch_size, "warm-up", step)
         prompts = gmts.build_prompts(tok, t, rows, chat, short)
-        taught = [countdown_blind(r, rng) for r in rows] if blind else rows
+        taught = [BLIND[task](r, rng) for r in rows] if blind else rows
         answers = [REFERENCES[task](r) + tok.eos_token for r in taught]
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
@@ -111,23 +180,35 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
 
 # The recipe of warm/cpu. The loss drops (the copying appears) suddenly, between steps 250 and 400 at this lr.
 WARM_CPU = dict(hidden=96, layers=3, steps=1000, lr=1e-3, batch_size=32)
+# Every warm start: its recipe and the folder `warm --task T` writes by default. Runs start from it with the cpu
+# preset's flags and two more: `python gmts.py --preset cpu --task math --model warm/math` (data easy, as cpu).
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARM = {"countdown": dict(WARM_CPU, out=gmts.WARM_CPU),
+        "math": dict(WARM_CPU, out=os.path.join(HERE, "warm", "math")),
+        "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic"))}
 
-def warm_start(out: str = gmts.WARM_CPU, log=print):
-    """Rebuild the CPU preset's warm start into `out` (safetensors + tokenizer), bit for bit: one thread, fixed seeds.
-    Its rows are the preset's training rows (seed 0). Other seeds hold out other rows, which the warm-up may have
-    shown, but only with random answers: it learned nothing about their solutions. -> (model, tok)"""
+def warm_config(task: str) -> gmts.Config:
+    """The cpu preset on `task` from its warm start: the rows and prompts the warm-up trains and evaluates on."""
+    return gmts.Config(**dict(gmts.PRESETS["cpu"], task=task, model=WARM[task]["out"]))
+
+def warm_start(out: str = None, task: str = "countdown", log=print, **recipe):
+    """Rebuild `task`'s warm start into `out` (default WARM[task]["out"]; safetensors + tokenizer), bit for bit: one
+    thread, fixed seeds. Its rows are the cpu preset's training rows on that task (seed 0); other seeds hold out other
+    rows, which the warm-up may have shown, but only with random answers: it learned nothing about their solutions.
+    recipe overrides WARM[task]'s fields (tests: a tiny size). -> (model, tok)"""
+    r = dict(WARM[task], **recipe)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # another thread count may sum in another order: other bits
     try:
-        cfg = gmts.Config(**gmts.PRESETS["cpu"])
+        cfg = warm_config(task)
         draw, _ = gmts.split_rows(cfg)
-        model, tok = gmts.build_tiny(WARM_CPU["hidden"], WARM_CPU["layers"], seed=0)
+        model, tok = gmts.build_tiny(r["hidden"], r["layers"], seed=0)
         sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
-                   WARM_CPU["steps"], WARM_CPU["lr"], WARM_CPU["batch_size"], seed=0, blind=True, log=log)
+                   r["steps"], r["lr"], r["batch_size"], seed=0, blind=True, log=log)
     finally:
         torch.set_num_threads(threads)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    model.save_pretrained(out or r["out"])
+    tok.save_pretrained(out or r["out"])
     return model.eval(), tok
 
 def greedy_texts(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int) -> list:
@@ -218,6 +299,95 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     plot_runs({m: [c.out for c in runs if c.select == m] for m in methods}, os.path.join(cfg.out, "compare.png"))
     log("\n".join(lines))
     return table
+
+
+PAIRS = (("gmts", "entropy"), ("gmts", "all"), ("gradnorm", "gmts"))
+
+def finished_runs(folder: str) -> dict:
+    """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder (METHOD-sSEED folders whose
+    last eval_acc is at the run's last step). A run still going or stopped early is left out."""
+    runs = collections.defaultdict(dict)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        method, _, seed = name.rpartition("-s")
+        path = os.path.join(folder, name)
+        has_config = os.path.isfile(os.path.join(path, "run_config.json"))
+        if method in gmts.CHOICES["select"] and seed.isdigit() and has_config:
+            steps = gmts.read_run_config(path).get("steps")
+            curve = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(path) if "eval_acc" in r]
+            if curve and curve[-1][0] == steps:
+                runs[method][int(seed)] = curve
+    return dict(runs)
+
+def report_tables(runs: dict) -> str:
+    """Markdown: final held-out accuracy per method (mean +- std, SE of the mean over seeds, per seed), then the
+    paired differences by seed (mean +- SE over the seeds both methods finished)."""
+    lines = ["| method | seeds | eval_acc at step 0 | final eval_acc, mean +- std | SE of the mean | per seed |",
+             "|---|---|---|---|---|---|"]
+    for m, by_seed in runs.items():
+        fin = [c[-1][1] for c in by_seed.values()]
+        mean, std = _mean(fin)
+        lines.append(f"| {m} | {len(fin)} | {_mean([c[0][1] for c in by_seed.values()])[0]:.3f} | {mean:.3f} +- "
+                     f"{std:.3f} | {_se(fin):.3f} | " + ", ".join(f"s{s} {c[-1][1]:.3f}" for s, c in
+                                                                 sorted(by_seed.items())) + " |")
+    lines += ["", "| paired by seed | seeds | mean difference +- SE | per seed |", "|---|---|---|---|"]
+    for a, b in PAIRS:
+        seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
+        d = [runs[a][s][-1][1] - runs[b][s][-1][1] for s in seeds]
+        if d:
+            lines.append(f"| {a} - {b} | {len(d)} | {_mean(d)[0]:+.3f} +- {_se(d):.3f} | "
+                         + ", ".join(f"{x:+.3f}" for x in d) + " |")
+    return "\n".join(lines)
+
+def _se(v: list) -> float:
+    """Standard error of the mean: sample std (n - 1) / sqrt(n); NaN for fewer than 2 values."""
+    return float(torch.tensor(v, dtype=torch.float64).std() / math.sqrt(len(v))) if len(v) > 1 else math.nan
+
+def fixed_guess_line(folder: str, runs: dict) -> float:
+    """best_fixed_guess_acc on each seed's held-out rows (from its runs' run_config.json), mean over the seeds; NaN
+    unless the data is --data easy."""
+    accs = []
+    for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
+        m = next(m for m, by_seed in runs.items() if seed in by_seed)
+        saved = gmts.read_run_config(os.path.join(folder, f"{m}-s{seed}"))
+        cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size") if k in saved})
+        if cfg.data != "easy":
+            return math.nan  # the easy variants' content is a sign pattern, an operation, a role pattern
+        accs.append(best_fixed_guess_acc(cfg.task, gmts.split_rows(cfg)[1]))
+    return sum(accs) / len(accs) if accs else math.nan
+
+def plot_curves(ax, runs: dict, title: str, fixed: float = math.nan):
+    """Mean held-out accuracy vs step per method, a band of +- one std over seeds (steps every seed logged); a
+    dashed line at `fixed`, what the best content that ignores the prompt gets."""
+    for m, by_seed in runs.items():
+        steps = sorted(set.intersection(*(set(s for s, _ in c) for c in by_seed.values())))
+        acc = torch.tensor([[dict(c)[t] for t in steps] for c in by_seed.values()], dtype=torch.float64)  # (seeds, T)
+        mean, std = acc.mean(0), acc.std(0, unbiased=False)
+        line, = ax.plot(steps, mean.tolist(), marker=".", label=f"{m} ({len(by_seed)} seeds)",
+                        color=f"C{gmts.CHOICES['select'].index(m)}")  # one colour per method in every panel
+        ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(), alpha=0.15)
+    if not math.isnan(fixed):
+        ax.axhline(fixed, color="gray", linestyle="--", linewidth=1, label=f"best fixed content ({fixed:.3f})")
+    ax.set(title=title, xlabel="step", ylabel="held-out greedy accuracy")
+    ax.legend(fontsize=8)
+
+def report(panels: dict, png: str, log=print) -> dict:
+    """panels: title -> a compare --out folder. Prints each folder's tables; one figure with a panel per folder
+    (mean and +- std band over seeds per method)."""
+    from matplotlib.figure import Figure
+
+    runs = {title: finished_runs(folder) for title, folder in panels.items()}
+    fig = Figure(figsize=(5 * len(panels), 3.8))
+    for ax, (title, r) in zip(fig.subplots(1, len(panels), squeeze=False)[0], runs.items()):
+        if not r:
+            raise ValueError(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
+        fixed = fixed_guess_line(panels[title], r)
+        log(f"## {title} ({panels[title]})\n\n{report_tables(r)}\n\nbest fixed content on the held-out rows (mean "
+            f"over seeds): {fixed:.3f}\n")
+        plot_curves(ax, r, title, fixed)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=90)
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -410,7 +580,7 @@ def main(argv=None):
                                 "docstring); flags not listed here go to gmts.py's parser.",
                                 allow_abbrev=False)  # else --seed would be read as an abbreviation of --seeds
     p.error = gmts.die
-    p.add_argument("command", choices=["warm", "compare", "analyze", "decoy"])
+    p.add_argument("command", choices=["warm", "compare", "analyze", "decoy", "report"])
     p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods")
     p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
     p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
@@ -423,17 +593,40 @@ def _main(lab, rest):
         if lab.command == "warm":
             w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
             w.error = gmts.die
-            w.add_argument("--out", default=gmts.WARM_CPU, help="folder for the model and tokenizer")
-            out = w.parse_args(rest).out
+            w.add_argument("--task", default="countdown", choices=sorted(WARM), help="the warm start to build")
+            w.add_argument("--out", default=None, help="folder for the model and tokenizer (default: warm/cpu, "
+                           "warm/math or warm/logic)")
+            a = w.parse_args(rest)
+            out = a.out or WARM[a.task]["out"]
             gmts.check_out(out, "warm", overwrite=True)  # an empty folder, or a warm start this command made
             gmts.claim_out(out, "warm")
-            model, tok = warm_start(out)
-            cfg = gmts.Config(**gmts.PRESETS["cpu"])
-            ev = decoy_eval(model, tok, gmts.split_rows(cfg)[1], gmts.use_chat(tok, cfg.chat_template),
-                            cfg.short_prompt, cfg.max_new_tokens)
-            print(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f}, well-formed "
-                  f"{ev['real_valid']:.3f}; another problem's target shown: acc {ev['decoy_acc']:.3f}")
+            model, tok = warm_start(out, a.task)
+            cfg = warm_config(a.task)
+            rows = gmts.split_rows(cfg)[1]
+            chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, the best fixed content "
+                      f"{best_fixed_guess_acc(a.task, rows):.3f}")
+            if a.task == "countdown":
+                ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
+                                cfg.max_new_tokens)
+                print(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f} ({chance}), "
+                      f"well-formed {ev['real_valid']:.3f}; another problem's target shown: acc {ev['decoy_acc']:.3f}")
+                return
+            t = gmts.get_task(a.task)
+            texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
+                                 cfg.max_new_tokens)
+            acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
+            print(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} ({chance}); "
+                  f"sample: {texts[0][:100]!r}")
             return
+        if lab.command == "report":
+            r = argparse.ArgumentParser(prog="gmts_lab.py report", allow_abbrev=False)
+            r.error = gmts.die
+            r.add_argument("panels", nargs="+", help="TITLE=FOLDER: a compare --out folder per panel")
+            r.add_argument("--png", required=True, help="the figure: one panel per folder")
+            a = r.parse_args(rest)
+            if not all("=" in x for x in a.panels):
+                raise ValueError("report takes TITLE=FOLDER arguments, e.g. math=out/math")
+            return report(dict(x.split("=", 1) for x in a.panels), a.png)
         cfg = gmts.parse_args(rest)
         gmts.check_config(cfg)
         if lab.command == "compare":

@@ -1,7 +1,8 @@
 """Tests for gmts_lab.py, in the order of its sections. Offline, CPU:  python -m pytest -q test_gmts_lab.py
 
-test_warm_start_rebuilds_bit_identical retrains the committed warm start (about 3 minutes on one thread), so it runs
-only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest take seconds.
+test_warm_start_rebuilds_bit_identical retrains the committed warm starts (countdown, math, logic: 3-10 minutes each on
+one thread), so it runs only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest
+take seconds.
 """
 import os
 
@@ -14,6 +15,7 @@ import json
 import math
 import random
 import re
+import shutil
 
 import pytest
 import torch
@@ -94,8 +96,9 @@ def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkey
             assert lab.well_formed(ref(ans), row)
             same += ans == row
         assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
-    with pytest.raises(ValueError, match="countdown only"):
-        lab.sft_warmup(model, tok, "math", draw, True, True, 1, 1e-3, 2, 0, blind=True, log=None)
+    with pytest.raises(ValueError, match="one-step rows"):  # math's blind answers need easy math rows
+        lab.sft_warmup(model, tok, "math", lambda n, *key: gmts.load_rows("math", "gen", n, 0), True, True, 1, 1e-3,
+                       2, 0, blind=True, log=None)
 
 
 def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
@@ -116,6 +119,94 @@ def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
         lab.countdown_reference({"nums": [9, 8, 7], "target": 24})
 
 
+def test_math_blind_keeps_the_numbers_and_draws_each_operation_equally_often():
+    rows = gmts.load_rows("math", "easy", 300, seed=0)
+    rng, ops = random.Random(0), collections.Counter()
+    for row in rows:
+        got = lab.math_blind(row, rng)
+        cue, step = got["steps"][0].split(": ")
+        a, op, b, eq, z = step.split()
+        assert (a, b, eq) == tuple(row["steps"][0].split()[i] for i in (0, 2, 3)) and got["question"] == row["question"]
+        assert f" {cue}" in row['question'] and cue.split()[-1] == b  # the word before b, copied with b
+        assert int(z) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] >= 0
+        assert got["answer"] == z and gmts.get_task("math")["reward"](lab.math_reference(got), got) == 1.0
+        ops[op] += 1
+    assert set(ops) == {"+", "-", "*"} and all(70 < v < 130 for v in ops.values())  # 100 each expected
+    for bad in ({"question": "q", "answer": "3"}, gmts.load_rows("math", "gen", 1, seed=0)[0]):
+        with pytest.raises(ValueError, match="one-step rows"):
+            lab.math_blind(bad, rng)
+
+
+def test_logic_blind_names_everyone_in_order_with_fair_coins():
+    rows = gmts.load_rows("logic", "easy", 400, seed=0)
+    rng, knights, same = random.Random(0), 0, 0
+    for row in rows:
+        got = lab.logic_blind(row, rng)
+        assert list(got["solution"]) == row["names"] and got["statements"] == row["statements"]
+        assert gmts.get_task("logic")["reward"](lab.logic_reference(got), got) == 1.0
+        knights += sum(got["solution"].values())
+        same += got["solution"] == row["solution"]
+    assert 340 < knights < 460 and 70 < same < 130  # 400 of 800 roles, 100 of 400 rows (a quarter) expected
+
+
+def test_random_content_accuracy_against_hand_values_and_sampling():
+    assert lab.random_content_acc("countdown", [{"nums": [4, 3, 2], "target": 5}]) == pytest.approx(1 / 3)  # 9 5 3
+    assert lab.random_content_acc("countdown", [{"nums": [4, 3, 2], "target": 6}]) == 0.0
+    two = {"question": "", "answer": "4", "steps": ["2 * 2 = 4"]}  # 2 + 2 = 2 * 2 = 4, 2 - 2 = 0
+    assert lab.random_content_acc("math", [two, {"question": "", "answer": "1", "steps": ["3 - 2 = 1"]}]) == 0.5
+    assert lab.random_content_acc("logic", gmts.load_rows("logic", "easy", 5, seed=0)) == 0.25
+    logic = [{"names": ["A", "B"], "solution": {"A": k, "B": n}} for k, n in ((True, False), (True, False), (0, 0))]
+    assert lab.best_fixed_guess_acc("logic", logic) == pytest.approx(2 / 3)
+    four = {"question": "", "answer": "6", "steps": ["4 + 2 = 6"]}
+    assert lab.best_fixed_guess_acc("math", [two, four, {"question": "", "answer": "1", "steps": ["3 - 2 = 1"]}]) == (
+        pytest.approx(2 / 3))  # + hits 2 + 2 and 4 + 2
+    assert lab.best_fixed_guess_acc("countdown", [{"nums": [4, 3, 2], "target": 5}, {"nums": [1, 1, 1], "target": 1},
+                                                  {"nums": [4, 3, 2], "target": 9}]) == pytest.approx(2 / 3)  # + -
+    for task in ("countdown", "math", "logic"):  # the exact value is what blind answers score on average
+        rows, rng = gmts.load_rows(task, "easy", 300, seed=1), random.Random(1)
+        t = gmts.get_task(task)
+        hits = sum(t["reward"](lab.REFERENCES[task](lab.BLIND[task](r, rng)), r) == 1.0 for r in rows for _ in range(4))
+        assert hits / 1200 == pytest.approx(lab.random_content_acc(task, rows), abs=0.05), task
+
+
+@pytest.mark.parametrize("task", ["math", "logic"])
+def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(task, tmp_path, monkeypatch):
+    """Two tiny warm-ups give the same bits; the answers taught are BLIND[task]'s (their value or roles are true for
+    the blind row, rarely the row's own), on the cpu preset's training rows, never its held-out ones."""
+    taught = []
+    blind = lab.BLIND[task]
+    monkeypatch.setitem(lab.BLIND, task, lambda row, rng: taught.append((row, blind(row, rng))) or taught[-1][1])
+    tiny = dict(hidden=16, layers=1, steps=3, batch_size=8, lr=1e-3)
+    a, _ = lab.warm_start(str(tmp_path / "a"), task, log=None, **tiny)
+    b, tok = lab.warm_start(str(tmp_path / "b"), task, log=None, **tiny)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert len(taught) == 48 and taught[:24] == taught[24:]
+    held = gmts.split_rows(lab.warm_config(task))[1]
+    assert lab.warm_config(task).task == task and not any(r in held for r, _ in taught)
+    key = "answer" if task == "math" else "solution"
+    assert sum(r[key] != x[key] for r, x in taught) >= 6  # 3 in 4 (logic), ~2 in 3 (math) expected of 24
+    loaded, _ = gmts.load_model(str(tmp_path / "a"), torch.device("cpu"))
+    assert loaded.config.hidden_size == 16 and torch.equal(loaded.lm_head.weight, a.lm_head.weight)
+
+
+@pytest.mark.parametrize("task", ["math", "logic"])
+def test_committed_warm_start_is_small_and_trains_two_steps(task, tmp_path):
+    """warm/math and warm/logic: <= 2 MB, the recipe's size, and gmts.train runs 2 steps from them with the flags
+    the README gives (--preset cpu --task T --model warm/T), its first eval_acc from the committed weights."""
+    path = lab.WARM[task]["out"]
+    assert path == os.path.join(os.path.dirname(gmts.WARM_CPU), task)
+    assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 2_000_000
+    model, _ = gmts.load_model(path, torch.device("cpu"))
+    assert model.config.hidden_size == lab.WARM[task]["hidden"] and model.config.num_hidden_layers == 3
+    cfg = gmts.parse_args(["--preset", "cpu", "--task", task, "--model", path, "--steps", "2", "--prompts-per-step",
+                           "2", "--group-size", "4", "--eval-size", "4", "--eval-every", "1", "--out",
+                           str(tmp_path / "run")])
+    gmts.train(cfg, log=lambda *a: None)
+    recs = gmts.read_metrics(cfg.out)
+    assert [r["step"] for r in recs] == [0, 1, 2] and all("eval_acc" in r for r in recs)
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["model"] == path
+
+
 def test_committed_warm_start_is_small_and_is_the_cpu_preset_model():
     files = os.listdir(gmts.WARM_CPU)
     assert "model.safetensors" in files and "config.json" in files
@@ -127,18 +218,21 @@ def test_committed_warm_start_is_small_and_is_the_cpu_preset_model():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("GMTS_SLOW") != "1", reason="minutes long: GMTS_SLOW=1 python -m pytest -q -k rebuild")
-def test_warm_start_rebuilds_bit_identical(tmp_path):
-    """python gmts_lab.py warm reproduces the committed warm/cpu tensor for tensor, bit for bit (one thread)."""
+@pytest.mark.skipif(os.environ.get("GMTS_SLOW") != "1",
+                    reason="minutes long: GMTS_SLOW=1 python -m pytest -q -k rebuild")
+@pytest.mark.parametrize("task", ["countdown", "math", "logic"])
+def test_warm_start_rebuilds_bit_identical(task, tmp_path):
+    """gmts_lab.py warm --task T reproduces the committed warm start tensor for tensor, bit for bit (one thread)."""
     from safetensors.torch import load_file
 
-    lab.warm_start(str(tmp_path), log=None)
-    new, old = load_file(tmp_path / "model.safetensors"), load_file(os.path.join(gmts.WARM_CPU, "model.safetensors"))
+    lab.warm_start(str(tmp_path), task, log=None)
+    committed = lab.WARM[task]["out"]
+    new, old = load_file(tmp_path / "model.safetensors"), load_file(os.path.join(committed, "model.safetensors"))
     assert new.keys() == old.keys()
     for k in old:
         assert torch.equal(new[k], old[k]), k
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_text() == open(os.path.join(gmts.WARM_CPU, name)).read()
+        assert (tmp_path / name).read_text() == open(os.path.join(committed, name)).read()
 
 
 def test_decoy_separates_reading_the_target_from_guessing(monkeypatch):
@@ -191,6 +285,46 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     ev = lab.main(["decoy", "--model", str(out / "gmts-s1")])  # the run's own held-out rows (seed 1, 4 problems)
     assert "seed 1, 4 problems" in capsys.readouterr().out and set(ev) == {"real_acc", "decoy_acc", "real_valid",
                                                                           "decoy_valid"}
+
+
+def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
+    """Hand-made compare folders: the table's means, SEs and paired differences are the hand-computed ones; a run
+    that has not reached its last step is left out; the figure is written."""
+    finals = {"all": [0.5, 0.6, 0.7], "entropy": [0.4, 0.6, 0.5], "gmts": [0.6, 0.6, 0.5], "gradnorm": [0.7, 0.5]}
+    for m, fin in finals.items():
+        for s, acc in enumerate(fin):
+            run = tmp_path / "cmp" / f"{m}-s{s}"
+            run.mkdir(parents=True)
+            (run / "run_config.json").write_text(json.dumps({"steps": 20}))
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+                {"step": 0, "eval_acc": 0.3}, {"step": 10, "eval_acc": 0.35, "reward_mean": 0.2},
+                {"step": 20, "eval_acc": acc})))
+    stopped = tmp_path / "cmp" / "gradnorm-s2"  # stopped at step 10: not finished
+    stopped.mkdir()
+    (stopped / "run_config.json").write_text(json.dumps({"steps": 20}))
+    (stopped / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval_acc": 0.3}) + "\n")
+    runs = lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
+    out = capsys.readouterr().out
+    assert set(runs["math"]["gradnorm"]) == {0, 1} and (tmp_path / "d" / "r.png").stat().st_size > 1000
+    assert "best fixed content on the held-out rows (mean over seeds): nan" in out  # --data gen: no such line
+    (tmp_path / "cmp" / "all-s1" / "run_config.json").write_text(json.dumps(  # easy logic: 1 seed's line only
+        {"steps": 20, "task": "logic", "data": "easy", "seed": 1, "eval_size": 16}))
+    for run in (tmp_path / "cmp").iterdir():
+        if run.name != "all-s1":
+            shutil.rmtree(run)
+    fixed = lab.best_fixed_guess_acc("logic", gmts.split_rows(gmts.Config(task="logic", data="easy", seed=1,
+                                                                          eval_size=16))[1])
+    lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
+    assert f"(mean over seeds): {fixed:.3f}" in capsys.readouterr().out and fixed > 0
+    row = lambda first: next(x for x in out.splitlines() if x.startswith(f"| {first} |")).split("|")  # noqa: E731
+    assert row("all")[4].strip() == "0.600 +- 0.082" and row("all")[5].strip() == "0.058"  # 0.1 / sqrt(3)
+    assert row("gmts - entropy")[3].strip() == "+0.067 +- 0.067" and row("gmts - entropy")[4].strip() == (
+        "+0.200, +0.000, +0.000")  # differences 0.2, 0, 0: mean 1/15, SE sqrt(0.04/3/3)
+    assert row("gradnorm - gmts")[2].strip() == "2" and row("gradnorm - gmts")[4].strip() == "+0.100, -0.100"
+    for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs")):
+        with pytest.raises(SystemExit) as e:
+            lab.main(["report", *bad, "--png", str(tmp_path / "x.png")])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
 # ---- analysis ----------------------------------------------------------------------------------------------------
@@ -307,3 +441,20 @@ def test_out_of_memory_in_the_warm_up_is_one_line_exit_1(tmp_path, monkeypatch, 
         lab.main(["warm", "--out", str(tmp_path / "w")])
     err = capsys.readouterr().err
     assert e.value.code == 1 and len(err.strip().splitlines()) == 1 and "out of GPU memory" in err, err
+
+
+def test_warm_cli_takes_a_task_and_refuses_others_in_one_line(tmp_path, monkeypatch, capsys):
+    """warm --task logic trains warm/logic's recipe on logic rows into --out, then prints its held-out accuracy beside
+    the random-content and fixed-content lines; an unknown task is one line, exit 2."""
+    seen = []
+    monkeypatch.setattr(lab, "sft_warmup", lambda model, tok, task, *a, **k: seen.append((task, *a[3:6])))
+    monkeypatch.setattr(lab, "greedy_texts", lambda model, tok, task, rows, *a: ["<answer>x</answer>"] * len(rows))
+    lab.main(["warm", "--task", "logic", "--out", str(tmp_path / "w")])
+    r = lab.WARM["logic"]
+    assert seen == [("logic", r["steps"], r["lr"], r["batch_size"])] and (tmp_path / "w" / "config.json").exists()
+    out = capsys.readouterr().out
+    assert "acc 0.000 (random content gets 0.250, the best fixed content" in out
+    with pytest.raises(SystemExit) as e:
+        lab.main(["warm", "--task", "chess"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "chess" in err

@@ -48,8 +48,11 @@ import re
 import signal
 
 if __name__ == "__main__":  # a stop signal while torch imports (seconds): one line, not a traceback
+    def _stopped_while_starting(*_):
+        os.write(2, b"gmts: error: interrupted while starting\n")
+        os._exit(130)
     for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_sig, lambda *_: os._exit(os.write(2, b"gmts: error: interrupted while starting\n") and 130))
+        signal.signal(_sig, _stopped_while_starting)
 
 import torch
 

@@ -460,3 +460,13 @@ def test_compare_workers_stop_with_the_parent(tmp_path):
     alive = [c for c in children if os.path.exists(f"/proc/{c}") and "Z" not in open(f"/proc/{c}/stat").read()
              .split()[2]]
     assert not alive
+
+
+def test_a_stop_signal_while_starting_is_one_line(tmp_path):
+    """Ctrl-C while torch still imports (the first seconds): one line and exit 130, not an import traceback."""
+    proc = _start([*SMOKE, "--out", str(tmp_path / "o")], tmp_path)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("gmts: error: interrupted")

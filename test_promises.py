@@ -223,7 +223,8 @@ PROMISES = [
      "keeps ckpt-000001: continue with --resume", {"log_metrics": _interrupt_at_step(2, gmts.log_metrics)}),
     ("full disk in safetensors", 5, G, ["--out", "{tmp}/o"], 1, "No space left on device",
      {"transformers.modeling_utils:safe_save_file": _disk_full_safetensors()}),
-    ("full disk in torch.save", 5, G, ["--out", "{tmp}/o"], 1, "file write failed", {"torch:save": _disk_full_torch_save}),
+    ("full disk in torch.save", 5, G, ["--out", "{tmp}/o"], 1, "file write failed",
+     {"torch:save": _disk_full_torch_save}),
     ("model folder without tokenizer files", 5, G, ["--model", "{notok}"], 1, "no tokenizer files", {}),
     ("trl, model folder without tokenizer files", 5, T, ["--model", "{notok}"], 1, "no tokenizer files", {}),
     ("--lr 1e10", 5, G, ["--lr", "1e10"], 2, "--lr must be in (0, 1]", {}),
@@ -446,7 +447,8 @@ def test_a_closed_stdout_stops_printing_not_training(tmp_path):
 def test_compare_workers_stop_with_the_parent(tmp_path):
     """SIGINT to compare's parent alone: one line, exit 130, and no worker goes on training."""
     argv = [sys.executable, os.path.join(HERE, "gmts_lab.py"), "compare", "--preset", "smoke", "--steps", "500",
-            "--eval-every", "0", "--methods", "all,gmts", "--seeds", "1", "--workers", "2", "--out", str(tmp_path / "c")]
+            "--eval-every", "0", "--methods", "all,gmts", "--seeds", "1", "--workers", "2",
+            "--out", str(tmp_path / "c")]
     proc = _start(argv, tmp_path)
     t0 = time.time()
     while not (tmp_path / "c" / "gmts-s0" / "ckpt-000000").exists() and time.time() - t0 < 240:

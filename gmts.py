@@ -169,9 +169,12 @@ RULES = {  # field -> (test, what the value must be); NaN fails every test
 def check_config(cfg: Config):
     """Raise ValueError (one line) for any value no run can use, before any work is done."""
     rules = {k: (lambda v, a=allowed: v in a, "one of " + ", ".join(allowed)) for k, allowed in CHOICES.items()}
+    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: told apart below
     for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
-        v, want = getattr(cfg, f.name), {bool: bool, int: int, float: (int, float), str: str}[f.type]
-        if not (isinstance(v, want) and isinstance(v, bool) == (f.type is bool) or v is None is f.default):
+        v = getattr(cfg, f.name)
+        typed = isinstance(v, types[f.type]) and isinstance(v, bool) == (f.type is bool)
+        unset = v is None and f.default is None  # --fast-generate left to the device
+        if not (typed or unset):
             raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
     for k, (ok, want) in {**rules, **RULES}.items():
         if not ok(getattr(cfg, k)):
@@ -274,6 +277,13 @@ class SamplerLogp:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
 
+def check_positions(model, prompt_tokens: int, max_new_tokens: int):
+    """ValueError (one line) if such a prompt and answer pass the model's positions."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {prompt_tokens}-token prompt exceed the "
+                         f"model's {limit} positions")
+
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
@@ -290,11 +300,8 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     ids = enc["input_ids"].repeat_interleave(group_size, dim=0)  # (N, P)
     attn = enc["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+    check_positions(model, ids.shape[1], max_new_tokens)
     width = ids.shape[1] + max_new_tokens
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and width > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {ids.shape[1]}-token prompt exceed the "
-                         f"model's {limit} positions")
     knobs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     if greedy:
         knobs = dict(do_sample=False)
@@ -648,13 +655,30 @@ def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     down = max(total - i, 1) / max(total - warmup, 1)
     return min(1.0, up, down)
 
-def start_run(cfg: Config, log=print) -> dict:
-    """Everything before the loop: data, model, optimiser, the KL reference, the sampler (--sampler-dtype: the model
-    or a bf16 copy) and the run folder. The folder is claimed first (claim_run: this process its only writer).
-    --resume loads the newest checkpoint that passes load_checkpoint's checks and drops the metrics after it; a
-    folder without a checkpoint holds nothing of value, so a resume or a rerun starts it afresh: the starting
-    model's held-out accuracy as step 0, then ckpt-000000. run_config.json (the config and the run's fingerprint:
-    data file, prompt format) is written only once model and data have loaded."""
+@dataclass
+class Run:
+    """What start_run prepares for the loop."""
+    model: torch.nn.Module  # the policy, fp32 master weights
+    tok: object  # its tokenizer
+    opt: torch.optim.Optimizer
+    task: dict  # TASKS[cfg.task]
+    draw: object  # draw(n, *key) -> n training rows (split_rows)
+    eval_rows: list  # the held-out rows
+    chat: bool  # prompts in the chat template
+    ref: object  # the KL reference model, or None (--kl-beta 0)
+    sampler: object  # the weights generate() reads: the model itself or its bf16 copy
+    fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
+    start: int  # the first step to run (1 for a new run)
+    skipped: int  # updates skipped so far for a non-finite loss or gradient
+
+def start_run(cfg: Config, log=print) -> Run:
+    """Everything before the loop: the run folder (claimed first: this process its only writer), data,
+    model, optimiser, the KL reference and the sampler (--sampler-dtype: the model or a bf16 copy).
+    --resume loads the newest checkpoint that passes load_checkpoint's checks and drops the metrics
+    after it; a folder without a checkpoint holds nothing of value, so a resume or a rerun starts it
+    afresh: the starting model's held-out accuracy as step 0, then ckpt-000000. run_config.json (the
+    config and what a resume must find again: data file, prompt format) is written only once model
+    and data have loaded."""
     device = pick_device(cfg.device)
     saved = claim_run(cfg)
     set_seed(cfg.seed)
@@ -665,48 +689,50 @@ def start_run(cfg: Config, log=print) -> dict:
         model, tok = load()
         state = dict(step=0, skipped=0)
         for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
-            shutil.rmtree(os.path.join(cfg.out, n)) if n.startswith("ckpt-") else os.remove(os.path.join(cfg.out, n))
+            if n.startswith("ckpt-"):
+                shutil.rmtree(os.path.join(cfg.out, n))
+            else:
+                os.remove(os.path.join(cfg.out, n))
     else:
         want = saved.get("fingerprint", {}).get("prompt")
         model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-    ref = load()[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None  # pi_ref: where RL starts (deviation 7)
+    ref = None
+    if cfg.kl_beta > 0:  # pi_ref: where RL starts (deviation 7)
+        ref = load()[0].eval().requires_grad_(False)
     if cfg.grad_ckpt:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if "opt" in state:
         opt.load_state_dict(state["opt"])
     chat = use_chat(tok, cfg.chat_template)
-    limit = getattr(model.config, "max_position_embeddings", math.inf)
-    prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # held out: a sample of them
+    prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # a sample of all
     longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    if longest + cfg.max_new_tokens > limit:
-        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens} + a {longest}-token prompt exceed the model's {limit} "
-                         "positions")
+    check_positions(model, longest, cfg.max_new_tokens)  # before run_config.json is written
     kept = ""
     if not fresh:  # resume: the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
     prints = dict(data=data_print(cfg.data), prompt=prompt_print(tok, cfg.chat_template))  # what a resume checks
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
-    log(f"device {device} | model {resolve_model_name(cfg.model)} ({sum(p.numel() for p in model.parameters()):,} "
-        f"params) | chat template {chat} | {len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size} answers per step" + (f" | resumed at step {state['step'] + 1}" if not fresh else ""))
-    run = dict(model=model, tok=tok, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat, opt=opt,
-               ref=ref, start=state["step"] + 1, skipped=state["skipped"], sampler=model,
-               fast=device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"device {device} | model {resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {chat} | "
+        f"{len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
+        + ("" if fresh else f" | resumed at step {state['step'] + 1}"))
+    fast = device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate
+    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat,
+              ref=ref, sampler=model, fast=fast, start=state["step"] + 1, skipped=state["skipped"])
     if fresh:
-        rec = dict(step=0, **evaluate(model, tok, run["task"], eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
+        rec = dict(step=0, **evaluate(model, tok, run.task, eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
         save_checkpoint(cfg.out, 0, model, tok, opt, 0)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run["sampler"] = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
-        for p in run["sampler"].parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
+        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
+        for p in run.sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
             p.data = p.data.to(torch.bfloat16)
     return run
-
 
 @torch.no_grad()
 def refresh_sampler(sampler, model):
@@ -737,10 +763,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     its own score through it."""
     check_tracker(cfg.report_to)
     run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: its checkpoint
-    model = run["model"]
-    tok = run["tok"]
-    task = run["task"]
-    opt = run["opt"]
+    model, tok, task, opt = run.model, run.tok, run.task, run.opt
     B, G = cfg.prompts_per_step, cfg.group_size  # prompts per step, answers per prompt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
     rho = cfg.rho
@@ -748,11 +771,11 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         rho = 1.0
     nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # deviation 9
     report = open_tracker(cfg)  # --report-to: tensorboard, wandb or nothing
-    if not cfg.resume:
+    if run.start == 1:
         report(read_metrics(cfg.out)[0])  # step 0: the starting model's held-out accuracy
-    show = step_printer(cfg.steps, run["start"], log)  # a progress bar on a terminal
+    show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
     model.train()
-    for step in range(run["start"], cfg.steps + 1):
+    for step in range(run.start, cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
         parts = []  # --filter-groups (deviation 5): more prompts until B groups are informative
@@ -761,11 +784,11 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             n_batches = cfg.max_resample
         while len(parts) < n_batches:
             # 1. B training prompts
-            rows = run["draw"](B, step, len(parts))
-            prompts = build_prompts(tok, task, rows, run["chat"], cfg.short_prompt)
+            rows = run.draw(B, step, len(parts))
+            prompts = build_prompts(tok, task, rows, run.chat, cfg.short_prompt)
             # 2. G answers per prompt, with the sampler's own log-probs
             batch = fast_or_plain_rollout(run, log, prompts, G, cfg.max_new_tokens, cfg.temperature,
-                                          cfg.top_p, cfg.top_k, sampler_logp=True)  # run["fast"] falls back once
+                                          cfg.top_p, cfg.top_k, sampler_logp=True)  # run.fast falls back once
             # 3. rewards from the task's verifier (TASKS, in the supporting code after train)
             rewards = torch.zeros(len(batch["texts"]))  # (N,)
             for n, text in enumerate(batch["texts"]):
@@ -788,8 +811,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         old_logp = logp
         gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
         ref_logp = None
-        if run["ref"] is not None:
-            ref_logp = response_logp(run["ref"], batch, mask, cfg.temperature, mb, chunk)
+        if run.ref is not None:
+            ref_logp = response_logp(run.ref, batch, mask, cfg.temperature, mb, chunk)
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
@@ -813,24 +836,24 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
                                   clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb,
                                   chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
-            run["skipped"] += stats["skipped"]
-        refresh_sampler(run["sampler"], model)
+            run.skipped += stats["skipped"]
+        refresh_sampler(run.sampler, model)
         check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
         # 8. log, evaluate, checkpoint
         dt = time.time() - t0
         rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats,
-                          lr=opt.param_groups[0]["lr"], skipped_steps=run["skipped"],
+                          lr=opt.param_groups[0]["lr"], skipped_steps=run.skipped,
                           truncated_frac=batch["truncated"].float().mean().item(),
                           rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
                           sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(evaluate(model, tok, task, run["eval_rows"], run["chat"],
+            rec.update(evaluate(model, tok, task, run.eval_rows, run.chat,
                                 cfg.short_prompt, cfg.max_new_tokens))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         report(rec)
         show(step_line(rec), "eval_acc" in rec)
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(cfg.out, step, model, tok, opt, run["skipped"])
+            save_checkpoint(cfg.out, step, model, tok, opt, run.skipped)
     show(None, False)
     report(None)
     save_final(cfg.out, model, tok)
@@ -1473,26 +1496,33 @@ def get_task(name: str) -> dict:
     return TASKS[name]
 
 def split_rows(cfg: Config) -> tuple:
-    """(draw, held-out rows): the FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows
-    from random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step needs them."""
-    task, gen = get_task(cfg.task), cfg.data in ("gen", "easy")
+    """(draw, held-out rows): the FIRST eval_size rows of the data are held out. draw(n, *key) -> n
+    training rows from random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step
+    needs them."""
+    task = get_task(cfg.task)
+    gen = cfg.data in ("gen", "easy")
     rows = task["load"](cfg.data, cfg.eval_size if gen else 0, cfg.seed)
     held = rows[:cfg.eval_size]
     seen = {task["prompt"](r) for r in held}
-    pool = [] if gen else [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen]
+    pool = [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen]
     if not gen and not pool:
         raise ValueError(f"--data {cfg.data}: no training rows left after the {len(held)} held-out ones "
                          f"({len(rows)} rows, --eval-size {cfg.eval_size})")
 
     def draw(n: int, *key) -> list:
         rng = random.Random(str((cfg.seed,) + key))
-        if not gen:  # distinct rows while the pool lasts
-            return rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
-        tries = (_GEN[cfg.task](rng, cfg.data == "easy") for _ in range(1000 * n))  # lazy: stops at the n-th new row
-        out = list(itertools.islice((r for r in tries if task["prompt"](r) not in seen), n))
-        if len(out) < n:
-            raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-        return out
+        if not gen and n <= len(pool):  # distinct rows while the pool lasts
+            return rng.sample(pool, n)
+        if not gen:
+            return [rng.choice(pool) for _ in range(n)]
+        out = []
+        for _ in range(1000 * n):  # fresh problems until n of them are not held-out prompts
+            row = _GEN[cfg.task](rng, cfg.data == "easy")
+            if task["prompt"](row) not in seen:
+                out.append(row)
+            if len(out) == n:
+                return out
+        raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return draw, held
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============================
@@ -1517,7 +1547,10 @@ def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
 
 def resolve_model_name(name: str) -> str:
     """'Qwen2.5-0.5B' -> 'Qwen/Qwen2.5-0.5B'; hub ids and local folders pass through."""
-    return name if os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen") else "Qwen/" + name
+    local_or_id = os.path.isdir(name) or "/" in name
+    if local_or_id or not name.lower().startswith("qwen"):
+        return name
+    return "Qwen/" + name
 
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
     """Return (model, tokenizer) on device in fp32, or raise OSError with a one-line reason."""
@@ -1662,19 +1695,19 @@ def check_weights(model, step: int, out: str):
         raise RunError(f"step {step} left non-finite weights (is --lr too high?); stopped, the checkpoints in {out} "
                        "are from before it")
 
-def fast_or_plain_rollout(run: dict, log, prompts: list, *args, **kwargs) -> dict:
-    """rollout on run["sampler"], with the fast path (static cache, compiled decoding) while run["fast"] holds: if
+def fast_or_plain_rollout(run: Run, log, prompts: list, *args, **kwargs) -> dict:
+    """rollout on run.sampler, with the fast path (static cache, compiled decoding) while run.fast holds: if
     it raises, one line says so and this and every later step samples on the plain path."""
-    if run["fast"]:
+    if run.fast:
         try:
-            return rollout(run["sampler"], run["tok"], prompts, *args, fast=True, **kwargs)
+            return rollout(run.sampler, run.tok, prompts, *args, fast=True, **kwargs)
         except (ValueError, torch.OutOfMemoryError):  # too long a prompt, or memory: the plain path would fail too
             raise
         except Exception as e:
-            run["fast"] = False
+            run.fast = False
             log(f"fast generation failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                 "sampling on the plain path from now on")
-    return rollout(run["sampler"], run["tok"], prompts, *args, fast=False, **kwargs)
+    return rollout(run.sampler, run.tok, prompts, *args, fast=False, **kwargs)
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary

@@ -757,18 +757,24 @@ def test_derivation_bounds_and_entropy_link():
     assert h1.item() == pytest.approx(0.012, abs=5e-4) and g1.item() == pytest.approx(1.414, abs=1e-3)
 
 
+def _full_logits_stats(model, b, T):
+    """token_stats on the full logits of one plain forward of the whole batch (the reference). 3 x (N, T)."""
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    P = b["prompt_ids"].shape[1]
+    return token_stats(logits[:, P - 1:-1], b["comp_ids"], T)
+
+
 def test_batch_token_stats_chunks_and_micro_batches_change_nothing(tiny):
     """batch_token_stats (hidden-state gather, the head applied `chunk` tokens at a time) equals token_stats on the
     full logits of a plain forward, for every chunk and micro-batch size; head_logp (autograd, recomputed chunks)
     gives the same log-probs and the same head gradient."""
     model, tok = tiny
     b, _ = _batch_from(model, tok, seed=4)
-    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
-    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
-    P, m = b["prompt_ids"].shape[1], b["resp_mask"]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
-    full = token_stats(logits[:, P - 1:-1], b["comp_ids"], 0.9)
+    m = b["resp_mask"]
+    full = _full_logits_stats(model, b, 0.9)
     for mb, chunk in [(1, 1), (5, 7), (12, 1024)]:
         got = gmts.batch_token_stats(model, b, 0.9, mb, chunk)
         for g, f in zip(got, full):
@@ -798,12 +804,8 @@ def test_token_stats_on_another_architecture():
     model = GPTNeoXForCausalLM(cfg).eval()
     assert not hasattr(model, "model")  # the attribute the old code called
     b, _ = _batch_from(model, tok, seed=2)
-    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
-    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
-    P, m = b["prompt_ids"].shape[1], b["resp_mask"]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
-    full = token_stats(logits[:, P - 1:-1], b["comp_ids"], 0.9)
+    m = b["resp_mask"]
+    full = _full_logits_stats(model, b, 0.9)
     for g, f in zip(gmts.batch_token_stats(model, b, 0.9, 5, 7), full):
         assert torch.allclose(g[m], f[m], atol=1e-5) and (g[~m] == 0).all()
     ref = gmts.response_logp(model, b, m, 0.9, 5, 7)

@@ -881,10 +881,10 @@ def step_line(rec: dict) -> str:
     return " | ".join(fields)
 
 def step_printer(total: int, start: int, log=print):
-    """show(line, keep) prints one step's line. On a terminal (log is print, stdout a TTY) a tqdm
+    """show(line, keep) prints one step's line. On a terminal (log prints, stdout a TTY) a tqdm
     bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
     above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
-    if log is not print or not sys.stdout.isatty():
+    if log not in (print, say) or not sys.stdout.isatty():
         def show(line, keep):
             if line is not None:
                 log(line)
@@ -1989,10 +1989,7 @@ def _main(argv):
         out = cfg.out
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
-        log = say
-        if sys.stdout.isatty():  # step_printer draws its progress bar for print only
-            log = print
-        train(cfg, log=log)
+        train(cfg, log=say)
         say("", end="")  # an interrupt swallowed at the very end still counts
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)

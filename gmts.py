@@ -671,6 +671,11 @@ class Run:
     start: int  # the first step to run (1 for a new run)
     skipped: int  # updates skipped so far for a non-finite loss or gradient
 
+def step_lr(cfg: Config, step: int, inner: int) -> float:
+    """The lr of inner update `inner` of GRPO step `step` (1-based): slot (step - 1) * mu + inner."""
+    slot = (step - 1) * cfg.inner_updates + inner
+    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
+
 def start_run(cfg: Config, log=print) -> Run:
     """Everything before the loop: the run folder (claimed first: this process its only writer), data,
     model, optimiser, the KL reference and the sampler (--sampler-dtype: the model or a bf16 copy).
@@ -757,31 +762,24 @@ def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel
                 groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring. Returns the output folder
-    (metrics.jsonl, metrics.png, checkpoints, the final model). score_fn(logp, entropy, grad_norm,
-    om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...): the notebook trains
-    its own score through it."""
+    """GRPO with token selection, steps 1-8 of the module docstring -> the output folder. score_fn(logp,
+    entropy, grad_norm, om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...): the
+    notebook trains its own score through it."""
     check_tracker(cfg.report_to)
     run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: its checkpoint
     model, tok, task, opt = run.model, run.tok, run.task, run.opt
     B, G = cfg.prompts_per_step, cfg.group_size  # prompts per step, answers per prompt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
-    rho = cfg.rho
-    if cfg.select == "all" and score_fn is None:
-        rho = 1.0
+    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho  # 'all' keeps every token
     nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # deviation 9
-    report = open_tracker(cfg)  # --report-to: tensorboard, wandb or nothing
-    if run.start == 1:
-        report(read_metrics(cfg.out)[0])  # step 0: the starting model's held-out accuracy
+    report = open_tracker(cfg, run.start)  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
     model.train()
     for step in range(run.start, cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
         parts = []  # --filter-groups (deviation 5): more prompts until B groups are informative
-        n_batches = 1
-        if cfg.filter_groups:
-            n_batches = cfg.max_resample
+        n_batches = cfg.max_resample if cfg.filter_groups else 1
         while len(parts) < n_batches:
             # 1. B training prompts
             rows = run.draw(B, step, len(parts))
@@ -794,8 +792,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             for n, text in enumerate(batch["texts"]):
                 rewards[n] = task["reward"](text, rows[n // G])
             # 4. group advantages
-            adv = group_advantages(rewards, G, cfg.std_normalize)  # (N,)
-            adv = adv.to(batch["comp_ids"].device)
+            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
             parts.append((batch, rewards, adv))
             n_informative = sum(int(informative(part[1], G).sum()) for part in parts)
             if n_informative >= B:
@@ -810,9 +807,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
         old_logp = logp
         gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
-        ref_logp = None
-        if run.ref is not None:
-            ref_logp = response_logp(run.ref, batch, mask, cfg.temperature, mb, chunk)
+        ref_logp = None if run.ref is None else response_logp(run.ref, batch, mask, cfg.temperature, mb, chunk)
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
@@ -824,18 +819,14 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                 scores = score_fn(logp, entropy, grad_norm, om)
             sel_mask = select_tokens(scores, mask, rho, nonzero)  # (N, T) bool
             # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
-            slot = (step - 1) * cfg.inner_updates + inner
-            total = cfg.steps * cfg.inner_updates
-            lr = cfg.lr * lr_factor(slot, total, cfg.warmup_steps, cfg.lr_decay)
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = step_lr(cfg, step, inner)
             denom = float(mask.sum())
             if cfg.loss_norm == "selected":
                 denom = max(float(sel_mask.sum()), 1.0)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom,
-                                  max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
-                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb,
-                                  chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
+                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
         check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
@@ -918,9 +909,16 @@ def _numbers(rec: dict) -> dict:
     """The record's numbers, without the step (a tracker's x axis)."""
     return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
 
-def open_tracker(cfg: Config):
+def open_tracker(cfg: Config, start: int = 1):
     """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
-    report(None) closes it."""
+    report(None) closes it. A new run (start 1) sends its step-0 record (the starting model's held-out
+    accuracy) at once."""
+    report = _tracker(cfg)
+    if start == 1:
+        report(read_metrics(cfg.out)[0])
+    return report
+
+def _tracker(cfg: Config):
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))

@@ -747,7 +747,7 @@ def refresh_sampler(sampler, model):
 
 def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict,
                 **extra) -> dict:
-    """One line of metrics.jsonl (the README's glossary explains each key)."""
+    """One line of metrics.jsonl (NOTES.md's glossary explains each key)."""
     n_valid = max(int(mask.sum()), 1)
     n_sel = max(int(sel_mask.sum()), 1)
     sampled = torch.cat([informative(part[1], G) for part in parts])  # every group sampled

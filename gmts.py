@@ -65,7 +65,7 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
-# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first ==========
+# ==== Config [plumbing]: every field is a --flag; --preset NAME applies PRESETS[NAME] first =======
 def arg(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
@@ -190,7 +190,7 @@ def check_config(cfg: Config):
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
-# ==== Small helpers [plumbing] =======================================================================
+# ==== Small helpers [plumbing] ====================================================================
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto" and torch.cuda.is_available():
         name = "cuda"
@@ -207,7 +207,7 @@ def set_seed(seed: int):
     random.seed(seed)
     torch.manual_seed(seed)
 
-# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T ========
+# ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 
@@ -330,7 +330,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
         batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] =====================================
+# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
@@ -383,7 +383,7 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
             batch[key] = joined[idx.to(joined.device)]
     return batch, rewards[idx], advs[idx.to(advs.device)]
 
-# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ===========
+# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
 # A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
@@ -504,7 +504,7 @@ def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, mi
         out[rows[r], t] = logp
     return out
 
-# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] ==========
+# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======
 def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
                 clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
@@ -564,7 +564,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float,
     sel[flat_mask] = keep
     return sel.view_as(mask)
 
-# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ===================
+# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
     """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
@@ -644,7 +644,7 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] =====
+# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ===
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
     then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
@@ -858,7 +858,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 # checkpoints, the command line.
 # #####################################################################################################################
 
-# ==== Step lines, the progress bar and trackers [plumbing] ===========================================
+# ==== Step lines, the progress bar and trackers [plumbing] ========================================
 SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
          "eval_acc")
 
@@ -944,7 +944,7 @@ def _tracker(cfg: Config):
         return report
     return lambda rec: None
 
-# ==== Tasks and verifiers [paper: reward] ============================================================
+# ==== Tasks and verifiers [paper: reward] =========================================================
 # Each task = offline generator + prompt + verifier + loader, collected in TASKS; train()'s step 3
 # calls TASKS[task]["reward"]. Verifiers are pure, cap every length before parsing, use no eval/exec
 # and never raise (a bug costs a reward, not a run).
@@ -1523,7 +1523,7 @@ def split_rows(cfg: Config) -> tuple:
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return draw, held
 
-# ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============================
+# ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -1583,7 +1583,7 @@ def check_tokenizer(tok):
     if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
         raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
-# ==== Evaluation, run folder, checkpoints, metrics [plumbing] =====================================================
+# ==== Evaluation, run folder, checkpoints, metrics [plumbing] =====================================
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
              batch_size: int = 64) -> dict:
@@ -1731,7 +1731,7 @@ def plot_metrics(out: str):
     fig.tight_layout()
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
-# ==== Run folder ownership [plumbing]: never replace what is not a run's own; one writer per folder ==============
+# ==== Run folder ownership [plumbing]: never replace what is not a run's own; one writer a folder =
 import contextlib, fcntl, fnmatch, hashlib, signal  # noqa: E402  (writes, the folder's lock, fingerprints, signals)
 
 class RunError(RuntimeError):
@@ -1891,7 +1891,7 @@ def write_file(path: str, text: str):
             f.write(text)
     os.replace(path + ".tmp", path)
 
-# ==== CLI [plumbing] ==============================================================================================
+# ==== CLI [plumbing] ==============================================================================
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device"}  # a resume may
 # change these; every other field changes the trajectory and needs --allow-change
 

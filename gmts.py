@@ -57,8 +57,8 @@ if __name__ == "__main__":  # a stop signal while torch imports (seconds): one l
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, copy, dataclasses, functools, glob, importlib, itertools, json, math, random, re
-import shutil, sys, time
+import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, glob, hashlib, importlib
+import itertools, json, math, random, re, shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -1732,7 +1732,6 @@ def plot_metrics(out: str):
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
 # ==== Run folder ownership [plumbing]: never replace what is not a run's own; one writer a folder =
-import contextlib, fcntl, fnmatch, hashlib, signal  # noqa: E402  (writes, the folder's lock, fingerprints, signals)
 
 class RunError(RuntimeError):
     """A run that cannot go on (non-finite weights, nothing to analyse): one line, exit 1."""
@@ -1892,8 +1891,8 @@ def write_file(path: str, text: str):
     os.replace(path + ".tmp", path)
 
 # ==== CLI [plumbing] ==============================================================================
-FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device"}  # a resume may
-# change these; every other field changes the trajectory and needs --allow-change
+# A resume may change these freely; every other field changes the trajectory and needs --allow-change.
+FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to"}
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;

@@ -472,3 +472,13 @@ def test_a_stop_signal_while_starting_is_one_line(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err and err.count("\n") == 1, err
     assert err.startswith("gmts: error: interrupted")
+
+
+def test_resume_may_switch_the_tracker(tmp_path, monkeypatch):
+    """--report-to changes where metrics go, not the trajectory: a resume may change it without --allow-change."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = str(tmp_path / "run")
+    gmts.main(["--preset", "smoke", "--steps", "1", "--out", out])
+    gmts.main(["--resume", out, "--steps", "2", "--report-to", "tensorboard"])
+    assert [r["step"] for r in gmts.read_metrics(out)] == [0, 1, 2]
+    assert os.listdir(os.path.join(out, "tensorboard"))

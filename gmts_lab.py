@@ -4,10 +4,12 @@ gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never impo
   python gmts_lab.py warm [--task countdown|math|logic] [--out warm/cpu]   rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
   python gmts_lab.py analyze --preset cpu --batches 4 --out out/analyze
+  python gmts_lab.py analyze --preset cpu --batches 4 --rhos 0.01,0.05,0.2 --out out/ret     the kept-gradient curve
+  python gmts_lab.py retention countdown=out/ret --png docs/retention.png     its table and figure
   python gmts_lab.py decoy --model out/cpu        held-out accuracy with the real and with another problem's target
   python gmts_lab.py report math=out/math --png docs/math.png     tables and learning curves of compare folders
 
-Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches) goes to gmts.parse_args:
+Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos) goes to gmts.parse_args:
 --preset, --model, --out, --seed, --no-filter-groups, --steps ...
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by supervision to
@@ -29,6 +31,8 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
            final held-out accuracy and a plot.
   analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio, per method,
            with and without dynamic sampling), and how each score ranks tokens by their true gradient norm.
+           With --rhos R1,R2,...: the kept-gradient curve instead, the same cosine and ratio at each rho on the
+           raw batches (filter off), written to OUT/retention.json; `retention` draws it, a panel per folder.
   report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per compare folder,
            the final accuracy table and the paired differences by seed (gmts - entropy, gmts - all, gradnorm -
            gmts); one figure, a learning-curve panel per folder.
@@ -406,11 +410,17 @@ def flat_grad(model) -> torch.Tensor:
 
 def gradient_retention(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, methods=ANALYZED,
                        seed: int = 0) -> dict:
-    """{method: (cos(g_S, g_all), |g_S| / |g_all|)} on one batch, on-policy (ratio = 1, omega = A).
+    """{method: (cos(g_S, g_all), |g_S| / |g_all|)} on one batch at cfg.rho, on-policy (ratio = 1, omega = A).
 
     g_S is the parameter gradient of the kept tokens' loss, g_all that of every valid token's, both divided by the
     number of valid tokens (--loss-norm all: selection is then a pure masking of one sum). Tokens add and cancel,
     so this is what an update keeps, not a per-token ranking. NaN where g_all is 0 (every A = 0)."""
+    return retention_at(model, batch, adv, cfg, (cfg.rho,), methods, seed)[cfg.rho]
+
+def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, methods=ANALYZED,
+                 seed: int = 0) -> dict:
+    """gradient_retention at each rho of rhos -> {rho: {method: (cos, ratio)}}. The token statistics and g_all are
+    computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
     logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
     om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high)  # (N, T)
@@ -422,13 +432,20 @@ def gradient_retention(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, 
                            chunk=cfg.stats_chunk)
         return flat_grad(model)
     g_all = grad(mask)
-    gen, res = torch.Generator().manual_seed(seed), {}
-    for m in methods:
-        sel = gmts.select_tokens(gmts.token_scores(m, entropy, grad_norm, om, gen), mask,
-                                 1.0 if m == "all" else cfg.rho, nonzero=m in ("gmts", "gradnorm"))
-        g, n_all = grad(sel), float(g_all.norm())
-        res[m] = ((float(g @ g_all) / (float(g.norm()) * n_all) if g.norm() > 0 else 0.0, float(g.norm()) / n_all)
-                  if n_all > 0 else (math.nan, math.nan))
+    n_all = float(g_all.norm())
+    scores = {m: gmts.token_scores(m, entropy, grad_norm, om, torch.Generator().manual_seed(seed)) for m in methods}
+    res = {}
+    for rho in rhos:
+        res[rho] = {}
+        for m in methods:
+            if n_all == 0:  # every A = 0: no gradient to retain
+                res[rho][m] = (math.nan, math.nan)
+                continue
+            keep = 1.0 if m == "all" else rho
+            g = grad(gmts.select_tokens(scores[m], mask, keep, nonzero=m in ("gmts", "gradnorm")))
+            n_s = float(g.norm())
+            cos = float(g @ g_all) / (n_s * n_all) if n_s > 0 else 0.0
+            res[rho][m] = (cos, n_s / n_all)
     model.zero_grad(set_to_none=True)
     return res
 
@@ -512,20 +529,28 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
 
 SPEARMAN_COLS = ("logit_within", "logit_batch", "param_within", "param_batch")
 
-def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
-    """Roll out `batches` batches from cfg.model and print one table: per method, cos(g_S, g_all) and |g_S|/|g_all|
-    (mean +- std over batches) on the raw batch (filter off) and on its dynamic-sampling version (filter on:
-    informative groups only, more drawn as in train), and the ranking study on the raw batch. OUT/analysis.json."""
+def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
+    """What analyze and retention_curve share: OUT claimed, the model loaded -> (model, tok, task, draw, chat)."""
     if batches < 1:
         raise ValueError(f"--batches must be >= 1, got {batches}")
-    gmts.check_out(cfg.out, "analyze", cfg.model, cfg.overwrite)
+    gmts.check_out(cfg.out, "analyze", cfg.model, cfg.overwrite, more=more)
     gmts.claim_out(cfg.out, "analyze")
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
     task = gmts.get_task(cfg.task)
     draw, _ = gmts.split_rows(cfg)
     model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    chat = gmts.use_chat(tok, cfg.chat_template)
+    return model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)
+
+def _nothing_to_analyse(cfg: gmts.Config, batches: int):
+    return gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers earn one reward "
+                         f"(A = 0 everywhere); {cfg.model} earns no signal on these problems")
+
+def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
+    """Roll out `batches` batches from cfg.model and print one table: per method, cos(g_S, g_all) and |g_S|/|g_all|
+    (mean +- std over batches) on the raw batch (filter off) and on its dynamic-sampling version (filter on:
+    informative groups only, more drawn as in train), and the ranking study on the raw batch. OUT/analysis.json."""
+    model, tok, task, draw, chat = _analysis_start(cfg, batches)
     acc = collections.defaultdict(list)
     for b in range(batches):
         gmts.set_seed(cfg.seed * 1_000_003 + b)
@@ -544,14 +569,94 @@ def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
         for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature, seed=cfg.seed + b).items():
             acc[f"{m}/{c}"].append(v)
     if not acc:
-        raise gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers earn one reward "
-                            f"(A = 0 everywhere); {cfg.model} earns no signal on these problems")
+        raise _nothing_to_analyse(cfg, batches)
     res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
     log(analysis_table(res))
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "analysis.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res
+
+def parse_rhos(text: str) -> list:
+    """'0.01,0.05' -> [0.01, 0.05], each in (0, 1]; ValueError (one line) otherwise."""
+    try:
+        rhos = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rhos = []
+    if not rhos or not all(0 < r <= 1 for r in rhos):
+        raise ValueError(f"--rhos {text!r}: a comma list of values in (0, 1], e.g. 0.01,0.05,0.2")
+    return sorted(set(rhos))
+
+def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print) -> dict:
+    """The kept-gradient curve: on `batches` raw rollout batches of cfg.model (filter off, as the comparison grid;
+    the batches of analyze), cos(g_S, g_all) and |g_S|/|g_all| per rho and method -> {rho: {method: {"cos": [...],
+    "ratio": [...]}}}, one value per batch. Prints the table and writes OUT/retention.json."""
+    model, tok, task, draw, chat = _analysis_start(cfg, batches, more=("retention.json",))
+    one = dataclasses.replace(cfg, max_resample=1)  # the raw batch only
+    res = {r: {m: {"cos": [], "ratio": []} for m in ANALYZED} for r in rhos}
+    for b in range(batches):
+        gmts.set_seed(cfg.seed * 1_000_003 + b)
+        batch, rewards, adv = sample_parts(model, tok, task, draw, chat, one, ("analyze", b))[0]
+        log(f"batch {b + 1}/{batches}: reward {rewards.mean():.3f}, {int((adv == 0).sum())}/{len(adv)} answers "
+            f"with A = 0")
+        if not (adv != 0).any():  # no gradient to compare
+            continue
+        for r, by_method in retention_at(model, batch, adv, cfg, rhos, seed=cfg.seed + b).items():
+            for m, (cos, ratio) in by_method.items():
+                res[r][m]["cos"].append(cos)
+                res[r][m]["ratio"].append(ratio)
+    if not res[rhos[0]][ANALYZED[0]]["cos"]:
+        raise _nothing_to_analyse(cfg, batches)
+    log(retention_table(res))
+    os.makedirs(cfg.out, exist_ok=True)
+    gmts.write_file(os.path.join(cfg.out, "retention.json"), json.dumps({str(r): v for r, v in res.items()}, indent=1))
+    return res
+
+def retention_table(res: dict) -> str:
+    """Markdown: a row per rho, cos(g_S, g_all) and |g_S|/|g_all| per method (mean +- population std over batches)."""
+    methods = list(next(iter(res.values())))
+    head = ["rho"] + [f"{m} cos" for m in methods] + [f"{m} \\|g_S\\|/\\|g_all\\|" for m in methods]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r, by_method in res.items():
+        cells = [f"{float(r):g}"]
+        for key in ("cos", "ratio"):
+            cells += ["{:.3f} +- {:.3f}".format(*_mean(by_method[m][key])) for m in methods]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+def read_retention(folder: str) -> dict:
+    """retention_curve's result from OUT/retention.json -> {rho (float): {method: {"cos": [...], "ratio": [...]}}}."""
+    path = os.path.join(folder, "retention.json")
+    try:
+        with open(path) as f:
+            res = {float(r): v for r, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a retention curve of analyze --rhos ({type(e).__name__})") from None
+    return dict(sorted(res.items()))
+
+def retention(panels: dict, png: str, log=print) -> dict:
+    """panels: title -> an analyze --rhos folder. Prints each folder's table; one figure, a panel per folder:
+    cos(g_S, g_all) vs rho (log axis), a line per method with a +- std bar over batches."""
+    from matplotlib.figure import Figure
+
+    curves = {title: read_retention(folder) for title, folder in panels.items()}
+    fig = Figure(figsize=(4.2 * len(panels), 3.6))
+    for ax, (title, res) in zip(fig.subplots(1, len(panels), squeeze=False)[0], curves.items()):
+        log(f"## {title} ({panels[title]})\n\n{retention_table(res)}\n")
+        rhos = list(res)
+        for m in next(iter(res.values())):
+            stats = [_mean(res[r][m]["cos"]) for r in rhos]
+            ax.errorbar(rhos, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=".", capsize=2, label=m,
+                        color=f"C{gmts.CHOICES['select'].index(m)}")  # the colours of report's panels
+        ax.set_xscale("log")
+        ax.set(title=title, xlabel="rho (share of tokens kept)", ylabel="cos(g_S, g_all)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    if os.path.isdir(png):
+        raise ValueError(f"--png {png} is a folder; name the figure's file, e.g. {os.path.join(png, 'retention.png')}")
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=90)
+    return curves
 
 def _mean(v: list) -> tuple:
     """(mean, population std) of the non-NaN values; NaN, NaN if there are none."""
@@ -583,11 +688,13 @@ def main(argv=None):
                                 "docstring); flags not listed here go to gmts.py's parser.",
                                 allow_abbrev=False)  # else --seed would be read as an abbreviation of --seeds
     p.error = gmts.die
-    p.add_argument("command", choices=["warm", "compare", "analyze", "decoy", "report"])
+    p.add_argument("command", choices=["warm", "compare", "analyze", "decoy", "report", "retention"])
     p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods")
     p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
     p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
     p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
+    p.add_argument("--rhos", default="", help="analyze: a comma list of rho values: the kept-gradient curve "
+                   "(OUT/retention.json) instead of the one-rho table")
     with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
         return _main(*p.parse_known_args(argv))
 
@@ -621,19 +728,23 @@ def _main(lab, rest):
             print(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} ({chance}); "
                   f"sample: {texts[0][:100]!r}")
             return
-        if lab.command == "report":
-            r = argparse.ArgumentParser(prog="gmts_lab.py report", allow_abbrev=False)
+        if lab.command in ("report", "retention"):
+            what = "a compare --out" if lab.command == "report" else "an analyze --rhos --out"
+            r = argparse.ArgumentParser(prog=f"gmts_lab.py {lab.command}", allow_abbrev=False)
             r.error = gmts.die
-            r.add_argument("panels", nargs="+", help="TITLE=FOLDER: a compare --out folder per panel")
+            r.add_argument("panels", nargs="+", help=f"TITLE=FOLDER: {what} folder per panel")
             r.add_argument("--png", required=True, help="the figure: one panel per folder")
             a = r.parse_args(rest)
             if not all("=" in x for x in a.panels):
-                raise ValueError("report takes TITLE=FOLDER arguments, e.g. math=out/math")
-            return report(dict(x.split("=", 1) for x in a.panels), a.png)
+                raise ValueError(f"{lab.command} takes TITLE=FOLDER arguments, e.g. math=out/math")
+            panels = dict(x.split("=", 1) for x in a.panels)
+            return (report if lab.command == "report" else retention)(panels, a.png)
         cfg = gmts.parse_args(rest)
         gmts.check_config(cfg)
         if lab.command == "compare":
             return compare(cfg, [m.strip() for m in lab.methods.split(",") if m.strip()], lab.seeds, lab.workers)
+        if lab.command == "analyze" and lab.rhos:
+            return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos))
         return analyze(cfg, lab.batches) if lab.command == "analyze" else decoy_main(cfg)
     except ValueError as e:  # bad input
         gmts.die(str(e), 2)

@@ -433,6 +433,47 @@ def test_analyze_cli_prints_the_table(tmp_path, capsys, monkeypatch):
     assert len(res["gmts/cos_on"]) == 1
 
 
+def test_the_kept_gradient_curve_matches_one_rho_at_a_time(tiny):
+    """retention_at computes the statistics and g_all once for all rhos: each rho's entry equals gradient_retention run
+    alone at that rho (random included: the same draw at every rho). At rho = 1 every method keeps every token with a
+    gradient (gmts and gradnorm drop only A = 0 tokens, whose gradient is 0): cos 1 and ratio 1. Fewer tokens keep
+    no more of the norm (the kept sets are nested) for entropy, which adds only tokens of one sign of A here."""
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=4, n_prompts=4)
+    cfg = gmts.Config(micro_batch=5, stats_chunk=11)
+    rhos = (0.05, 0.3, 1.0)
+    curve = lab.retention_at(model, b, adv, cfg, rhos, seed=3)
+    assert list(curve) == list(rhos)
+    for r in rhos:
+        alone = lab.gradient_retention(model, b, adv, gmts.Config(micro_batch=5, stats_chunk=11, rho=r), seed=3)
+        assert curve[r] == alone, r  # the same operations on the same tensors: the same bits
+    for m, (cos, ratio) in curve[1.0].items():
+        assert cos == pytest.approx(1.0, abs=1e-9) and ratio == pytest.approx(1.0, abs=1e-9), m
+    assert curve[0.05]["gmts"] != curve[0.3]["gmts"]  # the rho reaches the selection
+
+
+def test_retention_cli_writes_the_curve_and_its_figure(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda text, row: float(sum(map(ord, text)) % 2))
+    out = tmp_path / "ret"
+    lab.main(["analyze", "--preset", "smoke", "--batches", "2", "--rhos", "0.5,0.1,0.5", "--out", str(out)])
+    table = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| 0")]
+    assert [x.split("|")[1].strip() for x in table] == ["0.1", "0.5"]  # sorted, each once
+    res = json.loads((out / "retention.json").read_text())
+    assert set(res) == {"0.1", "0.5"} and set(res["0.1"]) == set(lab.ANALYZED)
+    assert all(len(v["cos"]) == len(v["ratio"]) >= 1 for v in res["0.5"].values())
+    lab.main(["retention", f"countdown={out}", f"again={out}", "--png", str(tmp_path / "r.png")])
+    assert (tmp_path / "r.png").stat().st_size > 0 and capsys.readouterr().out.count("## ") == 2
+    for argv, code, words in ((["analyze", "--preset", "smoke", "--rhos", "0.1,2", "--out", str(tmp_path / "x")], 2,
+                               "--rhos"),
+                              (["retention", f"a={out}", "--png", str(tmp_path)], 2, "is a folder"),
+                              (["retention", f"a={tmp_path}", "--png", str(tmp_path / "y.png")], 2, "retention.json")):
+        with pytest.raises(SystemExit) as e:
+            lab.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == code and len(err.strip().splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y.png").exists()
+
+
 def test_out_of_memory_in_the_warm_up_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")

@@ -1,27 +1,39 @@
 """
 gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file. Read it beside the papers:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
-         Reasoning", arXiv 2608.30632: train on the top 20% of the batch's tokens by |H_t * omega_t|.
+         Reasoning", arXiv 2608.30632: train on the top 20% of tokens by (an approximation of) the
+         size of their gradient; here |H_t * omega_t| (see "Provenance").
   80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for
          LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
-One training step, as train() numbers it (the file follows this order; the supporting code, with the
-tasks' verifiers of step 3, comes after train()):
+One training step, as train() numbers it; the file follows this order:
   1. draw B prompts from the task                                     [plumbing]
   2. sample G answers per prompt with HF generate (N = B*G answers)   [paper: rollout]
   3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
-  5. per response token: log pi(y_t), entropy H_t, logit-gradient norm [paper: token statistics]
-  6. score tokens (entropy: H_t; gmts: |H_t * omega_t|), keep the top rho of the WHOLE batch [selection]
+  5. per response token: log pi(y_t) and entropy H_t                  [paper: token statistics]
+     and the logit-gradient norm (for gradnorm)                       [ours]
+  6. score tokens, keep the top rho of the WHOLE batch (deviation 1)  [paper: selection]
+       entropy   H_t                                                  [80/20]
+       gmts      |H_t * omega_t|, omega = ratio * A (0 where clipped) [GMTS, second-hand]
+       gradnorm  |omega_t| * the exact logit-gradient norm            [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
+Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
+
+Provenance. We could not read the GMTS full text, only its abstract (OpenReview). The exact score
+|H_t * omega_t| is a third-party replication's reading of the paper's equation 4 (the whileai
+"gmts-token-select" recipe); the abstract says only that GMTS ranks tokens by an approximation of
+their gradient magnitude. Selecting over the whole batch is our choice, not known to be GMTS's
+(deviation 1), and gradnorm is this project's ablation, not a method of either paper.
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
 column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Selection is over the whole rollout batch (N*T tokens), not per micro-batch or GPU (80/20 code).
+  1. Selection is over the whole rollout batch (N*T tokens): our choice of scope. The 80/20 code
+     selects per micro-batch and GPU; what GMTS does is not known.
   2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before
      each inner update.
   3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
@@ -106,6 +118,8 @@ class Config:
     fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
     filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
+    overlong_filter: bool = arg(False, "a truncated answer (no end token within --max-new-tokens) trains nothing: "
+                                       "DAPO's overlong filtering")
     # GRPO
     clip_low: float = arg(0.2, "PPO clip eps below 1")
     clip_high: float = arg(0.28, "PPO clip eps above 1 (DAPO clip-higher)")
@@ -147,65 +161,6 @@ PRESETS = {
                   prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
                   lr=1e-4, out="out/smoke"),
 }
-def die(msg: str, code: int = 2):
-    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
-    print(f"gmts: error: {msg}", file=sys.stderr)
-    sys.exit(code)
-
-RULES = {  # field -> (test, what the value must be); NaN fails every test
-    **dict.fromkeys(["rho", "top_p"], (lambda v: 0 < v <= 1, "in (0, 1]")),
-    "lr": (lambda v: 0 < v <= 1, "in (0, 1] (a larger step leaves non-finite weights)"),
-    **dict.fromkeys(["temperature", "max_grad_norm"], (lambda v: 0 < v < math.inf, "finite and > 0")),
-    **dict.fromkeys(["clip_low", "clip_high"], (lambda v: 0 <= v < 1, "in [0, 1)")),
-    **dict.fromkeys(["kl_beta", "weight_decay"], (lambda v: 0 <= v < math.inf, "finite and >= 0")),
-    **dict.fromkeys(["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
-                     "eval_size", "max_resample", "tiny_layers"], (lambda v: v >= 1, ">= 1")),
-    **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k"], (lambda v: v >= 0, ">= 0")),
-    "group_size": (lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
-    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
-    "tiny_hidden": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
-}
-
-def check_config(cfg: Config):
-    """Raise ValueError (one line) for any value no run can use, before any work is done."""
-    rules = {k: (lambda v, a=allowed: v in a, "one of " + ", ".join(allowed)) for k, allowed in CHOICES.items()}
-    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: told apart below
-    for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
-        v = getattr(cfg, f.name)
-        typed = isinstance(v, types[f.type]) and isinstance(v, bool) == (f.type is bool)
-        unset = v is None and f.default is None  # --fast-generate left to the device
-        if not (typed or unset):
-            raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
-    for k, (ok, want) in {**rules, **RULES}.items():
-        if not ok(getattr(cfg, k)):
-            raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")
-    get_task(cfg.task)
-    if cfg.data in ("gen", "easy") and cfg.eval_size > 100_000:
-        raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
-    parent = os.path.abspath(cfg.out or ".")
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not cfg.out or os.path.isfile(cfg.out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {cfg.out!r} is not a folder that can be written")
-    if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
-        raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
-
-# ==== Small helpers [plumbing] ====================================================================
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto" and torch.cuda.is_available():
-        name = "cuda"
-    if name == "auto" and torch.backends.mps.is_available():
-        name = "mps"
-    return torch.device("cpu" if name == "auto" else name)
-
-def autocast(device: torch.device):
-    """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
-    use = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
-
-def set_seed(seed: int):
-    random.seed(seed)
-    torch.manual_seed(seed)
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
@@ -256,8 +211,11 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
 
 class SamplerLogp:
     """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
-    generate() calls it before each draw with the ids drawn so far, so each call reads the previous
-    call's distribution at the token drawn from it, and keeps its own for the next call."""
+    generate() calls it once per new token, BEFORE that token is drawn, with the ids drawn so far:
+      call 1   sees the prompt only; keeps the distribution of draw 1
+      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2
+      ...
+      finish() reads the last draw from the last kept distribution (no call comes after it)."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
@@ -277,24 +235,21 @@ class SamplerLogp:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
 
-def check_positions(model, prompt_tokens: int, max_new_tokens: int):
-    """ValueError (one line) if such a prompt and answer pass the model's positions."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and prompt_tokens + max_new_tokens > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {prompt_tokens}-token prompt exceed the "
-                         f"model's {limit} positions")
-
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
             sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string -> dict(prompt_ids, prompt_mask, comp_ids, resp_mask,
-    truncated, texts) on the model's device. generate() would fill every knob left unset from the
-    checkpoint's generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...),
-    sampling from another distribution than the policy we train, so it sees a complete config of our
-    own and a blank model default. fast: a static KV cache (its length rounded up to 64: few shapes;
-    generate compiles its step on CUDA). sampler_logp: also `sampler_logp` (N, T), the sampler's
-    log_softmax(logits / T) at each drawn token (before top-k/p, as the learner's; 0 after the end)."""
+    """Sample group_size answers per prompt string (greedy=True: one greedy answer, for evaluation).
+    Returns, on the model's device:
+      prompt_ids, prompt_mask  (N, P)  the prompts, left padded, each repeated G times
+      comp_ids, resp_mask      (N, T)  the answers and their valid positions (completion_mask)
+      truncated                (N,)    answers that hit max_new_tokens without an end token
+      texts                    N str   the answers, decoded up to their end
+      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
+                                       at each drawn token (before top-k/p, as the learner's; 0 after
+                                       the end), to compare sampler and learner precision
+    fast: a static KV cache, its length rounded up to 64 (few shapes; generate compiles its step on
+    CUDA)."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -311,9 +266,14 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
                            pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
-    was_training, saved = model.training, model.generation_config
+    # generate() fills every knob this call leaves unset from the checkpoint's generation_config
+    # (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...): it would sample from another
+    # distribution than the policy we train. So `gen` is complete, and the model's default is blanked
+    # for the call and put back after it.
+    was_training = model.training
+    saved = model.generation_config
     model.eval()
-    model.generation_config = GenerationConfig()  # the checkpoint's knobs never reach this call
+    model.generation_config = GenerationConfig()
     try:
         with autocast(device):
             out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
@@ -330,626 +290,10 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
         batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward
-    values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by
-    sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN).
-    std_normalize=False: Dr. GRPO's r - mean."""
-    r = rewards.float().view(-1, group_size)  # (B, G)
-    adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    if std_normalize:
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    same = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (B, 1)
-    return adv.masked_fill(same, 0.0).view(-1)  # (N,)
-
-def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere: a gradient)."""
-    r = rewards.view(-1, group_size)  # (B, G)
-    return r.max(dim=1).values != r.min(dim=1).values
-
-def _join_rows(xs: list, key: str, pad_id: int):
-    """One per-answer entry of several rollout batches, joined along the answers: lists concatenated,
-    (N, W) tensors padded to one width first (prompt_* on the left, as prompts are, the rest on the
-    right; *_ids with pad_id, other entries with 0)."""
-    if isinstance(xs[0], list):
-        return [x for part in xs for x in part]
-    if xs[0].dim() == 2:
-        width = max(x.shape[1] for x in xs)
-        fill = pad_id if key.endswith("_ids") else 0
-        left = key.startswith("prompt")
-        xs = [F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=fill)
-              for x in xs]
-    return torch.cat(xs)
-
-def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
-    B informative groups -> (batch, rewards, adv), every per-answer entry carried. With no informative
-    group the first batch is returned as it is (all A = 0)."""
-    rewards = torch.cat([part[1] for part in parts])  # (N_all,)
-    advs = torch.cat([part[2] for part in parts])  # (N_all,)
-    keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
-    if keep.numel() == 0:
-        return parts[0]
-    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
-    batch = {}
-    for key in parts[0][0]:
-        joined = _join_rows([part[0][key] for part in parts], key, pad_id)
-        if isinstance(joined, list):
-            batch[key] = [joined[i] for i in idx.tolist()]
-        else:
-            batch[key] = joined[idx.to(joined.device)]
-    return batch, rewards[idx], advs[idx.to(advs.device)]
-
-# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
-# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
-# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
-#     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
-# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
-#    or (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise
-#        dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
-#    Write omega = r * A where the clip is inactive and omega = 0 where it is active:
-#        dl/dtheta = -omega * dlogp_y/dtheta.
-# 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
-#        dl/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
-# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
-#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
-#    (grad_norm is computed by token_stats).
-# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
-#    when r = 1): pointwise (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2, so the norm is set
-#    by p_y, not by H. Over y ~ p, E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H) (Shannon
-#    entropy >= Renyi-2 entropy): IN EXPECTATION a near-certain position (H ~ 0) has a near-zero
-#    logit gradient. Not pointwise: at p = (0.999, 50 x 2e-5) a sampled rare token has
-#    H = 0.012 nats but norm 1.4135. Entropy misses such tokens; gradnorm (below) scores them by
-#    their exact norm.
-# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With
-#    binary rewards and k of G answers correct, A = +sqrt((G-k)/k) for the correct and
-#    -sqrt(k/(G-k)) for the wrong ones (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose
-#    answers all got the same reward. Entropy ranking ignores this factor: it spends budget on
-#    tokens whose gradient is small or exactly 0.
-# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3)
-#    and keeps the top rho of the batch. 'gradnorm' uses the exact logit-gradient norm
-#    |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
-# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects
-# over the whole batch; recomputes omega (with the current ratio and clip) before every inner
-# update; computes all of it in fp32.
-
-def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
-    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
-    logp      = log p_y,  p = softmax(logits / T)
-    entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
-    """
-    z = logits.float()
-    logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (..., V)
-    y = tokens.unsqueeze(-1)  # (..., 1)
-    logp = logp_all.gather(-1, y).squeeze(-1)  # (...)
-    # 1 - 2 p_y + sum p^2 cancels catastrophically when p_y ~ 1; the same number written as
-    # (1 - p_y)^2 + sum_{j != y} p_j^2 has no cancellation (1 - p_y = -expm1(logp_y)).
-    # Without autograd, p is reused in place: 3 (..., V) buffers.
-    inplace = not torch.is_grad_enabled()
-    p = logp_all.exp()  # (..., V)
-    p = p.scatter_(-1, y, 0.0) if inplace else p.scatter(-1, y, 0.0)  # p_y := 0
-    others_sq = torch.linalg.vector_norm(p, dim=-1).square()  # sum_{j != y} p_j^2, (...)
-    plogp = p.mul_(logp_all) if inplace else p * logp_all  # (..., V)
-    entropy = -(plogp.sum(-1) + logp.exp() * logp)  # y's term added back
-    sq = torch.expm1(logp).square() + others_sq  # (...)
-    return logp, entropy, sq.sqrt() / temperature
-
-def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
-    """Final hidden states that PREDICT each response token (position P-1+t predicts token t)
-    -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
-    them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
-    ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
-    with autocast(ids.device):
-        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
-    return h[:, P - 1:P + T - 1]  # (n, T, d)
-
-@torch.no_grad()
-def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
-    in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
-    buffers, whatever N * T is)."""
-    head = model.get_output_embeddings()
-    mask = batch["resp_mask"]  # (N, T)
-    out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
-    for start in range(0, mask.shape[0], micro_batch):
-        rows = slice(start, start + micro_batch)
-        m = mask[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        y = batch["comp_ids"][rows][m]  # (M,)
-        parts = []
-        for hc, yc in zip(h.split(chunk), y.split(chunk)):
-            parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
-        for o, values in zip(out, zip(*parts)):
-            block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
-            block[m] = torch.cat(values)
-    return tuple(out)
-
-def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
-              temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
-    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward
-    (activation checkpointing), so the head's memory is bounded by the chunk, not by the number
-    of tokens. (M, d) -> (M,)."""
-    from torch.utils.checkpoint import checkpoint
-
-    def logp(h, y):
-        z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
-        return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False)
-             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-
-@torch.no_grad()
-def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
-                  chunk: int) -> torch.Tensor:
-    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on exactly the code path of
-    loss_backward (same rows per micro-batch, same chunked head): a model whose weights equal the
-    policy's gives the policy's log-probs bit for bit. The KL reference uses it (deviation 7)."""
-    head = model.get_output_embeddings()
-    out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
-    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch):
-        if rows.numel() == 0:  # no valid token: split() still yields one empty piece
-            break
-        m = mask[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
-        r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
-        out[rows[r], t] = logp
-    return out
-
-# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
-                clip_high: float) -> torch.Tensor:
-    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
-    above = (adv > 0) & (ratio > 1 + clip_high)
-    below = (adv < 0) & (ratio < 1 - clip_low)
-    return above | below
-
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
-          clip_high: float) -> torch.Tensor:
-    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
-    adv (N,), ratio (N, T) -> (N, T)."""
-    a = adv[:, None]  # (N, 1)
-    dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
-    return torch.where(dead, torch.zeros_like(ratio), ratio * a)
-
-def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
-                 generator: torch.Generator = None) -> torch.Tensor:
-    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
-    if method == "all":  # vanilla GRPO (train keeps every token, rho = 1)
-        return torch.ones_like(entropy)
-    if method == "random":  # the control
-        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
-    if method == "entropy":  # H_t (80/20 paper)
-        return entropy
-    if method == "gmts":  # |H_t * omega_t| (GMTS)
-        return (entropy * om).abs()
-    if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3)
-        return om.abs() * grad_norm
-    raise ValueError(f"unknown selection method {method!r}; "
-                     f"choose one of: {', '.join(CHOICES['select'])}")
-
-def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float,
-                  nonzero: bool = False) -> torch.Tensor:
-    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch:
-    (N, T) -> (N, T) bool. Any rho in (0, 1] keeps at least one valid token. Ties go to the
-    earlier position, masked-out tokens are never kept, NaN ranks lowest. A k-th-value threshold
-    plus a count over the tied values: O(n), exact, and unlike torch.quantile fine above 2^24
-    elements. nonzero=True (gmts, gradnorm) then drops kept tokens whose score is 0 (their
-    gradient is exactly 0), so they may keep fewer than k."""
-    flat_mask = mask.reshape(-1)  # (N*T,)
-    sel = torch.zeros_like(flat_mask)
-    n = int(flat_mask.sum())
-    if n == 0:
-        return sel.view_as(mask)
-    # The 1e-9 keeps a product that floats put just above an integer from rounding up a whole
-    # token: 0.07 * 100 == 7.000000000000001 must give 7, not 8.
-    k = math.ceil(rho * n - 1e-9)
-    k = min(n, max(k, 1))
-    vals = scores.reshape(-1)[flat_mask].float()  # (n,)
-    vals = torch.nan_to_num(vals, nan=-math.inf)
-    thr = torch.kthvalue(vals, n - k + 1).values  # the k-th largest value
-    keep = vals > thr
-    ties = vals == thr
-    keep |= ties & (ties.cumsum(0) <= k - int(keep.sum()))  # the earliest ties fill up to k
-    if nonzero:
-        keep &= vals > 0
-    sel[flat_mask] = keep
-    return sel.view_as(mask)
-
-# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
-def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                    clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
-    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
-    On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
-    ratio = torch.exp(logp - old_logp)
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss = -torch.min(ratio * adv, clipped * adv)
-    return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
-
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and
-    E_{y ~ pi_theta}[k3] = KL. Its gradient w.r.t. logp is 1 - exp(ref - logp). (M,)."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
-
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
-                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
-                  clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
-                  ref_logp: torch.Tensor = None) -> dict:
-    """Accumulate into .grad the gradient of  sum_{kept} l_t / denom
-    (+ kl_beta * mean k3 over ALL valid tokens). Only the needed positions go through the lm_head
-    (the others have zero gradient: leaving them out is exact). Returns loss, clip_frac, kl and
-    `live`, the tokens whose gradient is not zero (policy_update's step rule, deviation 6): kept
-    tokens with A != 0 and an inactive clip, and (KL) tokens where 1 - exp(ref - logp) != 0."""
-    head = model.get_output_embeddings()
-    valid = batch["resp_mask"]  # (N, T)
-    need = sel_mask  # (N, T) positions whose log-prob we need
-    if kl_beta > 0:
-        need = sel_mask | valid
-    n_valid = max(int(valid.sum()), 1)
-    stats = dict(loss=0.0, clipped=0, live=0, kl=0.0)
-    active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch):
-        if rows.numel() == 0:  # nothing kept: split() still yields one empty piece
-            break
-        m = need[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
-        a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        pg, clip_m = grpo_token_loss(logp, old_logp[rows][m], a, clip_low, clip_high)  # (M,)
-        s = sel_mask[rows][m]  # (M,) bool
-        loss = (pg * s).sum() / denom
-        stats["live"] += int((s & ~clip_m & (a != 0)).sum())
-        if kl_beta > 0:
-            ref = ref_logp[rows][m]  # (M,)
-            kl = k3_kl(logp, ref)
-            loss = loss + kl_beta * kl.sum() / n_valid  # its normaliser ignores the selection
-            stats["kl"] += float(kl.detach().sum())
-            stats["live"] += int((torch.exp(ref - logp.detach()) != 1).sum())
-        loss.backward()
-        stats["loss"] += float(loss.detach())
-        stats["clipped"] += int((clip_m & s).sum())
-    n_sel = max(int(sel_mask.sum()), 1)
-    return dict(loss=stats["loss"], clip_frac=stats["clipped"] / n_sel,
-                kl=stats["kl"] / n_valid, live=stats["live"])
-
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
-                  old_logp: torch.Tensor, denom: float, *, max_grad_norm: float, **kw) -> dict:
-    """One optimiser step on the kept tokens (loss_backward's arguments in kw). The step rule, the
-    same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
-    everywhere, with the policy still at its reference, moves neither the weights nor the Adam
-    moments) and the gradient is finite."""
-    opt.zero_grad(set_to_none=True)
-    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, **kw)
-    norm = 0.0
-    if stats["live"]:
-        params = [p for p in model.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    finite = math.isfinite(norm) and math.isfinite(stats["loss"])
-    stats["grad_norm"] = norm
-    stats["skipped"] = int(not finite)
-    stats["stepped"] = int(stats["live"] > 0 and finite)
-    if stats["stepped"]:
-        opt.step()
-    opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
-    return stats
-
-# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ===
-def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
-    then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
-    schedule is also linear). A slot is one inner update of one GRPO step, stepped or not."""
-    up = (i + 1) / max(warmup, 1)
-    if not decay:
-        return min(1.0, up)
-    down = max(total - i, 1) / max(total - warmup, 1)
-    return min(1.0, up, down)
-
-@dataclass
-class Run:
-    """What start_run prepares for the loop."""
-    model: torch.nn.Module  # the policy, fp32 master weights
-    tok: object  # its tokenizer
-    opt: torch.optim.Optimizer
-    task: dict  # TASKS[cfg.task]
-    draw: object  # draw(n, *key) -> n training rows (split_rows)
-    eval_rows: list  # the held-out rows
-    chat: bool  # prompts in the chat template
-    ref: object  # the KL reference model, or None (--kl-beta 0)
-    sampler: object  # the weights generate() reads: the model itself or its bf16 copy
-    fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
-    start: int  # the first step to run (1 for a new run)
-    skipped: int  # updates skipped so far for a non-finite loss or gradient
-
-def step_lr(cfg: Config, step: int, inner: int) -> float:
-    """The lr of inner update `inner` of GRPO step `step` (1-based): slot (step - 1) * mu + inner."""
-    slot = (step - 1) * cfg.inner_updates + inner
-    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
-
-def start_run(cfg: Config, log=print) -> Run:
-    """Everything before the loop: the run folder (claimed first: this process its only writer), data,
-    model, optimiser, the KL reference and the sampler (--sampler-dtype: the model or a bf16 copy).
-    --resume loads the newest checkpoint that passes load_checkpoint's checks and drops the metrics
-    after it; a folder without a checkpoint holds nothing of value, so a resume or a rerun starts it
-    afresh: the starting model's held-out accuracy as step 0, then ckpt-000000. run_config.json (the
-    config and what a resume must find again: data file, prompt format) is written only once model
-    and data have loaded."""
-    device = pick_device(cfg.device)
-    saved = claim_run(cfg)
-    set_seed(cfg.seed)
-    draw, eval_rows = split_rows(cfg)
-    load = functools.partial(load_model, cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    fresh = not checkpoints(cfg.out) or not cfg.resume
-    if fresh:
-        model, tok = load()
-        state = dict(step=0, skipped=0)
-        for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
-            if n.startswith("ckpt-"):
-                shutil.rmtree(os.path.join(cfg.out, n))
-            else:
-                os.remove(os.path.join(cfg.out, n))
-    else:
-        want = saved.get("fingerprint", {}).get("prompt")
-        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
-        if state["step"] > cfg.steps:
-            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-    ref = None
-    if cfg.kl_beta > 0:  # pi_ref: where RL starts (deviation 7)
-        ref = load()[0].eval().requires_grad_(False)
-    if cfg.grad_ckpt:
-        model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if "opt" in state:
-        opt.load_state_dict(state["opt"])
-    chat = use_chat(tok, cfg.chat_template)
-    prompts = build_prompts(tok, get_task(cfg.task), eval_rows, chat, cfg.short_prompt)  # a sample of all
-    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    check_positions(model, longest, cfg.max_new_tokens)  # before run_config.json is written
-    kept = ""
-    if not fresh:  # resume: the steps after the checkpoint will rerun
-        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, state["step"]))
-    write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
-    prints = dict(data=data_print(cfg.data), prompt=prompt_print(tok, cfg.chat_template))  # what a resume checks
-    write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"device {device} | model {resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {chat} | "
-        f"{len(eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
-        + ("" if fresh else f" | resumed at step {state['step'] + 1}"))
-    fast = device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate
-    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows, chat=chat,
-              ref=ref, sampler=model, fast=fast, start=state["step"] + 1, skipped=state["skipped"])
-    if fresh:
-        rec = dict(step=0, **evaluate(model, tok, run.task, eval_rows, chat, cfg.short_prompt, cfg.max_new_tokens))
-        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
-        save_checkpoint(cfg.out, 0, model, tok, opt, 0)
-    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
-        for p in run.sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
-            p.data = p.data.to(torch.bfloat16)
-    return run
-
-@torch.no_grad()
-def refresh_sampler(sampler, model):
-    """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
-    if sampler is not model:
-        torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
-
-def step_record(step: int, G: int, parts: list, rewards, adv, mask, entropy, sel_mask, stats: dict,
-                **extra) -> dict:
-    """One line of metrics.jsonl (NOTES.md's glossary explains each key)."""
-    n_valid = max(int(mask.sum()), 1)
-    n_sel = max(int(sel_mask.sum()), 1)
-    sampled = torch.cat([informative(part[1], G) for part in parts])  # every group sampled
-    zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
-    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
-                selected_frac=int(sel_mask.sum()) / n_valid,
-                entropy_mean=float((entropy * mask).sum()) / n_valid,
-                entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
-                zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,
-                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
-                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
-                groups_filtered_frac=1.0 - sampled.float().mean().item(), **extra)
-
-def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring -> the output folder. score_fn(logp,
-    entropy, grad_norm, om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...): the
-    notebook trains its own score through it."""
-    check_tracker(cfg.report_to)
-    run = start_run(cfg, log)  # data, model, optimiser, KL reference; --resume: its checkpoint
-    model, tok, task, opt = run.model, run.tok, run.task, run.opt
-    B, G = cfg.prompts_per_step, cfg.group_size  # prompts per step, answers per prompt
-    mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
-    rho = 1.0 if cfg.select == "all" and score_fn is None else cfg.rho  # 'all' keeps every token
-    nonzero = score_fn is None and cfg.select in ("gmts", "gradnorm")  # deviation 9
-    report = open_tracker(cfg, run.start)  # --report-to: tensorboard, wandb or nothing
-    show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
-    model.train()
-    for step in range(run.start, cfg.steps + 1):
-        t0 = time.time()
-        set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
-        parts = []  # --filter-groups (deviation 5): more prompts until B groups are informative
-        n_batches = cfg.max_resample if cfg.filter_groups else 1
-        while len(parts) < n_batches:
-            # 1. B training prompts
-            rows = run.draw(B, step, len(parts))
-            prompts = build_prompts(tok, task, rows, run.chat, cfg.short_prompt)
-            # 2. G answers per prompt, with the sampler's own log-probs
-            batch = fast_or_plain_rollout(run, log, prompts, G, cfg.max_new_tokens, cfg.temperature,
-                                          cfg.top_p, cfg.top_k, sampler_logp=True)  # run.fast falls back once
-            # 3. rewards from the task's verifier (TASKS, in the supporting code after train)
-            rewards = torch.zeros(len(batch["texts"]))  # (N,)
-            for n, text in enumerate(batch["texts"]):
-                rewards[n] = task["reward"](text, rows[n // G])
-            # 4. group advantages
-            adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
-            parts.append((batch, rewards, adv))
-            n_informative = sum(int(informative(part[1], G).sum()) for part in parts)
-            if n_informative >= B:
-                break
-        batch, rewards, adv = parts[0]
-        if cfg.filter_groups:
-            batch, rewards, adv = keep_groups(parts, G, B, tok.pad_token_id)
-        mask = batch["resp_mask"]  # (N, T)
-        t_roll = time.time() - t0
-        # 5. token statistics of the policy that sampled the batch (pi_old): log pi(y_t), H_t and
-        # the logit-gradient norm, each (N, T); the KL reference's log-probs on the loss's path
-        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-        old_logp = logp
-        gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
-        ref_logp = None if run.ref is None else response_logp(run.ref, batch, mask, cfg.temperature, mb, chunk)
-        for inner in range(cfg.inner_updates):
-            if inner > 0:  # the policy has moved: its statistics again
-                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            # 6. scores, and the top rho of the WHOLE batch (deviation 1)
-            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
-            if score_fn is None:
-                scores = token_scores(cfg.select, entropy, grad_norm, om)
-            else:
-                scores = score_fn(logp, entropy, grad_norm, om)
-            sel_mask = select_tokens(scores, mask, rho, nonzero)  # (N, T) bool
-            # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
-            for group in opt.param_groups:
-                group["lr"] = step_lr(cfg, step, inner)
-            denom = float(mask.sum())
-            if cfg.loss_norm == "selected":
-                denom = max(float(sel_mask.sum()), 1.0)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, max_grad_norm=cfg.max_grad_norm,
-                                  temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                  micro_batch=mb, chunk=chunk, kl_beta=cfg.kl_beta, ref_logp=ref_logp)
-            run.skipped += stats["skipped"]
-        refresh_sampler(run.sampler, model)
-        check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
-        # 8. log, evaluate, checkpoint
-        dt = time.time() - t0
-        rec = step_record(step, G, parts, rewards, adv, mask, entropy, sel_mask, stats,
-                          lr=opt.param_groups[0]["lr"], skipped_steps=run.skipped,
-                          truncated_frac=batch["truncated"].float().mean().item(),
-                          rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
-                          sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
-        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(evaluate(model, tok, task, run.eval_rows, run.chat,
-                                cfg.short_prompt, cfg.max_new_tokens))
-        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        report(rec)
-        show(step_line(rec), "eval_acc" in rec)
-        if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
-            save_checkpoint(cfg.out, step, model, tok, opt, run.skipped)
-    show(None, False)
-    report(None)
-    save_final(cfg.out, model, tok)
-    plot_metrics(cfg.out)
-    log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
-    return cfg.out
-
-# #####################################################################################################################
-# Supporting code [plumbing]: what lets the method above run on its own. A reader of the paper may stop here.
-# Tasks and verifiers (step 3's rewards), model and tokenizer loading, evaluation, the run folder and its
-# checkpoints, the command line.
-# #####################################################################################################################
-
-# ==== Step lines, the progress bar and trackers [plumbing] ========================================
-SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
-         "eval_acc")
-
-def step_line(rec: dict) -> str:
-    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
-    fields = [f"step {rec['step']}"]
-    for key in SHOWN:
-        if key in rec:
-            fields.append(f"{key} {rec[key]:.3f}")
-    fields.append(f"{rec['step_time_s']:.2f} s")
-    return " | ".join(fields)
-
-def step_printer(total: int, start: int, log=print):
-    """show(line, keep) prints one step's line. On a terminal (log prints, stdout a TTY) a tqdm
-    bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
-    above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
-    if log not in (print, say) or not sys.stdout.isatty():
-        def show(line, keep):
-            if line is not None:
-                log(line)
-        return show
-    from tqdm import tqdm
-    bar = tqdm(total=total, initial=start - 1, unit="step", file=sys.stdout, dynamic_ncols=True)
-
-    def show(line, keep):
-        if line is None:
-            bar.close()
-            return
-        bar.update(1)
-        bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
-        if keep:
-            bar.write(line)
-    return show
-
-TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to: its module
-
-def check_tracker(name: str):
-    """ValueError (one line) before any work if --report-to's package is not installed."""
-    if name == "none":
-        return
-    try:
-        importlib.import_module(TRACKERS[name])
-    except ImportError:
-        raise ValueError(f"--report-to {name} needs the {name} package "
-                         f"(pip install {name})") from None
-
-def _numbers(rec: dict) -> dict:
-    """The record's numbers, without the step (a tracker's x axis)."""
-    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
-
-def open_tracker(cfg: Config, start: int = 1):
-    """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
-    report(None) closes it. A new run (start 1) sends its step-0 record (the starting model's held-out
-    accuracy) at once."""
-    report = _tracker(cfg)
-    if start == 1:
-        report(read_metrics(cfg.out)[0])
-    return report
-
-def _tracker(cfg: Config):
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
-
-        def report(rec):
-            if rec is None:
-                writer.close()
-                return
-            for key, value in _numbers(rec).items():
-                writer.add_scalar(key, value, rec["step"])
-        return report
-    if cfg.report_to == "wandb":
-        import wandb
-        name = os.path.basename(os.path.abspath(cfg.out))
-        wandb_run = wandb.init(project="gmts", name=name, dir=cfg.out,
-                               config=dataclasses.asdict(cfg))
-
-        def report(rec):
-            if rec is None:
-                wandb_run.finish()
-                return
-            wandb_run.log(_numbers(rec), step=rec["step"])
-        return report
-    return lambda rec: None
-
-# ==== Tasks and verifiers [paper: reward] =========================================================
-# Each task = offline generator + prompt + verifier + loader, collected in TASKS; train()'s step 3
-# calls TASKS[task]["reward"]. Verifiers are pure, cap every length before parsing, use no eval/exec
-# and never raise (a bug costs a reward, not a run).
-NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
-
+# ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
+# Each task: a prompt and a verifier, collected in TASKS; train()'s step 3 calls TASKS[task]["reward"].
+# Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs
+# a reward, not a run). The problem generators and data loaders are in the supporting code.
 def _never_raise(fn, fallback=0.0):
     """A last-resort net around a verifier (expected failures are handled inside it): an
     exception -> fallback."""
@@ -973,56 +317,7 @@ def _last_answer(text: str):
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
         "/": lambda a, b: a / b if b else None}  # None: division by zero
 _AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 _CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads "٣" as 3 too
-
-def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the
-    text back the same; None for a division by zero."""
-    value = _OPS[op](x[0], y[0])
-    if value is None:
-        return None
-    p = _PREC[op]
-    left = f"({x[1]})" if x[2] < p else x[1]
-    right_needs = y[2] < p or (y[2] == p and op in "-/")  # a - (b + c), a / (b * c)
-    right = f"({y[1]})" if right_needs else y[1]
-    return value, f"{left} {op} {right}", p
-
-def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right:
-    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up
-    answers) are such chains."""
-    value = nums[0]
-    text = str(nums[0])
-    for sign, x in zip(signs, nums[1:]):
-        value += x if sign == "+" else -x
-        text += f" {sign} {x}"
-    return value, text
-
-def _random_expression(rng: random.Random, nums: list, ops: str):
-    """A random expression over all of nums, combined in random order: (value, text, precedence),
-    or None where a step leaves the natural numbers (a fraction, a negative, a division by 0)."""
-    items = [(Fraction(x), str(x), 3) for x in nums]
-    while len(items) > 1:
-        i, j = rng.sample(range(len(items)), 2)  # random order of use
-        z = _combine(items[i], items[j], rng.choice(ops))
-        if z is None or z[0].denominator != 1 or z[0] < 0:
-            return None
-        items = [it for k, it in enumerate(items) if k not in (i, j)]
-        items.append(z)
-    return items[0]
-
-def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
-                      target_range=(1, 1000), ops="+-*/"):
-    """Random numbers and a random expression over them; its value is the target, so every
-    problem is solvable."""
-    for _ in range(100_000):
-        nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
-        z = _random_expression(rng, nums, ops)
-        if z is not None and target_range[0] <= z[0] <= target_range[1]:
-            return {"nums": nums, "target": int(z[0]), "expr": z[1]}
-    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
-                     f"{target_range}")
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
     """Exact value of a whitelisted tree, collecting its int literals. Anything else raises
@@ -1066,78 +361,6 @@ def countdown_reward(completion: str, nums: list, target: int) -> float:
     if _last_answer(completion) is None:
         return 0.0
     return 1.0 if countdown_value(completion, nums) == target else 0.1
-
-# -- math: GSM8K-style word problems, graded by the final number --
-# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
-# from 2..12), integer literals and the earlier steps' results s1, s2, ...
-_MATH = [
-    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?",
-     "a*b 150-s1"),
-    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
-     "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
-    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
-     "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in "
-     "{c} days?", "a*b s1*c"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
-     "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are "
-     "left?", "a*b s1-c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
-     "many dollars are left?", "a*b c+d s1-s2"),
-    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
-     "in total?", "a*b c*d s1+s2"),
-    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all "
-     "the marbles away. How many marbles are left?", "a*b c*d s1+s2 s3/2"),
-]
-
-def _run_program(program: str, values: dict):
-    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...),
-    or None if a step leaves the natural numbers (a negative or a fraction)."""
-    steps = []
-    for i, step in enumerate(program.split(), 1):
-        x, op, y = re.split(r"([-+*/])", step)
-        x = values[x] if x in values else int(x)
-        y = values[y] if y in values else int(y)
-        z = _OPS[op](Fraction(x), y)
-        if z < 0 or z.denominator != 1:
-            return None
-        values[f"s{i}"] = int(z)
-        steps.append(f"{x} {op} {y} = {int(z)}")
-    return steps
-
-def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the
-    integer answer. A draw whose steps leave the natural numbers is redrawn."""
-    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
-    if not fits:
-        raise ValueError(f"no math template has {n_steps} steps")
-    while True:
-        question, program = rng.choice(fits)
-        values = {k: rng.randint(2, 12) for k in "abcd"}
-        steps = _run_program(program, values)
-        if steps is not None:
-            answer = str(values[f"s{len(steps)}"])
-            text = question.format(who=rng.choice(NAMES), **values)
-            return {"question": text, "answer": answer, "steps": steps}
-
-# The easy variant: one step whose operation only the words tell (the numbers in the step's order).
-_MATH_EASY = [
-    ("{who} has {a} apples and buys {b} more. How many apples now?", "+"),
-    ("{who} has {a} cards and finds {b} more. How many cards now?", "+"),
-    ("{who} has {a} apples and eats {b}. How many apples are left?", "-"),
-    ("{who} had {a} cards and lost {b}. How many cards are left?", "-"),
-    ("{who} has {a} bags of {b} apples. How many apples in all?", "*"),
-    ("{who} buys {a} boxes of {b} cards. How many cards in all?", "*"),
-]
-
-def math_easy_problem(rng: random.Random) -> dict:
-    """One step `a op b` on a, b in 2..9 with a >= b (so a - b >= 0); the template's words decide op."""
-    question, op = rng.choice(_MATH_EASY)
-    a, b = sorted((rng.randint(2, 9), rng.randint(2, 9)), reverse=True)
-    z = _OPS[op](a, b)
-    text = question.format(who=rng.choice(NAMES), a=a, b=b)
-    return {"question": text, "answer": str(z), "steps": [f"{a} {op} {b} = {z}"]}
 
 # [0-9], not \d (which matches other scripts' digits too)
 _DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
@@ -1243,6 +466,721 @@ def math_reward(completion: str, answer: str) -> float:
         return 0.0
     return 1.0 if parse_number(got) == gold else 0.0
 
+_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
+
+@_never_raise
+def logic_reward(completion: str, solution: dict) -> float:
+    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right
+    roles (any case; entries may be split by , ; or whitespace incl. newlines); 0.1: an answer
+    that is wrong or malformed; 0.0: none."""
+    ans = _last_answer(completion)
+    if ans is None:
+        return 0.0
+    ans = ans.lower()
+    if len(ans) > 1000 or not re.fullmatch(f"(?:{_ENTRY})*[\\s,;]*", ans):
+        return 0.1
+    got = re.findall(_ENTRY, ans)
+    if len({name for name, _ in got}) < len(got):  # someone named twice
+        return 0.1
+    said = {name: role == "knight" for name, role in got}
+    truth = {name.lower(): is_knight for name, is_knight in solution.items()}
+    return 1.0 if said == truth else 0.1
+
+# -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
+_FORMAT = ("Show your work in <think> </think> tags. And return the final answer in "
+           "<answer> </answer> tags")
+
+def countdown_prompt(row: dict, short=False) -> str:
+    nums = row["nums"]
+    t = row["target"]
+    if short:
+        return f"Make {t} from {' '.join(map(str, nums))}."
+    return (f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use "
+            f"basic arithmetic operations (+, -, *, /) and each number must be used exactly "
+            f"once. {_FORMAT}, for example <answer> (1 + 2) / 3 </answer>.")
+
+def math_prompt(row: dict, short=False) -> str:
+    if short:
+        return row["question"]
+    return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
+            f"for example <answer> \\boxed{{42}} </answer>.")
+
+def logic_prompt(row: dict, short=False) -> str:
+    said = "\n".join(row["statements"])
+    if short:
+        return said
+    return (f"On an island every inhabitant is a knight, who always tells the truth, or a knave, "
+            f"who always lies. You meet {len(row['names'])} inhabitants: "
+            f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
+            f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
+TASKS = {  # train() calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
+    "countdown": {"prompt": countdown_prompt,
+                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
+    "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"])},
+    "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
+}
+
+def get_task(name: str) -> dict:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+# ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
+    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward
+    values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by
+    sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN).
+    std_normalize=False: Dr. GRPO's r - mean."""
+    r = rewards.float().view(-1, group_size)  # (B, G)
+    adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if std_normalize:
+        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    same = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (B, 1)
+    return adv.masked_fill(same, 0.0).view(-1)  # (N,)
+
+def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere: a gradient)."""
+    r = rewards.view(-1, group_size)  # (B, G)
+    return r.max(dim=1).values != r.min(dim=1).values
+
+# How rollout batches of different widths join: prompts are left padded (generate appends on the
+# right), responses right padded; token ids pad with the pad id, masks and log-probs with 0.
+LEFT_PADDED = ("prompt_ids", "prompt_mask")
+PAD_ID_FILLED = ("prompt_ids", "comp_ids")
+
+def _join_rows(xs: list, key: str, pad_id: int):
+    """One per-answer entry `key` of several rollout batches, joined along the answers: lists
+    concatenated, (N, W) tensors first padded to one width by the rule above."""
+    if isinstance(xs[0], list):
+        return [x for part in xs for x in part]
+    if xs[0].dim() == 2:
+        width = max(x.shape[1] for x in xs)
+        fill = 0
+        if key in PAD_ID_FILLED:
+            fill = pad_id
+        padded = []
+        for x in xs:
+            side = (0, width - x.shape[1])  # (left, right)
+            if key in LEFT_PADDED:
+                side = (width - x.shape[1], 0)
+            padded.append(F.pad(x, side, value=fill))
+        xs = padded
+    return torch.cat(xs)
+
+def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
+    B informative groups -> (batch, rewards, adv), every per-answer entry carried. With no informative
+    group the first batch is returned as it is (all A = 0)."""
+    rewards = torch.cat([part[1] for part in parts])  # (N_all,)
+    advs = torch.cat([part[2] for part in parts])  # (N_all,)
+    keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
+    if keep.numel() == 0:
+        return parts[0]
+    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
+    batch = {}
+    for key in parts[0][0]:
+        joined = _join_rows([part[0][key] for part in parts], key, pad_id)
+        if isinstance(joined, list):
+            batch[key] = [joined[i] for i in idx.tolist()]
+        else:
+            batch[key] = joined[idx.to(joined.device)]
+    return batch, rewards[idx], advs[idx.to(advs.device)]
+
+# ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
+
+# Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
+# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
+#     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
+# 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
+#    or (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise
+#        dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
+#    Write omega = r * A where the clip is inactive and omega = 0 where it is active:
+#        dl/dtheta = -omega * dlogp_y/dtheta.
+# 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
+#        dl/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
+# 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
+#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
+#    (grad_norm is computed by token_stats).
+# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
+#    when r = 1), in two separate statements:
+#    a. Pointwise, for the token actually sampled:
+#           (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2,
+#       so the norm is set by p_y, not by H: a rare token sampled at a near-certain position has a
+#       large one (at p = (0.999, 50 x 2e-5): H = 0.012 nats, norm 1.4135).
+#    b. In expectation over y ~ p (Shannon entropy >= Renyi-2 entropy):
+#           E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H),
+#       so a near-certain position (H ~ 0) has a near-zero logit gradient ON AVERAGE.
+#    Entropy ranks positions by (b) and misses the tokens of (a); gradnorm (below) scores each token
+#    by its exact norm.
+# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With
+#    binary rewards and k of G answers correct, A = +sqrt((G-k)/k) for the correct and
+#    -sqrt(k/(G-k)) for the wrong ones (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose
+#    answers all got the same reward. Entropy ranking ignores this factor: it spends budget on
+#    tokens whose gradient is small or exactly 0.
+# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3;
+#    this exact form is a replication's reading of the paper's equation 4: module docstring,
+#    "Provenance") and keeps the top rho. 'gradnorm' uses the exact logit-gradient norm
+#    |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
+# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects
+# over the whole batch; recomputes omega (with the current ratio and clip) before every inner
+# update; computes all of it in fp32.
+
+def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
+    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
+    logp      = log p_y,  p = softmax(logits / T)
+    entropy   = -sum_j p_j log p_j                                   (nats)
+    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
+    """
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)  # (..., V)
+    y = tokens.unsqueeze(-1)  # (..., 1)
+    logp = logp_all.gather(-1, y).squeeze(-1)  # log p_y, (...)
+    p_y = logp.exp()  # (...)
+    # Every sum below runs over j != y, with y's term added back: p_rest is p with p_y set to 0.
+    p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
+    # H = -sum_j p_j log p_j
+    entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
+    # ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2. Unlike 1 - 2 p_y + sum_j p_j^2 it does
+    # not cancel catastrophically when p_y ~ 1 (1 - p_y = -expm1(log p_y)).
+    sq = torch.expm1(logp).square() + torch.linalg.vector_norm(p_rest, dim=-1).square()  # (...)
+    return logp, entropy, sq.sqrt() / temperature
+
+def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
+    """Final hidden states that PREDICT each response token (position P-1+t predicts token t)
+    -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
+    them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
+    ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
+    with autocast(ids.device):
+        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
+    return h[:, P - 1:P + T - 1]  # (n, T, d)
+
+@torch.no_grad()
+def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
+    in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
+    buffers, whatever N * T is)."""
+    head = model.get_output_embeddings()
+    mask = batch["resp_mask"]  # (N, T)
+    out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
+    for start in range(0, mask.shape[0], micro_batch):
+        rows = slice(start, start + micro_batch)
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        y = batch["comp_ids"][rows][m]  # (M,)
+        parts = []
+        for hc, yc in zip(h.split(chunk), y.split(chunk)):
+            parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
+        for o, values in zip(out, zip(*parts)):
+            block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
+            block[m] = torch.cat(values)
+    return tuple(out)
+
+def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
+              temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward
+    (activation checkpointing), so the head's memory is bounded by the chunk, not by the number
+    of tokens. (M, d) -> (M,)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def logp(h, y):
+        z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
+        return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
+    parts = [checkpoint(logp, h, y, use_reentrant=False)
+             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+@torch.no_grad()
+def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
+                  chunk: int) -> torch.Tensor:
+    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on exactly the code path of
+    loss_backward (same rows per micro-batch, same chunked head): a model whose weights equal the
+    policy's gives the policy's log-probs bit for bit. The KL reference uses it (deviation 7)."""
+    head = model.get_output_embeddings()
+    out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
+    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # no valid token: split() still yields one empty piece
+            break
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+        r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
+        out[rows[r], t] = logp
+    return out
+
+# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+                clip_high: float) -> torch.Tensor:
+    """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
+    above = (adv > 0) & (ratio > 1 + clip_high)
+    below = (adv < 0) & (ratio < 1 - clip_low)
+    return above | below
+
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+          clip_high: float) -> torch.Tensor:
+    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
+    adv (N,), ratio (N, T) -> (N, T)."""
+    a = adv[:, None]  # (N, 1)
+    dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
+    return torch.where(dead, torch.zeros_like(ratio), ratio * a)
+
+def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
+                 generator: torch.Generator = None) -> torch.Tensor:
+    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
+    if method == "all":  # vanilla GRPO (train keeps every token, rho = 1)
+        return torch.ones_like(entropy)
+    if method == "random":  # the control
+        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
+    if method == "entropy":  # H_t (80/20 paper)
+        return entropy
+    if method == "gmts":  # |H_t * omega_t| (GMTS, as a replication reads its equation 4)
+        return (entropy * om).abs()
+    if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3; our ablation)
+        return om.abs() * grad_norm
+    raise ValueError(f"unknown selection method {method!r}; "
+                     f"choose one of: {', '.join(CHOICES['select'])}")
+
+def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float,
+                  nonzero: bool = False) -> torch.Tensor:
+    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch:
+    (N, T) -> (N, T) bool. Any rho in (0, 1] keeps at least one valid token. Ties go to the
+    earlier position, masked-out tokens are never kept, NaN ranks lowest. nonzero=True (gmts,
+    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may
+    keep fewer than k."""
+    flat_mask = mask.reshape(-1)  # (N*T,)
+    sel = torch.zeros_like(flat_mask)
+    n = int(flat_mask.sum())
+    if n == 0:
+        return sel.view_as(mask)
+    # rho * n in exact arithmetic on rho as written: in floats 0.07 * 100 is 7.000000000000001,
+    # which would round up to 8 tokens.
+    k = math.ceil(Fraction(str(float(rho))) * n)
+    k = min(n, max(k, 1))
+    vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
+    vals = torch.nan_to_num(vals, nan=-math.inf)
+    # Highest first. A stable sort keeps equal scores in position order: ties go to the earlier token.
+    order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
+    keep = torch.zeros_like(vals, dtype=torch.bool)
+    keep[order[:k]] = True
+    if nonzero:
+        keep &= vals > 0
+    sel[flat_mask] = keep
+    return sel.view_as(mask)
+
+# ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
+def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                    clip_low: float, clip_high: float) -> tuple:
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
+    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
+    On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    return loss, clip_active(adv, ratio.detach(), clip_low, clip_high)
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
+    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and
+    E_{y ~ pi_theta}[k3] = KL. Its gradient w.r.t. logp is 1 - exp(ref - logp). (M,)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, kept: torch.Tensor,
+                     ref_logp: torch.Tensor, *, denom: float, n_valid: int, clip_low: float,
+                     clip_high: float, kl_beta: float) -> tuple:
+    """The objective on one micro-batch's M needed tokens, every input (M,):
+        sum_{kept} l_t / denom  +  kl_beta * sum_{all M} k3_t / n_valid
+    -> (loss, counts): counts["clipped"] the kept tokens whose clip is active, counts["live"] the
+    tokens whose gradient is not 0 (kept with A != 0 and an inactive clip; with KL also those where
+    1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
+    pg, clip_m = grpo_token_loss(logp, old_logp, adv, clip_low, clip_high)  # (M,)
+    loss = (pg * kept).sum() / denom
+    counts = dict(clipped=int((clip_m & kept).sum()), live=int((kept & ~clip_m & (adv != 0)).sum()), kl=0.0)
+    if kl_beta > 0:
+        kl = k3_kl(logp, ref_logp)  # (M,)
+        loss = loss + kl_beta * kl.sum() / n_valid  # its normaliser ignores the selection
+        counts["kl"] = float(kl.detach().sum())
+        counts["live"] += int((torch.exp(ref_logp - logp.detach()) != 1).sum())
+    return loss, counts
+
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
+                  clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
+                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None) -> dict:
+    """Accumulate into .grad the gradient of micro_batch_loss over the batch, one micro-batch of
+    answers at a time. The masks, each (N, T):
+      valid     the response tokens the loss may use (default: resp_mask; --overlong-filter drops
+                truncated answers), KL's tokens and its normaliser n_valid
+      sel_mask  the kept tokens, the policy term's
+      need      the tokens whose log-prob is computed: the kept ones, with KL every valid one
+    Only `need` goes through the lm_head (the other tokens have zero gradient: leaving them out is
+    exact). Returns the loss, clip_frac (over the kept tokens), kl (per valid token) and `live`,
+    the tokens with a non-zero gradient (policy_update's step rule, deviation 6)."""
+    head = model.get_output_embeddings()
+    if valid is None:
+        valid = batch["resp_mask"]
+    need = sel_mask
+    if kl_beta > 0:
+        need = sel_mask | valid
+    n_valid = max(int(valid.sum()), 1)
+    totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
+    active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # nothing kept: split() still yields one empty piece
+            break
+        m = need[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+        ref = None
+        if kl_beta > 0:
+            ref = ref_logp[rows][m]  # (M,)
+        a = adv[rows][:, None].expand_as(m)[m]  # (M,)
+        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref, denom=denom,
+                                        n_valid=n_valid, clip_low=clip_low, clip_high=clip_high,
+                                        kl_beta=kl_beta)
+        loss.backward()
+        totals["loss"] += float(loss.detach())
+        for key, value in counts.items():
+            totals[key] += value
+    n_sel = max(int(sel_mask.sum()), 1)
+    return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel, kl=totals["kl"] / n_valid,
+                live=totals["live"])
+
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
+                  clip_high: float, micro_batch: int, chunk: int, max_grad_norm: float,
+                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None,
+                  valid: torch.Tensor = None) -> dict:
+    """One optimiser step on the kept tokens (the arguments as loss_backward's). The step rule, the
+    same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
+    everywhere, with the policy still at its reference, moves neither the weights nor the Adam
+    moments) and the gradient is finite."""
+    opt.zero_grad(set_to_none=True)
+    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
+                          clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,
+                          kl_beta=kl_beta, ref_logp=ref_logp, valid=valid)
+    norm = 0.0
+    if stats["live"]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    finite = math.isfinite(norm) and math.isfinite(stats["loss"])
+    stats["grad_norm"] = norm
+    stats["skipped"] = int(not finite)
+    stats["stepped"] = int(stats["live"] > 0 and finite)
+    if stats["stepped"]:
+        opt.step()
+    opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
+    return stats
+
+# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
+def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
+    """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
+    then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
+    schedule is also linear). A slot is one inner update of one GRPO step, stepped or not."""
+    up = (i + 1) / max(warmup, 1)
+    if not decay:
+        return min(1.0, up)
+    down = max(total - i, 1) / max(total - warmup, 1)
+    return min(1.0, up, down)
+
+def step_lr(cfg: Config, step: int, inner: int) -> float:
+    """The lr of inner update `inner` of GRPO step `step` (1-based): slot (step - 1) * mu + inner."""
+    slot = (step - 1) * cfg.inner_updates + inner
+    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
+
+@dataclass
+class Run:
+    """What start_run prepares for the loop."""
+    model: torch.nn.Module  # the policy, fp32 master weights
+    tok: object  # its tokenizer
+    opt: torch.optim.Optimizer
+    task: dict  # TASKS[cfg.task]
+    draw: object  # draw(n, *key) -> n training rows (split_rows)
+    eval_rows: list  # the held-out rows
+    chat: bool  # prompts in the chat template
+    ref: object  # the KL reference model, or None (--kl-beta 0)
+    sampler: object  # the weights generate() reads: the model itself or its bf16 copy
+    fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
+    start: int  # the first step to run (1 for a new run)
+    skipped: int  # updates skipped so far for a non-finite loss or gradient
+
+def start_run(cfg: Config, log=print) -> Run:
+    """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
+    model itself or a bf16 copy). The run folder's part is in the supporting code: open_run claims the
+    folder and loads the data and the model (a resume: its newest checkpoint, with the optimiser
+    state); record_start writes the run's config and, for a new run, step 0 (the starting model's
+    held-out accuracy) and ckpt-000000."""
+    device = pick_device(cfg.device)
+    model, tok, state, draw, eval_rows = open_run(cfg, device, log)
+    ref = None
+    if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts
+        ref = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)[0]
+        ref = ref.eval().requires_grad_(False)
+    if cfg.grad_ckpt:
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if "opt" in state:  # a resume
+        opt.load_state_dict(state["opt"])
+    fast = cfg.fast_generate
+    if fast is None:
+        fast = device.type == "cuda"
+    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows,
+              chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
+              start=state["step"] + 1, skipped=state["skipped"])
+    record_start(cfg, run, state["resumed"], device, log)
+    if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
+        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
+        for p in run.sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
+            p.data = p.data.to(torch.bfloat16)
+    return run
+
+def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
+    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts). One rollout batch of
+    B prompts x G answers. With --filter-groups (DAPO's dynamic sampling, deviation 5) more are drawn
+    until B groups are informative (rewards not all equal) or --max-resample batches are drawn, and
+    keep_groups joins the first B informative groups (the first batch as it is, all A = 0, if no
+    group is). parts: every rollout batch drawn, as (batch, rewards, adv), for the step's metrics."""
+    B, G = cfg.prompts_per_step, cfg.group_size
+    max_batches = 1
+    if cfg.filter_groups:
+        max_batches = cfg.max_resample
+    parts = []
+    n_informative = 0
+    while len(parts) < max_batches and n_informative < B:
+        # 1. B training prompts (the k-th rollout batch of a step draws with the key (step, k))
+        rows = run.draw(B, step, len(parts))
+        prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt)
+        # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt n // G)
+        batch = sample_answers(run, prompts, cfg, log)
+        # 3. one reward per answer from the task's verifier (the Rewards section)
+        rewards = torch.zeros(len(batch["texts"]))  # (N,)
+        for n, text in enumerate(batch["texts"]):
+            rewards[n] = run.task["reward"](text, rows[n // G])
+        # 4. group advantages
+        adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
+        parts.append((batch, rewards, adv))
+        n_informative += int(informative(rewards, G).sum())
+    if not cfg.filter_groups:
+        return batch, rewards, adv, parts
+    return (*keep_groups(parts, G, B, run.tok.pad_token_id), parts)
+
+def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
+    """Step 6 as train() runs it, all (N, T): the top rho of the batch by token_scores(cfg.select);
+    'all' keeps every token; gmts and gradnorm never keep a score-0 token (deviation 9). score_fn
+    (logp, entropy, grad_norm, om) -> scores, if given, replaces token_scores: the notebook's own."""
+    if score_fn is not None:
+        return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, cfg.rho)
+    scores = token_scores(cfg.select, entropy, grad_norm, om)
+    if cfg.select == "all":  # vanilla GRPO
+        return select_tokens(scores, mask, 1.0)
+    return select_tokens(scores, mask, cfg.rho, nonzero=cfg.select in ("gmts", "gradnorm"))
+
+def train(cfg: Config, log=print, score_fn=None) -> str:
+    """GRPO with token selection, steps 1-8 of the module docstring -> the output folder. score_fn
+    (logp, entropy, grad_norm, om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...):
+    the notebook trains its own score through it."""
+    check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
+    run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
+    model, opt = run.model, run.opt
+    mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
+    report = open_tracker(cfg, run.start)  # --report-to: tensorboard, wandb or nothing
+    show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
+    model.train()
+    for step in range(run.start, cfg.steps + 1):
+        t0 = time.time()
+        set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
+        # 1-4. B prompts, G answers each, their rewards and group advantages (sample_groups)
+        batch, rewards, adv, parts = sample_groups(run, cfg, step, log)
+        mask = batch["resp_mask"]  # (N, T)
+        valid = mask  # the tokens the loss may use
+        if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
+            valid = mask & ~batch["truncated"][:, None]
+        t_roll = time.time() - t0
+        # 5. token statistics of the policy that sampled the batch (pi_old): log pi(y_t), H_t and
+        # the logit-gradient norm, each (N, T); the KL reference's log-probs on the loss's path
+        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+        old_logp = logp
+        ref_logp = None
+        if run.ref is not None:
+            ref_logp = response_logp(run.ref, batch, valid, cfg.temperature, mb, chunk)
+        for inner in range(cfg.inner_updates):
+            if inner > 0:  # the policy has moved: its statistics again
+                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+            # 6. scores, and the top rho of the WHOLE batch (deviation 1)
+            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
+            sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, valid, score_fn)  # (N, T) bool
+            # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
+            for group in opt.param_groups:
+                group["lr"] = step_lr(cfg, step, inner)
+            denom = float(valid.sum())  # --loss-norm all (deviation 3)
+            if cfg.loss_norm == "selected":
+                denom = max(float(sel_mask.sum()), 1.0)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, temperature=cfg.temperature,
+                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb, chunk=chunk,
+                                  max_grad_norm=cfg.max_grad_norm, kl_beta=cfg.kl_beta, ref_logp=ref_logp,
+                                  valid=valid)
+            run.skipped += stats["skipped"]
+        refresh_sampler(run.sampler, model)
+        check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
+        # 8. log, evaluate, checkpoint
+        rec = step_record(step, cfg, parts, batch, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
+                          run.skipped, t0, t_roll)
+        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
+            rec.update(evaluate(model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
+                                cfg.max_new_tokens))
+        log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+        report(rec)
+        show(step_line(rec), "eval_acc" in rec)
+        if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
+            save_checkpoint(cfg.out, step, model, run.tok, opt, run.skipped)
+    show(None, False)
+    report(None)
+    save_final(cfg.out, model, run.tok)
+    plot_metrics(cfg.out)
+    log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
+    return cfg.out
+
+# ##################################################################################################
+# Supporting code [plumbing]: what lets the method above run on its own. A reader of the paper may stop
+# here. Problem generators and data loaders, model loading, evaluation, the run folder and its checkpoints,
+# trackers, config checks, the command line.
+# ##################################################################################################
+
+# ==== Problem generators and data loaders [plumbing] ==============================================
+
+# Each task = offline generator + prompt + verifier + loader, collected in TASKS; train()'s step 3
+# calls TASKS[task]["reward"]. Verifiers are pure, cap every length before parsing, use no eval/exec
+# and never raise (a bug costs a reward, not a run).
+NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
+
+def _combine(x: tuple, y: tuple, op: str):
+    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the
+    text back the same; None for a division by zero."""
+    value = _OPS[op](x[0], y[0])
+    if value is None:
+        return None
+    p = _PREC[op]
+    left = f"({x[1]})" if x[2] < p else x[1]
+    right_needs = y[2] < p or (y[2] == p and op in "-/")  # a - (b + c), a / (b * c)
+    right = f"({y[1]})" if right_needs else y[1]
+    return value, f"{left} {op} {right}", p
+
+def _sign_chain(nums: list, signs) -> tuple:
+    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right:
+    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up
+    answers) are such chains."""
+    value = nums[0]
+    text = str(nums[0])
+    for sign, x in zip(signs, nums[1:]):
+        value += x if sign == "+" else -x
+        text += f" {sign} {x}"
+    return value, text
+
+def _random_expression(rng: random.Random, nums: list, ops: str):
+    """A random expression over all of nums, combined in random order: (value, text, precedence),
+    or None where a step leaves the natural numbers (a fraction, a negative, a division by 0)."""
+    items = [(Fraction(x), str(x), 3) for x in nums]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)  # random order of use
+        z = _combine(items[i], items[j], rng.choice(ops))
+        if z is None or z[0].denominator != 1 or z[0] < 0:
+            return None
+        items = [it for k, it in enumerate(items) if k not in (i, j)]
+        items.append(z)
+    return items[0]
+
+def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
+                      target_range=(1, 1000), ops="+-*/"):
+    """Random numbers and a random expression over them; its value is the target, so every
+    problem is solvable."""
+    for _ in range(100_000):
+        nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
+        z = _random_expression(rng, nums, ops)
+        if z is not None and target_range[0] <= z[0] <= target_range[1]:
+            return {"nums": nums, "target": int(z[0]), "expr": z[1]}
+    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
+                     f"{target_range}")
+
+# -- math: GSM8K-style word problems, graded by the final number --
+# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
+# from 2..12), integer literals and the earlier steps' results s1, s2, ...
+_MATH = [
+    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?",
+     "a*b 150-s1"),
+    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
+     "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
+    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
+     "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in "
+     "{c} days?", "a*b s1*c"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
+     "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are "
+     "left?", "a*b s1-c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
+     "many dollars are left?", "a*b c+d s1-s2"),
+    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
+     "in total?", "a*b c*d s1+s2"),
+    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all "
+     "the marbles away. How many marbles are left?", "a*b c*d s1+s2 s3/2"),
+]
+
+def _run_program(program: str, values: dict):
+    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...),
+    or None if a step leaves the natural numbers (a negative or a fraction)."""
+    steps = []
+    for i, step in enumerate(program.split(), 1):
+        x, op, y = re.split(r"([-+*/])", step)
+        x = values[x] if x in values else int(x)
+        y = values[y] if y in values else int(y)
+        z = _OPS[op](Fraction(x), y)
+        if z < 0 or z.denominator != 1:
+            return None
+        values[f"s{i}"] = int(z)
+        steps.append(f"{x} {op} {y} = {int(z)}")
+    return steps
+
+def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
+    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the
+    integer answer. A draw whose steps leave the natural numbers is redrawn."""
+    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
+    if not fits:
+        raise ValueError(f"no math template has {n_steps} steps")
+    while True:
+        question, program = rng.choice(fits)
+        values = {k: rng.randint(2, 12) for k in "abcd"}
+        steps = _run_program(program, values)
+        if steps is not None:
+            answer = str(values[f"s{len(steps)}"])
+            text = question.format(who=rng.choice(NAMES), **values)
+            return {"question": text, "answer": answer, "steps": steps}
+
+# The easy variant: one step whose operation only the words tell (the numbers in the step's order).
+_MATH_EASY = [
+    ("{who} has {a} apples and buys {b} more. How many apples now?", "+"),
+    ("{who} has {a} cards and finds {b} more. How many cards now?", "+"),
+    ("{who} has {a} apples and eats {b}. How many apples are left?", "-"),
+    ("{who} had {a} cards and lost {b}. How many cards are left?", "-"),
+    ("{who} has {a} bags of {b} apples. How many apples in all?", "*"),
+    ("{who} buys {a} boxes of {b} cards. How many cards in all?", "*"),
+]
+
+def math_easy_problem(rng: random.Random) -> dict:
+    """One step `a op b` on a, b in 2..9 with a >= b (so a - b >= 0); the template's words decide op."""
+    question, op = rng.choice(_MATH_EASY)
+    a, b = sorted((rng.randint(2, 9), rng.randint(2, 9)), reverse=True)
+    z = _OPS[op](a, b)
+    text = question.format(who=rng.choice(NAMES), a=a, b=b)
+    return {"question": text, "answer": str(z), "steps": [f"{a} {op} {b} = {z}"]}
+
 # -- logic: knights (always truthful) and knaves (always lying) --
 # A claim is ("is", person, is_knight) | ("not", claim) | ("and" | "or" | "if", claim, claim).
 def _holds(c: tuple, world: tuple) -> bool:
@@ -1294,53 +1232,21 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
                     "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
-_ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
+def _easy_countdown(rng: random.Random) -> dict:
+    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or - with each of the four sign patterns
+    equally likely (numbers redrawn until the target is >= 0). A fixed guess of the signs is right about 1 time in 4."""
+    signs = rng.choice(["++", "+-", "-+", "--"])
+    while True:
+        nums = [rng.randint(1, 9) for _ in range(3)]
+        target, expr = _sign_chain(nums, signs)
+        if target >= 0:
+            return {"nums": nums, "target": target, "expr": expr}
 
-@_never_raise
-def logic_reward(completion: str, solution: dict) -> float:
-    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right
-    roles (any case; entries may be split by , ; or whitespace incl. newlines); 0.1: an answer
-    that is wrong or malformed; 0.0: none."""
-    ans = _last_answer(completion)
-    if ans is None:
-        return 0.0
-    ans = ans.lower()
-    if len(ans) > 1000 or not re.fullmatch(f"(?:{_ENTRY})*[\\s,;]*", ans):
-        return 0.1
-    got = re.findall(_ENTRY, ans)
-    if len({name for name, _ in got}) < len(got):  # someone named twice
-        return 0.1
-    said = {name: role == "knight" for name, role in got}
-    truth = {name.lower(): is_knight for name, is_knight in solution.items()}
-    return 1.0 if said == truth else 0.1
-
-# -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
-_FORMAT = ("Show your work in <think> </think> tags. And return the final answer in "
-           "<answer> </answer> tags")
-
-def countdown_prompt(row: dict, short=False) -> str:
-    nums = row["nums"]
-    t = row["target"]
-    if short:
-        return f"Make {t} from {' '.join(map(str, nums))}."
-    return (f"Using the numbers {list(nums)}, create an equation that equals {t}. You can use "
-            f"basic arithmetic operations (+, -, *, /) and each number must be used exactly "
-            f"once. {_FORMAT}, for example <answer> (1 + 2) / 3 </answer>.")
-
-def math_prompt(row: dict, short=False) -> str:
-    if short:
-        return row["question"]
-    return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
-            f"for example <answer> \\boxed{{42}} </answer>.")
-
-def logic_prompt(row: dict, short=False) -> str:
-    said = "\n".join(row["statements"])
-    if short:
-        return said
-    return (f"On an island every inhabitant is a knight, who always tells the truth, or a knave, "
-            f"who always lies. You meet {len(row['names'])} inhabitants: "
-            f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
-            f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
+_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 1 step; logic: 2 people)
+    "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
+    "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
+    "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
+}
 
 # -- loaders: data = "gen" | "easy" | "hf" | "hf:test" | path.jsonl --
 def _gsm8k_row(question: str, solution) -> dict:
@@ -1464,34 +1370,8 @@ def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
         rows = _read_jsonl(data, task)
     return rows[:n] if n and n > 0 else rows
 
-def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or - with each of the four sign patterns
-    equally likely (numbers redrawn until the target is >= 0). A fixed guess of the signs is right about 1 time in 4."""
-    signs = rng.choice(["++", "+-", "-+", "--"])
-    while True:
-        nums = [rng.randint(1, 9) for _ in range(3)]
-        target, expr = _sign_chain(nums, signs)
-        if target >= 0:
-            return {"nums": nums, "target": target, "expr": expr}
-
-_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 1 step; logic: 2 people)
-    "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
-    "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
-    "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
-}
-TASKS = {
-    "countdown": {"load": functools.partial(load_rows, "countdown"), "prompt": countdown_prompt,
-                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
-    "math": {"load": functools.partial(load_rows, "math"), "prompt": math_prompt,
-             "reward": lambda c, row: math_reward(c, row["answer"])},
-    "logic": {"load": functools.partial(load_rows, "logic"), "prompt": logic_prompt,
-              "reward": lambda c, row: logic_reward(c, row["solution"])},
-}
-
-def get_task(name: str) -> dict:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
+for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](data, n, seed)
+    _task["load"] = functools.partial(load_rows, _name)
 
 def split_rows(cfg: Config) -> tuple:
     """(draw, held-out rows): the FIRST eval_size rows of the data are held out. draw(n, *key) -> n
@@ -1524,6 +1404,22 @@ def split_rows(cfg: Config) -> tuple:
     return draw, held
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto" and torch.cuda.is_available():
+        name = "cuda"
+    if name == "auto" and torch.backends.mps.is_available():
+        name = "mps"
+    return torch.device("cpu" if name == "auto" else name)
+
+def autocast(device: torch.device):
+    """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
+    use = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+
+def set_seed(seed: int):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -1583,7 +1479,37 @@ def check_tokenizer(tok):
     if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
         raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
-# ==== Evaluation, run folder, checkpoints, metrics [plumbing] =====================================
+def check_positions(model, prompt_tokens: int, max_new_tokens: int):
+    """ValueError (one line) if such a prompt and answer pass the model's positions."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {prompt_tokens}-token prompt exceed the "
+                         f"model's {limit} positions")
+
+def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
+    """Step 2 of train(): rollout() of G answers per prompt on run.sampler, with the sampler's
+    log-probs. While run.fast holds, on the fast path (static cache, compiled decoding); if that
+    raises, one line says so and this and every later step sample on the plain path."""
+    knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                 top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
+    if run.fast:
+        try:
+            return rollout(run.sampler, run.tok, prompts, fast=True, **knobs)
+        except (ValueError, torch.OutOfMemoryError):  # too long a prompt, or memory: the plain path would fail too
+            raise
+        except Exception as e:
+            run.fast = False
+            log(f"fast generation failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                "sampling on the plain path from now on")
+    return rollout(run.sampler, run.tok, prompts, fast=False, **knobs)
+
+@torch.no_grad()
+def refresh_sampler(sampler, model):
+    """The bf16 sampler follows the fp32 master weights, in place (no reallocation)."""
+    if sampler is not model:
+        torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
+
+# ==== Evaluation [plumbing] =======================================================================
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
              batch_size: int = 64) -> dict:
@@ -1597,6 +1523,78 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         sample = sample or b["texts"][0]
     n = max(len(rows), 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
+
+# ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
+def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
+    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its
+    only writer), read the data, load the model -> (model, tok, state, draw, eval_rows). A new run loads
+    --model and only then deletes an old run's files there; --resume loads the newest checkpoint that
+    passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value, so a resume or
+    a rerun starts it afresh. state: step, skipped, resumed (and opt, the optimiser state, on a resume)."""
+    saved = claim_run(cfg)
+    set_seed(cfg.seed)
+    draw, eval_rows = split_rows(cfg)
+    if checkpoints(cfg.out) and cfg.resume:
+        want = saved.get("fingerprint", {}).get("prompt")
+        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
+        if state["step"] > cfg.steps:
+            raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
+        return model, tok, dict(state, resumed=True), draw, eval_rows
+    model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
+        if n.startswith("ckpt-"):
+            shutil.rmtree(os.path.join(cfg.out, n))
+        else:
+            os.remove(os.path.join(cfg.out, n))
+    return model, tok, dict(step=0, skipped=0, resumed=False), draw, eval_rows
+
+def record_start(cfg: Config, run, resumed: bool, device: torch.device, log=print):
+    """The run folder's side of start_run once the optimiser exists: metrics.jsonl (a resume keeps the
+    records up to its checkpoint's step), run_config.json (the config and what a resume must find again:
+    data file, prompt format; written only once model and data have loaded and fit the positions), and
+    for a new run step 0 (the starting model's held-out accuracy) and ckpt-000000."""
+    prompts = build_prompts(run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt)  # a sample of all
+    longest = max(len(run.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    check_positions(run.model, longest, cfg.max_new_tokens)  # before run_config.json is written
+    kept = ""
+    if resumed:  # the steps after the checkpoint will rerun
+        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
+    write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
+    prints = dict(data=data_print(cfg.data), prompt=prompt_print(run.tok, cfg.chat_template))  # a resume checks
+    write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
+    n_params = sum(p.numel() for p in run.model.parameters())
+    log(f"device {device} | model {resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} "
+        f"| {len(run.eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
+        + (f" | resumed at step {run.start}" if resumed else ""))
+    if resumed:
+        return
+    rec = dict(step=0, **evaluate(run.model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
+                                  cfg.max_new_tokens))
+    log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+    log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
+    save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
+
+def step_record(step: int, cfg: Config, parts: list, batch: dict, rewards, adv, old_logp, entropy, sel_mask,
+                stats: dict, opt, skipped: int, t0: float, t_roll: float) -> dict:
+    """One line of metrics.jsonl (NOTES.md's glossary explains each key); t0 the step's start time."""
+    mask = batch["resp_mask"]  # (N, T)
+    n_valid = max(int(mask.sum()), 1)
+    n_sel = max(int(sel_mask.sum()), 1)
+    sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])  # every group sampled
+    zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
+    gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
+    dt = time.time() - t0
+    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
+                selected_frac=int(sel_mask.sum()) / n_valid,
+                entropy_mean=float((entropy * mask).sum()) / n_valid,
+                entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
+                zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,
+                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
+                completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
+                groups_filtered_frac=1.0 - sampled.float().mean().item(), lr=opt.param_groups[0]["lr"],
+                skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
+                rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
+                sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
 
 def run_files(out: str) -> list:
     """What in `out` belongs to a run: its metrics, config and checkpoints."""
@@ -1693,20 +1691,6 @@ def check_weights(model, step: int, out: str):
         raise RunError(f"step {step} left non-finite weights (is --lr too high?); stopped, the checkpoints in {out} "
                        "are from before it")
 
-def fast_or_plain_rollout(run: Run, log, prompts: list, *args, **kwargs) -> dict:
-    """rollout on run.sampler, with the fast path (static cache, compiled decoding) while run.fast holds: if
-    it raises, one line says so and this and every later step samples on the plain path."""
-    if run.fast:
-        try:
-            return rollout(run.sampler, run.tok, prompts, *args, fast=True, **kwargs)
-        except (ValueError, torch.OutOfMemoryError):  # too long a prompt, or memory: the plain path would fail too
-            raise
-        except Exception as e:
-            run.fast = False
-            log(f"fast generation failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                "sampling on the plain path from now on")
-    return rollout(run.sampler, run.tok, prompts, *args, fast=False, **kwargs)
-
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
     folder, then each file moved in with an atomic rename, config.json last so a reader never sees a torn model.
@@ -1730,8 +1714,6 @@ def plot_metrics(out: str):
         ax.set(xlabel="step", ylabel=key)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
-
-# ==== Run folder ownership [plumbing]: never replace what is not a run's own; one writer a folder =
 
 class RunError(RuntimeError):
     """A run that cannot go on (non-finite weights, nothing to analyse): one line, exit 1."""
@@ -1890,7 +1872,138 @@ def write_file(path: str, text: str):
             f.write(text)
     os.replace(path + ".tmp", path)
 
-# ==== CLI [plumbing] ==============================================================================
+# ==== Step lines, the progress bar and trackers [plumbing] ========================================
+SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
+         "eval_acc")
+
+def step_line(rec: dict) -> str:
+    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
+    fields = [f"step {rec['step']}"]
+    for key in SHOWN:
+        if key in rec:
+            fields.append(f"{key} {rec[key]:.3f}")
+    fields.append(f"{rec['step_time_s']:.2f} s")
+    return " | ".join(fields)
+
+def step_printer(total: int, start: int, log=print):
+    """show(line, keep) prints one step's line. On a terminal (log prints, stdout a TTY) a tqdm
+    bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
+    above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
+    if log not in (print, say) or not sys.stdout.isatty():
+        def show(line, keep):
+            if line is not None:
+                log(line)
+        return show
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=start - 1, unit="step", file=sys.stdout, dynamic_ncols=True)
+
+    def show(line, keep):
+        if line is None:
+            bar.close()
+            return
+        bar.update(1)
+        bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
+        if keep:
+            bar.write(line)
+    return show
+
+TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to: its module
+
+def check_tracker(name: str):
+    """ValueError (one line) before any work if --report-to's package is not installed."""
+    if name == "none":
+        return
+    try:
+        importlib.import_module(TRACKERS[name])
+    except ImportError:
+        raise ValueError(f"--report-to {name} needs the {name} package "
+                         f"(pip install {name})") from None
+
+def _numbers(rec: dict) -> dict:
+    """The record's numbers, without the step (a tracker's x axis)."""
+    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
+
+def open_tracker(cfg: Config, start: int = 1):
+    """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
+    report(None) closes it. A new run (start 1) sends its step-0 record (the starting model's held-out
+    accuracy) at once."""
+    report = _tracker(cfg)
+    if start == 1:
+        report(read_metrics(cfg.out)[0])
+    return report
+
+def _tracker(cfg: Config):
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
+
+        def report(rec):
+            if rec is None:
+                writer.close()
+                return
+            for key, value in _numbers(rec).items():
+                writer.add_scalar(key, value, rec["step"])
+        return report
+    if cfg.report_to == "wandb":
+        import wandb
+        name = os.path.basename(os.path.abspath(cfg.out))
+        wandb_run = wandb.init(project="gmts", name=name, dir=cfg.out,
+                               config=dataclasses.asdict(cfg))
+
+        def report(rec):
+            if rec is None:
+                wandb_run.finish()
+                return
+            wandb_run.log(_numbers(rec), step=rec["step"])
+        return report
+    return lambda rec: None
+
+# ==== Config checks [plumbing]: every value a run cannot use is refused before any work ===========
+def die(msg: str, code: int = 2):
+    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
+    print(f"gmts: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+RULES = {  # field -> (test, what the value must be); NaN fails every test
+    **dict.fromkeys(["rho", "top_p"], (lambda v: 0 < v <= 1, "in (0, 1]")),
+    "lr": (lambda v: 0 < v <= 1, "in (0, 1] (a larger step leaves non-finite weights)"),
+    **dict.fromkeys(["temperature", "max_grad_norm"], (lambda v: 0 < v < math.inf, "finite and > 0")),
+    **dict.fromkeys(["clip_low", "clip_high"], (lambda v: 0 <= v < 1, "in [0, 1)")),
+    **dict.fromkeys(["kl_beta", "weight_decay"], (lambda v: 0 <= v < math.inf, "finite and >= 0")),
+    **dict.fromkeys(["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
+                     "eval_size", "max_resample", "tiny_layers"], (lambda v: v >= 1, ">= 1")),
+    **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k"], (lambda v: v >= 0, ">= 0")),
+    "group_size": (lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
+    "tiny_hidden": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
+}
+
+def check_config(cfg: Config):
+    """Raise ValueError (one line) for any value no run can use, before any work is done."""
+    rules = {k: (lambda v, a=allowed: v in a, "one of " + ", ".join(allowed)) for k, allowed in CHOICES.items()}
+    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: told apart below
+    for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
+        v = getattr(cfg, f.name)
+        typed = isinstance(v, types[f.type]) and isinstance(v, bool) == (f.type is bool)
+        unset = v is None and f.default is None  # --fast-generate left to the device
+        if not (typed or unset):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
+    for k, (ok, want) in {**rules, **RULES}.items():
+        if not ok(getattr(cfg, k)):
+            raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")
+    get_task(cfg.task)
+    if cfg.data in ("gen", "easy") and cfg.eval_size > 100_000:
+        raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
+    parent = os.path.abspath(cfg.out or ".")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not cfg.out or os.path.isfile(cfg.out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {cfg.out!r} is not a folder that can be written")
+    if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
+        raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
+
+# ==== CLI and signals [plumbing] ==================================================================
+
 # A resume may change these freely; every other field changes the trajectory and needs --allow-change.
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to"}
 

@@ -90,6 +90,8 @@ class Config:
     allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than the run's")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
+    threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core); "
+                          "the cpu and smoke presets set 1, faster for their tiny model")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
@@ -155,11 +157,11 @@ PRESETS = {
     # the target. No --filter-groups: on this demo it took 2.4x the rollouts for no gain.
     "cpu": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=80,
                 prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256,
-                eval_every=10, eval_size=256, save_every=20, filter_groups=False, out="out/cpu"),
+                eval_every=10, eval_size=256, save_every=20, filter_groups=False, threads=1, out="out/cpu"),
     # A seconds-long version of the same path, for tests.
     "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
                   prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
-                  lr=1e-4, out="out/smoke"),
+                  lr=1e-4, threads=1, out="out/smoke"),
 }
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
@@ -1531,6 +1533,8 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     --model and only then deletes an old run's files there; --resume loads the newest checkpoint that
     passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value, so a resume or
     a rerun starts it afresh. state: step, skipped, resumed (and opt, the optimiser state, on a resume)."""
+    if cfg.threads > 0:  # before any work
+        torch.set_num_threads(cfg.threads)
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     draw, eval_rows = split_rows(cfg)
@@ -1972,7 +1976,7 @@ RULES = {  # field -> (test, what the value must be); NaN fails every test
     **dict.fromkeys(["kl_beta", "weight_decay"], (lambda v: 0 <= v < math.inf, "finite and >= 0")),
     **dict.fromkeys(["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
                      "eval_size", "max_resample", "tiny_layers"], (lambda v: v >= 1, ">= 1")),
-    **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k"], (lambda v: v >= 0, ">= 0")),
+    **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k", "threads"], (lambda v: v >= 0, ">= 0")),
     "group_size": (lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
     "tiny_hidden": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
@@ -2005,7 +2009,8 @@ def check_config(cfg: Config):
 # ==== CLI and signals [plumbing] ==================================================================
 
 # A resume may change these freely; every other field changes the trajectory and needs --allow-change.
-FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to"}
+FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
+        "threads"}
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;

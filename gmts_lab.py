@@ -275,6 +275,7 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
         raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
     workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
     threads = max(1, torch.get_num_threads() // workers)
+    threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
     runs = [dataclasses.replace(cfg, select=m, seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
     for c in runs:

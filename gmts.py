@@ -87,7 +87,8 @@ class Config:
     out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
     overwrite: bool = arg(False, "allow a new run into a folder that holds one (its metrics and checkpoints go)")
     resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable checkpoint")
-    allow_change: bool = arg(False, "with --resume: allow another --task, --data or --model than the run's")
+    allow_change: bool = arg(False, "with --resume: allow flags that change the run's trajectory (all but --out, "
+                                    "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
     threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core); "
@@ -920,7 +921,7 @@ def start_run(cfg: Config, log=print) -> Run:
     state); record_start writes the run's config and, for a new run, step 0 (the starting model's
     held-out accuracy) and ckpt-000000."""
     device = pick_device(cfg.device)
-    model, tok, state, draw, eval_rows = open_run(cfg, device, log)
+    model, tok, state, data = open_run(cfg, device, log)
     ref = None
     if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts
         ref = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)[0]
@@ -933,10 +934,10 @@ def start_run(cfg: Config, log=print) -> Run:
     fast = cfg.fast_generate
     if fast is None:
         fast = device.type == "cuda"
-    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=draw, eval_rows=eval_rows,
+    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=data.draw, eval_rows=data.held,
               chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
-    record_start(cfg, run, state["resumed"], device, log)
+    record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
         run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
         for p in run.sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
@@ -989,6 +990,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     (logp, entropy, grad_norm, om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...):
     the notebook trains its own score through it."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
+    cfg = resolved_paths(cfg)  # absolute paths in run_config.json: a resume from any folder finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
@@ -1030,7 +1032,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   valid=valid)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
-        check_weights(model, step, cfg.out)  # non-finite weights stop the run before they reach a checkpoint
+        check_weights(model, batch, step, cfg.out)  # non-finite weights stop the run before a checkpoint
         # 8. log, evaluate, checkpoint
         rec = step_record(step, cfg, parts, batch, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
                           run.skipped, t0, t_roll)
@@ -1273,11 +1275,7 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
 LINE_CAP = 1 << 20  # bytes per line of a --data file
 
 def _row_problem(task: str, row: dict):
-    """Why a row with the schema's keys can never earn 1.0 from its verifier (or reach the tokenizer), or None."""
-    try:
-        json.dumps(row, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return "holds a lone surrogate (no tokenizer reads it)"
+    """Why a row with the schema's keys can never earn 1.0 from its verifier, or None."""
     if task == "countdown" and (not row["nums"] or min(row["nums"]) < 0):
         return '"nums" must be non-empty and >= 0 (an answer cannot write a negative number)'
     if task == "countdown" and sum(len(str(n)) + 1 for n in row["nums"]) > 201:
@@ -1297,46 +1295,67 @@ def _row_problem(task: str, row: dict):
         return '"solution" must name exactly the people in "names"'
     return None
 
-def _jsonl_lines(path: str):
-    """(line number, text) of a regular file, split on "\n" only (a raw U+2028 inside a string is no break)."""
+def _parse_row(raw: bytes, task: str):
+    """One line of a data file -> its row, or None for a blank line. Any problem raises (ValueError,
+    RecursionError, ...): _read_jsonl's net turns it into one line naming the file and line."""
+    if len(raw) > LINE_CAP:
+        raise ValueError(f"longer than {LINE_CAP} bytes")
+    line = raw.decode("utf-8")
+    if not line.strip():
+        return None
+    row = json.loads(line)
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    for key, (what, ok) in _SCHEMA[task].items():
+        if key not in row or not ok(row[key]):
+            raise ValueError(f'"{key}" must be {what}' if key in row else f'missing key "{key}"')
+    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate, which no tokenizer reads
+    problem = _row_problem(task, row)
+    if problem:
+        raise ValueError(problem)
+    if task == "math":
+        return _gsm8k_row(row["question"], row["answer"])
+    return row
+
+def _why(e: Exception) -> str:
+    """What a row's error means, in words."""
+    if isinstance(e, RecursionError):
+        return "JSON nested too deep"
+    if isinstance(e, UnicodeDecodeError):
+        return "cannot read it as UTF-8"
+    if isinstance(e, UnicodeEncodeError):
+        return "holds a lone surrogate (no tokenizer reads it)"
+    if isinstance(e, json.JSONDecodeError):
+        return f"invalid JSON ({e.msg})"
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+def _read_jsonl(path: str, task: str) -> tuple:
+    """(rows, their line numbers, the fingerprint of the bytes read: size and sha256) of a data file,
+    split on "\n" only (a raw U+2028 inside a string is no break). Every line is checked as it is read;
+    any problem is one ValueError "PATH line N: ..."."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
         raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a .jsonl path")
-    i = 0
+    rows = []
+    lines = []
+    digest = hashlib.sha256()
+    size = 0
     try:
         with open(path, "rb") as f:
             for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
-                if len(raw) > LINE_CAP:
-                    raise ValueError(f"{path} line {i}: longer than {LINE_CAP} bytes")
-                yield i, raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} line {i}: cannot read it as UTF-8") from None
+                digest.update(raw)
+                size += len(raw)
+                try:  # one net per line
+                    row = _parse_row(raw, task)
+                except (ValueError, RecursionError, TypeError) as e:
+                    raise ValueError(f"{path} line {i}: {_why(e)}") from None
+                if row is not None:
+                    rows.append(row)
+                    lines.append(i)
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
-
-def _read_jsonl(path: str, task: str) -> list:
-    rows = []
-    for i, line in _jsonl_lines(path):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {i}: invalid JSON ({e.msg})") from None
-        except RecursionError:
-            raise ValueError(f"{path} line {i}: JSON nested too deep") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
-        for key, (what, ok) in _SCHEMA[task].items():
-            if key not in row or not ok(row[key]):
-                why = f'"{key}" must be {what}' if key in row else f'missing key "{key}"'
-                raise ValueError(f"{path} line {i}: {why}")
-        problem = _row_problem(task, row)
-        if problem:
-            raise ValueError(f"{path} line {i}: {problem}")
-        rows.append(_gsm8k_row(row["question"], row["answer"]) if task == "math" else row)
     if not rows:
         raise ValueError(f"{path}: no rows")
-    return rows
+    return rows, lines, {"size": size, "sha256": digest.hexdigest()}
 
 def _load_hf(task: str, split: str) -> list:
     if task == "logic":
@@ -1358,31 +1377,61 @@ def _load_hf(task: str, split: str) -> list:
 def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
     """gen/easy: n fresh problems from random.Random(seed). hf: the hub set (hf:test: its test split) shuffled by
     seed. A .jsonl path: the file in order. For hf and files, n <= 0 or None means all rows."""
+    return _load(task, data, n, seed)[0]
+
+def _load(task: str, data: str, n, seed: int) -> tuple:
+    """load_rows' rows, each row's name for messages (None for generated rows) and the fingerprint of the
+    bytes read (a data file's; else None)."""
     get_task(task)
     if data in ("gen", "easy"):
         rng = random.Random(seed)
-        return [_GEN[task](rng, data == "easy") for _ in range(n)]
+        return [_GEN[task](rng, data == "easy") for _ in range(n)], None, None
     if data.split(":")[0] == "hf":
         split = data.partition(":")[2] or "train"
         if split not in ("train", "test"):
             raise ValueError(f"--data {data}: the split must be hf:train or hf:test")
         rows = _load_hf(task, split)
-        random.Random(seed).shuffle(rows)
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        rows = [rows[i] for i in order]
+        where = [f"--data {data} row {i}" for i in order]
+        data_print = None
     else:
-        rows = _read_jsonl(data, task)
-    return rows[:n] if n and n > 0 else rows
+        rows, lines, data_print = _read_jsonl(data, task)
+        where = [f"{data} line {i}" for i in lines]
+    if n and n > 0:
+        return rows[:n], where[:n], data_print
+    return rows, where, data_print
 
 for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](data, n, seed)
     _task["load"] = functools.partial(load_rows, _name)
 
+@dataclass
+class Data:
+    """What read_data read: the rows a run trains on and what the checks before step 0 need."""
+    draw: object  # draw(n, *key) -> n training rows
+    held: list  # the held-out rows
+    rows: list  # every row read (generated data: the held-out ones), checked before step 0
+    where: list  # each row's name in messages: "FILE line N", "--data hf row N", "held-out row N"
+    print: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
+
 def split_rows(cfg: Config) -> tuple:
-    """(draw, held-out rows): the FIRST eval_size rows of the data are held out. draw(n, *key) -> n
-    training rows from random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step
-    needs them."""
+    """(draw, held-out rows) of read_data."""
+    data = read_data(cfg)
+    return data.draw, data.held
+
+def read_data(cfg: Config) -> Data:
+    """The FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows from
+    random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step needs them."""
     task = get_task(cfg.task)
     gen = cfg.data in ("gen", "easy")
-    rows = task["load"](cfg.data, cfg.eval_size if gen else 0, cfg.seed)
+    n = 0
+    if gen:
+        n = cfg.eval_size
+    rows, where, data_print = _load(cfg.task, cfg.data, n, cfg.seed)
     held = rows[:cfg.eval_size]
+    if gen:
+        where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(rows))]
     seen = {task["prompt"](r) for r in held}
     pool = [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen]
     if not gen and not pool:
@@ -1403,7 +1452,19 @@ def split_rows(cfg: Config) -> tuple:
             if len(out) == n:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-    return draw, held
+    return Data(draw=draw, held=held, rows=rows, where=where, print=data_print)
+
+def check_prompts(cfg: Config, run, data: Data):
+    """ValueError naming the first row whose prompt and answer would pass the model's positions: every
+    row read is checked before step 0 (a row found at step 1 would fail every resume again)."""
+    limit = getattr(run.model.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    prompts = build_prompts(run.tok, run.task, data.rows, run.chat, cfg.short_prompt)
+    for where, ids in zip(data.where, run.tok(prompts, add_special_tokens=False)["input_ids"]):
+        if len(ids) + cfg.max_new_tokens > limit:
+            raise ValueError(f"{where}: its {len(ids)}-token prompt and --max-new-tokens {cfg.max_new_tokens} "
+                             f"exceed the model's {limit} positions")
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
 def pick_device(name: str = "auto") -> torch.device:
@@ -1529,7 +1590,8 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its
-    only writer), read the data, load the model -> (model, tok, state, draw, eval_rows). A new run loads
+    only writer), read the data (a resume: the file it started with), load the model -> (model, tok, state,
+    data). A new run loads
     --model and only then deletes an old run's files there; --resume loads the newest checkpoint that
     passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value, so a resume or
     a rerun starts it afresh. state: step, skipped, resumed (and opt, the optimiser state, on a resume)."""
@@ -1537,34 +1599,38 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
         torch.set_num_threads(cfg.threads)
     saved = claim_run(cfg)
     set_seed(cfg.seed)
-    draw, eval_rows = split_rows(cfg)
+    data = read_data(cfg)
+    want = saved.get("fingerprint", {}).get("data")
+    if want and not cfg.allow_change and data.print != want:
+        raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or sha256 differ); "
+                         "pass --allow-change to train on it")
     if checkpoints(cfg.out) and cfg.resume:
         want = saved.get("fingerprint", {}).get("prompt")
         model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-        return model, tok, dict(state, resumed=True), draw, eval_rows
+        return model, tok, dict(state, resumed=True), data
     model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
+        if not _own(os.path.join(cfg.out, n)):
+            continue
         if n.startswith("ckpt-"):
             shutil.rmtree(os.path.join(cfg.out, n))
         else:
             os.remove(os.path.join(cfg.out, n))
-    return model, tok, dict(step=0, skipped=0, resumed=False), draw, eval_rows
+    return model, tok, dict(step=0, skipped=0, resumed=False), data
 
-def record_start(cfg: Config, run, resumed: bool, device: torch.device, log=print):
+def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
     """The run folder's side of start_run once the optimiser exists: metrics.jsonl (a resume keeps the
     records up to its checkpoint's step), run_config.json (the config and what a resume must find again:
-    data file, prompt format; written only once model and data have loaded and fit the positions), and
-    for a new run step 0 (the starting model's held-out accuracy) and ckpt-000000."""
-    prompts = build_prompts(run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt)  # a sample of all
-    longest = max(len(run.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    check_positions(run.model, longest, cfg.max_new_tokens)  # before run_config.json is written
+    data file, prompt format; written only once model and data have loaded and every row fits the
+    positions), and for a new run step 0 (the starting model's held-out accuracy) and ckpt-000000."""
+    check_prompts(cfg, run, data)
     kept = ""
     if resumed:  # the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
-    prints = dict(data=data_print(cfg.data), prompt=prompt_print(run.tok, cfg.chat_template))  # a resume checks
+    prints = dict(data=data.print, prompt=prompt_print(run.tok, cfg.chat_template))  # what a resume checks
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     log(f"device {device} | model {resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} "
@@ -1638,8 +1704,10 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
     return recs
 
 def checkpoints(out: str) -> list:
-    """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete)."""
-    return sorted(d for d in glob.glob(os.path.join(out, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(d)))
+    """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
+    one that holds an output of this program of its own is not a checkpoint)."""
+    found = glob.glob(os.path.join(out, "ckpt-*"))
+    return sorted(d for d in found if re.fullmatch(r"ckpt-\d+", os.path.basename(d)) and _own(d))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
     """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
@@ -1688,12 +1756,18 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
                 "trying the previous checkpoint")
     raise OSError(f"--resume {out}: no loadable checkpoint (ckpt-*) in that folder; --overwrite starts it afresh")
 
-def check_weights(model, step: int, out: str):
-    """After an update: non-finite weights end the run (RunError, exit 1) before they reach a checkpoint."""
-    finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
+@torch.no_grad()
+def check_weights(model, batch: dict, step: int, out: str):
+    """After an update: weights that are not finite, or finite but so large that the next-token distribution of
+    the batch's first answer is not (the next step could not sample), end the run (RunError, exit 1) before they
+    reach a checkpoint."""
+    finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
+    if finite:
+        h = response_hidden(model, batch, slice(0, 1))[batch["resp_mask"][:1]]  # (T_0, d)
+        finite = bool(torch.log_softmax(model.get_output_embeddings()(h).float(), -1).isfinite().all())
     if not finite:
-        raise RunError(f"step {step} left non-finite weights (is --lr too high?); stopped, the checkpoints in {out} "
-                       "are from before it")
+        raise RunError(f"step {step} left non-finite weights or logits (is --lr too high?); stopped, the checkpoints "
+                       f"in {out} are from before it")
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
@@ -1742,6 +1816,21 @@ def run_kind(out: str):
     except (OSError, ValueError, TypeError, KeyError):
         return "unreadable"
 
+def _own(path: str) -> bool:
+    """Whether a run may delete `path` as its own file: anything but a folder with an output of its own."""
+    return not os.path.isdir(path) or run_kind(path) is None
+
+def _run_above(out: str):
+    """(folder, kind) of the nearest folder above `out` that holds an output of this program, or None. Compare
+    folders are passed over: they hold their runs by design."""
+    parent = os.path.dirname(os.path.realpath(out))
+    while parent != os.path.dirname(parent):
+        marked = os.path.isfile(os.path.join(parent, RUN_MARK)) or os.path.isfile(os.path.join(parent, "run_config.json"))
+        if marked and run_kind(parent) != "compare":
+            return parent, run_kind(parent)
+        parent = os.path.dirname(parent)
+    return None
+
 def _names(out: str, patterns) -> list:
     found = []
     for n in sorted(os.listdir(out)):
@@ -1781,6 +1870,10 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is an existing file, not a folder")
+    above = _run_above(out)
+    if above:  # its clean-up or checkpoint rotation could delete this one
+        raise ValueError(f"--out {out} lies inside {above[0]}, which holds a {above[1]} output of this program; "
+                         "choose a folder outside it")
     if not os.path.isdir(out):
         return
     if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
@@ -1812,6 +1905,8 @@ def claim_out(out: str, kind: str):
         os.pwrite(fd, mark, 0)
     _HELD[os.path.realpath(out)] = fd
     for n in _names(out, ("ckpt-*.tmp", "ckpt-*.old", "final.tmp", "metrics.jsonl.tmp", "run_config.json.tmp")):
+        if not _own(os.path.join(out, n)):
+            continue
         shutil.rmtree(os.path.join(out, n), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(os.path.join(out, n))
@@ -1823,31 +1918,19 @@ def release_all():
     _HELD.clear()
 
 def claim_run(cfg: Config) -> dict:
-    """check_out, claim_out, check_out again under the lock (another run may have ended in between); a resume's
-    --data must be the file the run started with. -> the saved run_config.json of a --resume, else {}."""
+    """check_out, claim_out, check_out again under the lock (another run may have ended in between) -> the
+    saved run_config.json of a --resume, else {}."""
     if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
         raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
     claim_out(cfg.out, "gmts")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    saved = {}
-    if cfg.resume:
-        saved = read_run_config(cfg.out)
-    want = saved.get("fingerprint", {}).get("data")
-    if want and not cfg.allow_change and data_print(cfg.data) != want:
-        raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or first MB differ); "
-                         "pass --allow-change to train on it")
-    return saved
+    if not cfg.resume:
+        return {}
+    return read_run_config(cfg.out)
 
 def data_file(data: str) -> bool:
     return data not in ("gen", "easy") and data.split(":")[0] != "hf"
-
-def data_print(data: str):
-    """A --data file's size and the sha256 of its first MB (None for gen, easy and hf)."""
-    if not data_file(data) or not os.path.isfile(data):  # never open a FIFO or a device
-        return None
-    with open(data, "rb") as f:
-        return {"size": os.path.getsize(data), "sha256_first_mb": hashlib.sha256(f.read(1 << 20)).hexdigest()}
 
 def prompt_print(tok, chat_template: str) -> dict:
     """The prompt format: chat template or not, and the template's sha256."""
@@ -1968,23 +2051,24 @@ def die(msg: str, code: int = 2):
     print(f"gmts: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
-RULES = {  # field -> (test, what the value must be); NaN fails every test
-    **dict.fromkeys(["rho", "top_p"], (lambda v: 0 < v <= 1, "in (0, 1]")),
-    "lr": (lambda v: 0 < v <= 1, "in (0, 1] (a larger step leaves non-finite weights)"),
-    **dict.fromkeys(["temperature", "max_grad_norm"], (lambda v: 0 < v < math.inf, "finite and > 0")),
-    **dict.fromkeys(["clip_low", "clip_high"], (lambda v: 0 <= v < 1, "in [0, 1)")),
-    **dict.fromkeys(["kl_beta", "weight_decay"], (lambda v: 0 <= v < math.inf, "finite and >= 0")),
-    **dict.fromkeys(["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
-                     "eval_size", "max_resample", "tiny_layers"], (lambda v: v >= 1, ">= 1")),
-    **dict.fromkeys(["save_every", "eval_every", "warmup_steps", "top_k", "threads"], (lambda v: v >= 0, ">= 0")),
-    "group_size": (lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
-    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
-    "tiny_hidden": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
-}
+RULES = [  # (fields, test, what their values must be); NaN fails every test
+    (["rho", "top_p"], lambda v: 0 < v <= 1, "in (0, 1]"),
+    (["lr"], lambda v: 0 < v <= 1, "in (0, 1] (a larger step leaves non-finite weights)"),
+    (["temperature"], lambda v: 1e-4 <= v < math.inf, "finite and >= 1e-4 (logits / T must stay finite)"),
+    (["max_grad_norm"], lambda v: 0 < v < math.inf, "finite and > 0"),
+    (["clip_low", "clip_high"], lambda v: 0 <= v < 1, "in [0, 1)"),
+    (["kl_beta", "weight_decay"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
+    (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size",
+      "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
+    (["save_every", "eval_every", "warmup_steps", "top_k", "threads"], lambda v: v >= 0, ">= 0"),
+    (["group_size"], lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
+    (["seed"], lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
+    (["tiny_hidden"], lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
+]
 
-def check_config(cfg: Config):
-    """Raise ValueError (one line) for any value no run can use, before any work is done."""
-    rules = {k: (lambda v, a=allowed: v in a, "one of " + ", ".join(allowed)) for k, allowed in CHOICES.items()}
+def check_config(cfg: Config, writes: bool = True):
+    """Raise ValueError (one line) for any value no run can use, before any work is done. writes=False: the
+    command writes nothing, so --out is not checked."""
     types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: told apart below
     for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
         v = getattr(cfg, f.name)
@@ -1992,19 +2076,31 @@ def check_config(cfg: Config):
         unset = v is None and f.default is None  # --fast-generate left to the device
         if not (typed or unset):
             raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
-    for k, (ok, want) in {**rules, **RULES}.items():
-        if not ok(getattr(cfg, k)):
-            raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {getattr(cfg, k)!r}")
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got "
+                             f"{getattr(cfg, name)!r}")
+    for names, ok, want in RULES:
+        for name in names:
+            if not ok(getattr(cfg, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
     get_task(cfg.task)
     if cfg.data in ("gen", "easy") and cfg.eval_size > 100_000:
         raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
-    parent = os.path.abspath(cfg.out or ".")
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not cfg.out or os.path.isfile(cfg.out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {cfg.out!r} is not a folder that can be written")
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
+    if writes:
+        check_out_path(cfg.out)
+
+def check_out_path(out: str):
+    """ValueError unless `out` is, or can be made, a folder this process can write."""
+    parent = os.path.abspath(out or ".")
+    while not os.path.exists(parent):
+        if os.path.islink(parent):
+            raise ValueError(f"--out {out!r}: {parent} is a symbolic link to nothing (dangling, or a loop)")
+        parent = os.path.dirname(parent)
+    if not out or os.path.isfile(out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out!r} is not a folder that can be written")
 
 # ==== CLI and signals [plumbing] ==================================================================
 
@@ -2014,11 +2110,12 @@ FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "ev
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
-    --resume OUT starts from that run's saved config (every field, no other key): a field outside FREE that differs
-    needs --allow-change. A --data file is stored as an absolute path."""
+    --resume OUT starts from that run's saved config (every field, no other key; no preset): a field outside FREE
+    that differs needs --allow-change, paths compared by where they lead. Paths are stored absolute (resolved_paths)."""
     p = argparse.ArgumentParser(description="GRPO with GMTS token selection (see the module docstring).")
     p.error = die  # one line and exit 2, no usage dump
-    p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
+    p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults (not with --resume, which "
+                   "takes the run's saved config): " + ", ".join(PRESETS))
     for f in dataclasses.fields(Config):
         flag, help_ = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
         if f.type is bool:
@@ -2026,24 +2123,41 @@ def parse_args(argv=None) -> Config:
         else:
             p.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_)
     pre, _ = p.parse_known_args(argv)
+    if pre.resume and pre.preset:
+        raise ValueError(f"--resume {pre.resume} continues that run with its saved config; --preset cannot apply to "
+                         "it (give each field to change as a flag)")
     p.set_defaults(**PRESETS.get(pre.preset, {}))
     saved = {}
     names = {f.name for f in dataclasses.fields(Config)}
     if pre.resume:
         saved = read_run_config(pre.resume)
         check_saved_keys(pre.resume, saved, names)
-        if isinstance(saved["data"], str) and data_file(saved["data"]):  # runs of earlier versions kept it relative
-            saved["data"] = os.path.abspath(saved["data"])
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"))  # a run continues in its own folder
-    cfg = Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"})
-    if isinstance(cfg.data, str) and data_file(cfg.data):
-        cfg.data = os.path.abspath(cfg.data)  # a resume from another folder reads the same file
+    cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
     for k in sorted(names - FREE):
-        if cfg.resume and getattr(cfg, k) != saved[k] and not cfg.allow_change:
+        if cfg.resume and not same_value(k, getattr(cfg, k), saved[k]) and not cfg.allow_change:
             raise ValueError(f"--resume {cfg.resume}: the run was trained with --{k.replace('_', '-')} {saved[k]}, "
                              f"not {getattr(cfg, k)}; pass --allow-change to change it")
     return cfg
+
+def resolved_paths(cfg: Config) -> Config:
+    """cfg with its paths absolute: --model where it names a folder, --data where it names a file, --out. Done
+    once, where a config is made: a resume from any working folder finds the same files."""
+    model, data, out = cfg.model, cfg.data, cfg.out
+    if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
+        model = os.path.abspath(model)
+    if isinstance(data, str) and data_file(data):
+        data = os.path.abspath(data)
+    if isinstance(out, str) and out:
+        out = os.path.abspath(out)
+    return dataclasses.replace(cfg, model=model, data=data, out=out)
+
+def same_value(field: str, a, b) -> bool:
+    """A resume's test of a field against the saved one; paths are the same where they lead to one place."""
+    if field in ("model", "data") and isinstance(a, str) and isinstance(b, str):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
 
 def check_saved_keys(out: str, saved: dict, names: set):
     """A run_config.json holds every Config field and nothing else (besides the fingerprint)."""
@@ -2055,6 +2169,16 @@ def check_saved_keys(out: str, saved: dict, names: set):
         raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
 
 OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
+
+def memory_fault(e: BaseException):
+    """The one line for an allocation that failed (CUDA, or the CPU's: a RuntimeError from torch's allocator, a
+    MemoryError), or None for any other error."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return OOM_HINT
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
+        return ("out of CPU memory: lower --micro-batch, --group-size or --max-new-tokens, or use a smaller model "
+                "(the last checkpoint is kept)")
+    return None
 STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
 
@@ -2092,6 +2216,8 @@ def handling_signals():
                 signal.signal(sig, old[sig])
 
 def main(argv=None):
+    if sys.stdout is None:  # started with stdout closed (>&-): /dev/null takes its place, and its fd
+        sys.stdout = open(os.devnull, "w")
     with handling_signals():
         _main(argv)
 
@@ -2108,10 +2234,12 @@ def _main(argv):
         say("", end="")  # an interrupt swallowed at the very end still counts
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
-    except torch.OutOfMemoryError:
-        die(OOM_HINT, 1)
     except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if memory_fault(e) is None:
+            raise
+        die(memory_fault(e), 1)
     except KeyboardInterrupt:
         die(f"interrupted; {interrupted_state(out)}", 130)
     finally:
@@ -2127,4 +2255,6 @@ def interrupted_state(out) -> str:
     return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
+    for _sig in STOP:  # torch has imported: handling_signals takes over, and the teardown after it ignores them
+        signal.signal(_sig, signal.SIG_IGN)
     main()

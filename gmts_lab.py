@@ -653,8 +653,6 @@ def retention(panels: dict, png: str, log=print) -> dict:
         ax.set(title=title, xlabel="rho (share of tokens kept)", ylabel="cos(g_S, g_all)")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    if os.path.isdir(png):
-        raise ValueError(f"--png {png} is a folder; name the figure's file, e.g. {os.path.join(png, 'retention.png')}")
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=90)
     return curves
@@ -738,10 +736,12 @@ def _main(lab, rest):
             a = r.parse_args(rest)
             if not all("=" in x for x in a.panels):
                 raise ValueError(f"{lab.command} takes TITLE=FOLDER arguments, e.g. math=out/math")
+            if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write a.png + ".png"
+                raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{lab.command}.png")
             panels = dict(x.split("=", 1) for x in a.panels)
             return (report if lab.command == "report" else retention)(panels, a.png)
         cfg = gmts.parse_args(rest)
-        gmts.check_config(cfg)
+        gmts.check_config(cfg, writes=lab.command != "decoy")  # decoy writes nothing
         if lab.command == "compare":
             return compare(cfg, [m.strip() for m in lab.methods.split(",") if m.strip()], lab.seeds, lab.workers)
         if lab.command == "analyze" and lab.rhos:
@@ -749,10 +749,12 @@ def _main(lab, rest):
         return analyze(cfg, lab.batches) if lab.command == "analyze" else decoy_main(cfg)
     except ValueError as e:  # bad input
         gmts.die(str(e), 2)
-    except torch.OutOfMemoryError:
-        gmts.die(gmts.OOM_HINT, 1)
     except (OSError, gmts.RunError) as e:  # a model that cannot be loaded, a full disk, nothing to analyse
         gmts.die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if gmts.memory_fault(e) is None:
+            raise
+        gmts.die(gmts.memory_fault(e), 1)
     except KeyboardInterrupt:
         gmts.die("interrupted", 130)
     finally:
@@ -764,6 +766,10 @@ def decoy_main(cfg: gmts.Config):
         saved = gmts.read_run_config(cfg.model)
         cfg = dataclasses.replace(cfg, **{k: saved[k] for k in ("task", "data", "seed", "eval_size", "short_prompt",
                                                                  "chat_template", "max_new_tokens") if k in saved})
+        try:  # a hand-edited run_config.json can hold any value
+            gmts.check_config(cfg, writes=False)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
     if cfg.task != "countdown":
         raise ValueError(f"decoy is defined for countdown, not --task {cfg.task}")
     model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
@@ -776,4 +782,6 @@ def decoy_main(cfg: gmts.Config):
 
 
 if __name__ == "__main__":
+    for _sig in gmts.STOP:  # torch has imported: handling_signals takes over, and the teardown after it ignores them
+        signal.signal(_sig, signal.SIG_IGN)
     main()

@@ -1183,12 +1183,14 @@ def test_every_method_honours_select_and_loss_norm(tmp_path, monkeypatch):
     by the kept count instead of the valid count: n_valid / n_kept times larger."""
     from transformers import AutoModelForCausalLM
 
-    real_split = gmts.split_rows
+    real_read = gmts.read_data
 
-    def split(cfg):  # every step: the first prompt live, the second dead
-        draw, held = real_split(cfg)
-        return (lambda n, *key: [dict(r, live=i % 2 == 0) for i, r in enumerate(draw(n, *key))]), held
-    monkeypatch.setattr(gmts, "split_rows", split)
+    def read(cfg):  # every step: the first prompt live, the second dead
+        data = real_read(cfg)
+        draw = data.draw
+        data.draw = lambda n, *key: [dict(r, live=i % 2 == 0) for i, r in enumerate(draw(n, *key))]
+        return data
+    monkeypatch.setattr(gmts, "read_data", read)
     monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: parity_reward(t, row) if row.get("live")
                         else 0.0)
     base = [*SMALL, "--group-size", "8", "--steps", "2", "--no-filter-groups"]

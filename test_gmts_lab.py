@@ -465,7 +465,7 @@ def test_retention_cli_writes_the_curve_and_its_figure(tmp_path, capsys, monkeyp
     assert (tmp_path / "r.png").stat().st_size > 0 and capsys.readouterr().out.count("## ") == 2
     for argv, code, words in ((["analyze", "--preset", "smoke", "--rhos", "0.1,2", "--out", str(tmp_path / "x")], 2,
                                "--rhos"),
-                              (["retention", f"a={out}", "--png", str(tmp_path)], 2, "is a folder"),
+                              (["retention", f"a={out}", "--png", str(tmp_path)], 2, "must name a .png file"),
                               (["retention", f"a={tmp_path}", "--png", str(tmp_path / "y.png")], 2, "retention.json")):
         with pytest.raises(SystemExit) as e:
             lab.main(argv)

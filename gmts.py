@@ -1058,10 +1058,6 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 # ##################################################################################################
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
-
-# Each task = offline generator + prompt + verifier + loader, collected in TASKS; train()'s step 3
-# calls TASKS[task]["reward"]. Verifiers are pure, cap every length before parsing, use no eval/exec
-# and never raise (a bug costs a reward, not a run).
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 
@@ -1317,17 +1313,8 @@ def _parse_row(raw: bytes, task: str):
         return _gsm8k_row(row["question"], row["answer"])
     return row
 
-def _why(e: Exception) -> str:
-    """What a row's error means, in words."""
-    if isinstance(e, RecursionError):
-        return "JSON nested too deep"
-    if isinstance(e, UnicodeDecodeError):
-        return "cannot read it as UTF-8"
-    if isinstance(e, UnicodeEncodeError):
-        return "holds a lone surrogate (no tokenizer reads it)"
-    if isinstance(e, json.JSONDecodeError):
-        return f"invalid JSON ({e.msg})"
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+_WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
+        UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
 def _read_jsonl(path: str, task: str) -> tuple:
     """(rows, their line numbers, the fingerprint of the bytes read: size and sha256) of a data file,
@@ -1347,7 +1334,8 @@ def _read_jsonl(path: str, task: str) -> tuple:
                 try:  # one net per line
                     row = _parse_row(raw, task)
                 except (ValueError, RecursionError, TypeError) as e:
-                    raise ValueError(f"{path} line {i}: {_why(e)}") from None
+                    why = _WHY.get(type(e), str(e)[:200])
+                    raise ValueError(f"{path} line {i}: {why}") from None
                 if row is not None:
                     rows.append(row)
                     lines.append(i)
@@ -1380,8 +1368,8 @@ def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
     return _load(task, data, n, seed)[0]
 
 def _load(task: str, data: str, n, seed: int) -> tuple:
-    """load_rows' rows, each row's name for messages (None for generated rows) and the fingerprint of the
-    bytes read (a data file's; else None)."""
+    """load_rows' rows, for a data file also each row's name in messages and the fingerprint of the bytes
+    read (else None, None)."""
     get_task(task)
     if data in ("gen", "easy"):
         rng = random.Random(seed)
@@ -1391,16 +1379,14 @@ def _load(task: str, data: str, n, seed: int) -> tuple:
         if split not in ("train", "test"):
             raise ValueError(f"--data {data}: the split must be hf:train or hf:test")
         rows = _load_hf(task, split)
-        order = list(range(len(rows)))
-        random.Random(seed).shuffle(order)
-        rows = [rows[i] for i in order]
-        where = [f"--data {data} row {i}" for i in order]
+        random.Random(seed).shuffle(rows)
+        where = None
         data_print = None
     else:
         rows, lines, data_print = _read_jsonl(data, task)
         where = [f"{data} line {i}" for i in lines]
     if n and n > 0:
-        return rows[:n], where[:n], data_print
+        rows = rows[:n]
     return rows, where, data_print
 
 for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](data, n, seed)
@@ -1411,8 +1397,8 @@ class Data:
     """What read_data read: the rows a run trains on and what the checks before step 0 need."""
     draw: object  # draw(n, *key) -> n training rows
     held: list  # the held-out rows
-    rows: list  # every row read (generated data: the held-out ones), checked before step 0
-    where: list  # each row's name in messages: "FILE line N", "--data hf row N", "held-out row N"
+    rows: list  # the rows checked before step 0: a data file's every row, else the held-out ones
+    where: list  # each one's name in messages: "FILE line N", "held-out row N"
     print: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
 
 def split_rows(cfg: Config) -> tuple:
@@ -1430,8 +1416,10 @@ def read_data(cfg: Config) -> Data:
         n = cfg.eval_size
     rows, where, data_print = _load(cfg.task, cfg.data, n, cfg.seed)
     held = rows[:cfg.eval_size]
-    if gen:
-        where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(rows))]
+    checked = rows
+    if where is None:  # generated or hub rows: the held-out ones stand for all
+        checked = held
+        where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(held))]
     seen = {task["prompt"](r) for r in held}
     pool = [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen]
     if not gen and not pool:
@@ -1452,7 +1440,7 @@ def read_data(cfg: Config) -> Data:
             if len(out) == n:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-    return Data(draw=draw, held=held, rows=rows, where=where, print=data_print)
+    return Data(draw=draw, held=held, rows=checked, where=where, print=data_print)
 
 def check_prompts(cfg: Config, run, data: Data):
     """ValueError naming the first row whose prompt and answer would pass the model's positions: every
@@ -1591,10 +1579,9 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its
     only writer), read the data (a resume: the file it started with), load the model -> (model, tok, state,
-    data). A new run loads
-    --model and only then deletes an old run's files there; --resume loads the newest checkpoint that
-    passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value, so a resume or
-    a rerun starts it afresh. state: step, skipped, resumed (and opt, the optimiser state, on a resume)."""
+    data). A new run loads --model and only then deletes an old run's files there; --resume loads the newest
+    checkpoint that passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value,
+    so a resume or a rerun starts it afresh. state: step, skipped, resumed (and opt on a resume)."""
     if cfg.threads > 0:  # before any work
         torch.set_num_threads(cfg.threads)
     saved = claim_run(cfg)
@@ -2223,15 +2210,20 @@ def main(argv=None):
 
 def _main(argv):
     out = None
+    steps = None
+    started = time.time()
     try:
         cfg = parse_args(argv)
         check_config(cfg)
         check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
         out = cfg.out
+        steps = cfg.steps
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg, log=say)
         say("", end="")  # an interrupt swallowed at the very end still counts
+        for sig in STOP:  # done: every file is saved, and a stop signal from here on changes nothing
+            signal.signal(sig, signal.SIG_IGN)
     except ValueError as e:  # bad input: flags, data files, a folder that holds a run
         die(str(e), 2)
     except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
@@ -2241,9 +2233,19 @@ def _main(argv):
             raise
         die(memory_fault(e), 1)
     except KeyboardInterrupt:
+        if finished(out, steps, started):  # the signal came after `done:`: every file is saved
+            return
         die(f"interrupted; {interrupted_state(out)}", 130)
     finally:
         release_all()
+
+def finished(out, steps: int, since: float) -> bool:
+    """Whether this process ended the run in `out`: its last step logged after `since` and its final model saved
+    (save_final moves config.json in last)."""
+    recs = read_metrics(out) if out else []
+    if not recs or recs[-1]["step"] != steps or not os.path.isfile(os.path.join(out, "config.json")):
+        return False
+    return os.path.getmtime(os.path.join(out, "metrics.jsonl")) >= since
 
 def interrupted_state(out) -> str:
     """What an interrupted run leaves in `out`, truthfully, and how to go on."""

@@ -309,7 +309,18 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     return table
 
 
-PAIRS = (("gmts", "entropy"), ("gmts", "all"), ("gradnorm", "gmts"))
+PAIRS = (("gmts", "entropy"), ("gradnorm", "entropy"), ("gmts", "gradnorm"), ("gmts", "all"))
+# Student's t, 0.975 quantile, by degrees of freedom (standard table values); above 30, the normal 1.960
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}
+
+def ci95(v: list) -> tuple:
+    """The 95% interval of the mean by Student's t over len(v) values (paired seeds): mean -+ t * SE."""
+    mean = sum(v) / len(v)
+    half = T975.get(len(v) - 1, 1.960) * _se(v)
+    return mean - half, mean + half
 
 def finished_runs(folder: str) -> dict:
     """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder (METHOD-sSEED folders whose
@@ -326,24 +337,42 @@ def finished_runs(folder: str) -> dict:
                 runs[method][int(seed)] = curve
     return dict(runs)
 
-def report_tables(runs: dict) -> str:
-    """Markdown: final held-out accuracy per method (mean +- std, SE of the mean over seeds, per seed), then the
-    paired differences by seed (mean +- SE over the seeds both methods finished)."""
+def final_truncated(folder: str, runs: dict) -> dict:
+    """{method: {seed: truncated_frac of the run's last step}} for finished_runs' runs."""
+    out = {}
+    for m, by_seed in runs.items():
+        out[m] = {}
+        for seed in by_seed:
+            recs = [r for r in gmts.read_metrics(os.path.join(folder, f"{m}-s{seed}")) if "truncated_frac" in r]
+            out[m][seed] = recs[-1]["truncated_frac"] if recs else math.nan
+    return out
+
+def report_tables(runs: dict, truncated: dict = None) -> str:
+    """Markdown: final held-out accuracy per method (mean +- std, SE of the mean over seeds, per seed; with
+    `truncated`, each run's final truncated_frac), then the paired differences by seed over the seeds both
+    methods finished: mean +- SE and the 95% t interval; a difference counts only if that interval excludes 0."""
     lines = ["| method | seeds | eval_acc at step 0 | final eval_acc, mean +- std | SE of the mean | per seed |",
              "|---|---|---|---|---|---|"]
     for m, by_seed in runs.items():
         fin = [c[-1][1] for c in by_seed.values()]
         mean, std = _mean(fin)
+        cells = []
+        for s, c in sorted(by_seed.items()):
+            cells.append(f"s{s} {c[-1][1]:.3f}")
+            if truncated:
+                cells[-1] += f" (trunc {truncated[m][s]:.2f})"
         lines.append(f"| {m} | {len(fin)} | {_mean([c[0][1] for c in by_seed.values()])[0]:.3f} | {mean:.3f} +- "
-                     f"{std:.3f} | {_se(fin):.3f} | " + ", ".join(f"s{s} {c[-1][1]:.3f}" for s, c in
-                                                                 sorted(by_seed.items())) + " |")
-    lines += ["", "| paired by seed | seeds | mean difference +- SE | per seed |", "|---|---|---|---|"]
+                     f"{std:.3f} | {_se(fin):.3f} | " + ", ".join(cells) + " |")
+    lines += ["", "| paired by seed | seeds | mean difference +- SE | 95% interval (t) | excludes 0 | per seed |",
+              "|---|---|---|---|---|---|"]
     for a, b in PAIRS:
         seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
         d = [runs[a][s][-1][1] - runs[b][s][-1][1] for s in seeds]
-        if d:
-            lines.append(f"| {a} - {b} | {len(d)} | {_mean(d)[0]:+.3f} +- {_se(d):.3f} | "
-                         + ", ".join(f"{x:+.3f}" for x in d) + " |")
+        if len(d) < 2:
+            continue
+        lo, hi = ci95(d)
+        lines.append(f"| {a} - {b} | {len(d)} | {_mean(d)[0]:+.3f} +- {_se(d):.3f} | [{lo:+.3f}, {hi:+.3f}] | "
+                     f"{'yes' if lo > 0 or hi < 0 else 'no'} | " + ", ".join(f"{x:+.3f}" for x in d) + " |")
     return "\n".join(lines)
 
 def _se(v: list) -> float:
@@ -389,8 +418,9 @@ def report(panels: dict, png: str, log=print) -> dict:
         if not r:
             raise ValueError(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
         fixed = fixed_guess_line(panels[title], r)
-        log(f"## {title} ({panels[title]})\n\n{report_tables(r)}\n\nbest fixed content on the held-out rows (mean "
-            f"over seeds): {fixed:.3f}\n")
+        tables = report_tables(r, final_truncated(panels[title], r))
+        log(f"## {title} ({panels[title]})\n\n{tables}\n\nbest fixed content on the held-out rows (mean over seeds): "
+            f"{fixed:.3f}\n")
         plot_curves(ax, r, title, fixed)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)

@@ -287,6 +287,15 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
                                                                           "decoy_valid"}
 
 
+def test_ci95_by_hand():
+    """Four paired differences 0.1, 0.2, 0.3, 0.4: mean 0.25, SE 0.1291/2, t(3) = 3.182 -> [0.0446, 0.4554]; an
+    interval that excludes 0."""
+    lo, hi = lab.ci95([0.1, 0.2, 0.3, 0.4])
+    assert lo == pytest.approx(0.25 - 3.182 * 0.0645497, abs=1e-6) and hi == pytest.approx(0.25 + 3.182 * 0.0645497,
+                                                                                              abs=1e-6)
+    assert lab.ci95([0.1] * 40)[0] == pytest.approx(0.1)  # beyond the table: 1.960, SE 0
+
+
 def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     """Hand-made compare folders: the table's means, SEs and paired differences are the hand-computed ones; a run
     that has not reached its last step is left out; the figure is written."""
@@ -318,9 +327,12 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     assert f"(mean over seeds): {fixed:.3f}" in capsys.readouterr().out and fixed > 0
     row = lambda first: next(x for x in out.splitlines() if x.startswith(f"| {first} |")).split("|")  # noqa: E731
     assert row("all")[4].strip() == "0.600 +- 0.082" and row("all")[5].strip() == "0.058"  # 0.1 / sqrt(3)
-    assert row("gmts - entropy")[3].strip() == "+0.067 +- 0.067" and row("gmts - entropy")[4].strip() == (
+    assert row("gmts - entropy")[3].strip() == "+0.067 +- 0.067" and row("gmts - entropy")[6].strip() == (
         "+0.200, +0.000, +0.000")  # differences 0.2, 0, 0: mean 1/15, SE sqrt(0.04/3/3)
-    assert row("gradnorm - gmts")[2].strip() == "2" and row("gradnorm - gmts")[4].strip() == "+0.100, -0.100"
+    # the 95% t interval, 2 degrees of freedom: 1/15 -+ 4.303 / 15; it holds 0
+    assert row("gmts - entropy")[4].strip() == "[-0.220, +0.354]" and row("gmts - entropy")[5].strip() == "no"
+    assert row("gmts - gradnorm")[2].strip() == "2" and row("gmts - gradnorm")[6].strip() == "-0.100, +0.100"
+    assert "(trunc nan)" in row("all")[6]  # these hand-made runs log no truncated_frac
     for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs")):
         with pytest.raises(SystemExit) as e:
             lab.main(["report", *bad, "--png", str(tmp_path / "x.png")])

@@ -124,6 +124,36 @@ def _held_by_another(tmp, run):
     return str(out)
 
 
+def _link(target):
+    """A symbolic link at tmp/link to `target` (relative to tmp): a dangling one, or one that points at itself."""
+    def build(tmp, run):
+        os.symlink(tmp / target, tmp / "link")
+        return str(tmp / "link")
+    return build
+
+
+def _too_long_row(tmp, run):
+    """Two held-out rows, then a training row whose prompt alone passes the tiny model's 4096 positions."""
+    rows = [{"question": "Ann has 3 apples.", "answer": "3"}, {"question": "Bob has 5.", "answer": "5"},
+            {"question": "Tom " * 1200 + "has 4.", "answer": "4"}]
+    return _write(tmp / "d.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _huge_weights_after_update(real):
+    def update(model, *a, **k):
+        stats = real(model, *a, **k)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1e30)  # finite, but the next distribution is not
+        return stats
+    return update
+
+
+def _cpu_alloc_fails(*a, **k):
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                       "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+
+
 HOLDERS = []
 PLACES = {
     "config_json": _user_folder("config.json"),
@@ -152,6 +182,11 @@ PLACES = {
                           "solution": {"Alice": True, "Carol": False}}),
     "logic_case": _rows({"names": ["Alice", "alice"], "statements": ["Alice: alice is a knave."],
                          "solution": {"Alice": True, "alice": False}}),
+    "digits": _data('{"nums": [1, 2], "target": ' + "9" * 5000 + '}\n'),
+    "too_long": _too_long_row,
+    "dangling": _link("nowhere"),
+    "loop": _link("link"),
+    "eval0": _copy_run(_edit_config(lambda c: c.update(eval_size=0))),
 }
 
 
@@ -251,6 +286,29 @@ PROMISES = [
     ("analyze a model that earns nothing", 7, L, ["analyze", "--preset", "smoke", "--batches", "1", "--out",
                                                   "{tmp}/a"], 1, "nothing to analyse", {}),
     ("--seed 2**63 - 1", 7, G, ["--seed", str(2 ** 63 - 1)], 2, "--seed must be in [0, 2**32)", {}),
+    # issue 29: the second probe's cases, each failing on 09cce72
+    ("--out a checkpoint folder of a run", 1, G, ["--out", "{run}/ckpt-000002"], 2, "lies inside", {}),
+    ("--out final.tmp inside a run", 1, G, ["--out", "{run}/final.tmp"], 2, "lies inside", {}),
+    ("--out deeper inside a run", 1, G, ["--out", "{run}/mine/deeper"], 2, "lies inside", {}),
+    ("lab analyze --out inside a run", 1, L, ["analyze", "--preset", "smoke", "--out", "{run}/a"], 2, "lies inside",
+     {}),
+    ("trl --out inside a run", 1, T, ["--out", "{run}/t"], 2, "lies inside", {}),
+    ("--out a dangling symlink", 1, G, ["--out", "{dangling}"], 2, "symbolic link to nothing", {}),
+    ("--out a looping symlink", 1, G, ["--out", "{loop}"], 2, "symbolic link to nothing", {}),
+    ("resume with a preset", 3, G, ["--resume", "{run}", "--preset", "cpu"], 2, "--preset cannot apply", {}),
+    ("--temperature 1e-320", 5, G, ["--temperature", "1e-320"], 2, "--temperature must be finite and >= 1e-4", {}),
+    ("finite but huge weights after a step", 5, G, ["--out", "{tmp}/o", "--steps", "2"], 1,
+     "non-finite weights or logits", {"policy_update": _huge_weights_after_update(gmts.policy_update)}),
+    ("a CPU allocation fails", 5, G, ["--model", "tiny", "--tiny-hidden", "1000000"], 1, "out of CPU memory", {}),
+    ("a CPU allocation fails in a rollout", 5, G, ["--out", "{tmp}/o"], 1, "out of CPU memory",
+     {"rollout": _cpu_alloc_fails}),
+    ("data a 5000-digit integer", 6, G, ["--data", "{digits}"], 2, "d.jsonl line 1: ", {}),
+    ("trl, data a 5000-digit integer", 6, T, ["--data", "{digits}"], 2, "d.jsonl line 1: ", {}),
+    ("data a training row too long for the positions", 6, G, ["--task", "math", "--data", "{too_long}"], 2,
+     "d.jsonl line 3: its", {}),
+    ("lab report --png a folder", 7, L, ["report", "a={tmp}", "--png", "{tmp}"], 2, "must name a .png file", {}),
+    ("lab decoy on a run with eval_size 0", 7, L, ["decoy", "--model", "{eval0}"], 2,
+     "run_config.json: --eval-size must be >= 1", {}),
 ]
 MAINS = {G: (lambda argv: gmts.main(argv), "gmts: error: "), T: (lambda argv: gmts_trl.main(argv), "gmts_trl: error: "),
          L: (lambda argv: gmts_lab.main(argv), "gmts: error: ")}
@@ -301,6 +359,9 @@ def test_promise(tmp_path, finished, capsys, monkeypatch, family, entry, argv, c
         assert {k: after.get(k) for k in before} == before
     if family == 5:  # no half-written checkpoint or final model is left behind
         assert not [k for k in after if ".tmp" in k]
+        assert not [k for k in after if "ckpt-000001" in k and k not in before]  # nor one of the failed step
+    if family == 6:  # bad data is refused before step 0: nothing was saved
+        assert not [k for k in after if "ckpt-" in k and k not in before]
 
 
 # ---- fallbacks that keep training ---------------------------------------------------------------------------------
@@ -482,3 +543,90 @@ def test_resume_may_switch_the_tracker(tmp_path, monkeypatch):
     gmts.main(["--resume", out, "--steps", "2", "--report-to", "tensorboard"])
     assert [r["step"] for r in gmts.read_metrics(out)] == [0, 1, 2]
     assert os.listdir(os.path.join(out, "tensorboard"))
+
+
+# ---- issue 29: paths resolved once, the data a run read, the command line's edges --------------------------------
+
+def test_a_resume_from_any_folder_reproduces_the_run_with_kl(tmp_path, finished, monkeypatch):
+    """--model given relative to the first working folder is stored absolute: a resume from another folder, where
+    a folder of the same name holds another model, loads the run's own KL reference and ends bit for bit where the
+    uninterrupted run ends. The same folder spelled ./m or absolute is no change."""
+    from safetensors.torch import load_file
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
+    for d in ("a", "b"):
+        os.makedirs(tmp_path / d)
+    shutil.copytree(finished / "ckpt-000001", tmp_path / "a" / "m")
+    shutil.copytree(finished / "ckpt-000002", tmp_path / "b" / "m")  # another model under the same name
+    flags = [*SMALL, "--model", "m", "--kl-beta", "0.5", "--lr", "1e-2", "--warmup-steps", "0", "--no-lr-decay",
+             "--save-every", "1"]
+    monkeypatch.chdir(tmp_path / "a")
+    gmts.main([*flags, "--steps", "3", "--out", str(tmp_path / "whole")])
+    gmts.main([*flags, "--steps", "2", "--out", str(tmp_path / "part")])
+    monkeypatch.chdir(tmp_path / "b")
+    gmts.main(["--resume", str(tmp_path / "part"), "--steps", "3"])
+    whole, part = gmts.read_metrics(str(tmp_path / "whole")), gmts.read_metrics(str(tmp_path / "part"))
+    assert [r["kl"] for r in part[1:]] == [r["kl"] for r in whole[1:]] and whole[-1]["kl"] > 0
+    new, old = load_file(str(tmp_path / "part" / "model.safetensors")), load_file(str(tmp_path / "whole" /
+                                                                                       "model.safetensors"))
+    assert all(torch.equal(new[k], old[k]) for k in old)
+    monkeypatch.chdir(tmp_path / "a")
+    for spelled in ("./m", str(tmp_path / "a" / "m"), "../a/m"):
+        assert gmts.parse_args(["--resume", str(tmp_path / "part"), "--model", spelled]).model == str(
+            tmp_path / "a" / "m")
+
+
+def test_the_data_fingerprint_is_of_the_bytes_the_run_read(tmp_path, monkeypatch, capsys):
+    """A data file replaced after it was read (here: while the model loads) leaves the fingerprint of the rows the
+    run trains on, so a resume refuses the replacement in one line."""
+    import hashlib
+    first = "".join(json.dumps({"nums": [n, 2, 3], "target": n + 5}) + "\n" for n in range(8))
+    path = _write(tmp_path / "d.jsonl", first)
+    real = gmts.load_model
+
+    def load_and_replace(*a, **k):
+        _write(tmp_path / "d.jsonl", first.replace("+ 5", "").replace('"target": 1', '"target": 2'))
+        return real(*a, **k)
+    monkeypatch.setattr(gmts, "load_model", load_and_replace)
+    gmts.main([*SMALL, "--data", path, "--steps", "1", "--out", str(tmp_path / "r")])
+    saved = json.loads((tmp_path / "r" / "run_config.json").read_text())["fingerprint"]["data"]
+    assert saved == {"size": len(first), "sha256": hashlib.sha256(first.encode()).hexdigest()}
+    monkeypatch.setattr(gmts, "load_model", real)
+    with pytest.raises(SystemExit) as e:
+        gmts.main(["--resume", str(tmp_path / "r"), "--steps", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not the file the run started with" in err and err.count("\n") == 1, err
+
+
+def test_decoy_writes_nothing_so_checks_no_out(tmp_path, finished, monkeypatch, capsys):
+    """decoy from a working folder it may not write: it reads a model and prints a table, so --out is never tested
+    (a read-only working folder refused it on 09cce72)."""
+    def refuse(out):
+        raise ValueError(f"--out {out!r} is not a folder that can be written")
+    monkeypatch.setattr(gmts, "check_out_path", refuse)
+    os.makedirs(tmp_path / "ro")
+    os.chmod(tmp_path / "ro", 0o555)
+    monkeypatch.chdir(tmp_path / "ro")
+    ev = gmts_lab.decoy_main(gmts.Config(model=str(finished), eval_size=2, max_new_tokens=4))
+    gmts_lab.main(["decoy", "--model", str(finished), "--eval-size", "2", "--max-new-tokens", "4"])
+    assert "| model | held-out greedy acc" in capsys.readouterr().out and set(ev) >= {"real_acc", "decoy_acc"}
+    assert os.listdir(tmp_path / "ro") == []
+
+
+def test_a_run_with_stdout_closed_finishes(tmp_path):
+    """python gmts.py ... >&- (stdout closed, not a pipe): the run goes on to its end and exits 0."""
+    cmd = " ".join([*SMOKE[:-4], "--steps", "2", "--out", str(tmp_path / "o")]) + " >&-"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=ENV1, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert [x["step"] for x in gmts.read_metrics(str(tmp_path / "o"))] == [0, 1, 2]
+    assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_a_stop_signal_after_done_changes_nothing(tmp_path):
+    """Ctrl-C in the seconds of teardown after `done:`: everything is saved, so exit 0 and nothing on stderr (on
+    09cce72: 'interrupted while starting', exit 130)."""
+    proc = _start([*SMOKE[:-4], "--steps", "1", "--out", str(tmp_path / "o")], tmp_path)
+    assert "done: " in _wait_for(proc, "done: ")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == "", err
+    assert (tmp_path / "o" / "model.safetensors").exists()

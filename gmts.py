@@ -70,7 +70,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, glob, hashlib, importlib
-import itertools, json, math, random, re, shutil, sys, time
+import itertools, json, logging, math, random, re, shutil, sys, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -1504,7 +1504,8 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
     else:
         path = resolve_model_name(name)
-        quiet_hub()
+        for logger in ("huggingface_hub", "transformers"):  # a warning per retry without a network: 22 lines
+            logging.getLogger(logger).setLevel(logging.ERROR)
         try:
             tok = AutoTokenizer.from_pretrained(path)
             check_tokenizer(tok)
@@ -1518,12 +1519,6 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
-
-def quiet_hub():
-    """The hub client logs a warning per retry (22 lines without a network); the one-line error says it all."""
-    import logging
-    for name in ("huggingface_hub", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 def check_tokenizer(tok):
     """ValueError unless tok turns text into tokens (a folder without tokenizer files loads an empty one)."""
@@ -1812,18 +1807,14 @@ def _run_above(out: str):
     folders are passed over: they hold their runs by design."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
-        marked = os.path.isfile(os.path.join(parent, RUN_MARK)) or os.path.isfile(os.path.join(parent, "run_config.json"))
-        if marked and run_kind(parent) != "compare":
+        marks = [os.path.join(parent, name) for name in (RUN_MARK, "run_config.json")]
+        if any(os.path.isfile(m) for m in marks) and run_kind(parent) != "compare":
             return parent, run_kind(parent)
         parent = os.path.dirname(parent)
     return None
 
 def _names(out: str, patterns) -> list:
-    found = []
-    for n in sorted(os.listdir(out)):
-        if any(fnmatch.fnmatchcase(n, p) for p in patterns):
-            found.append(n)
-    return found
+    return [n for n in sorted(os.listdir(out)) if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 def _held(out: str):
     """This process's locked marker fd for `out`, if it still is that folder's marker."""

@@ -459,11 +459,36 @@ def test_group_advantages_hand_computed():
     assert a[1].item() == pytest.approx(-math.sqrt(1 / 7), abs=1e-5)  # -sqrt(k/(G-k))
     assert (a[8:] == 0).all()  # all-equal groups: exactly 0, not NaN
     assert group_advantages(r, 8, std_normalize=False)[:2].tolist() == pytest.approx([0.875, -0.125])
-    same = group_advantages(torch.tensor([0.1] * 6), 3)  # 0.1 has no exact float: r - mean would be ~1e-17
+    same = group_advantages(torch.tensor([0.1] * 16), 8)  # fp32: r - mean = 7.45e-9; unmasked, A would be ~0.0074
     assert (same == 0).all() and not torch.isnan(same).any()
     mixed = group_advantages(torch.tensor([1.0, 0.1, 0.0, 0.1]), 4)
     assert mixed.sum().abs() < 1e-6 and (mixed.std(unbiased=False) - 1).abs() < 1e-4
     assert gmts.informative(r, 8).tolist() == [True, False, False]
+
+
+def test_group_advantages_all_equal_groups_are_exactly_zero():
+    """The float trap behind "exactly 0": at the default G = 8 the fp32 mean of eight 0.1s (0.2, 0.3, 0.7, 0.9, 1/3)
+    is not the value itself, so r - mean is ~1e-8 and the population std the same size (or 0, as the reduction
+    falls): (r - mean) / (std + eps) would be an advantage of 0.007-0.06 for answers that all earned the same. The
+    test checks that its data reaches the trap, then that group_advantages gives exactly 0, with and without the
+    std, and that informative() calls none of these groups informative, in one batch and one group at a time. A
+    mixed group of inexact rewards keeps the binary values."""
+    G = 8
+    values = [0.1, 0.2, 0.3, 0.7, 0.9, 1 / 3, 0.5, 1.0]  # six inexact in fp32, two exact
+    r = torch.tensor([v for v in values for _ in range(G)])
+    for batch in [r] + [torch.full((G,), v) for v in values]:  # the whole batch, and each group alone (B = 1)
+        groups = batch.view(-1, G)
+        centred = groups - groups.mean(dim=1, keepdim=True)
+        raw = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + 1e-6)  # the formula without its mask
+        inexact = (groups[:, 0] != 0.5) & (groups[:, 0] != 1.0)
+        assert (raw.abs().amin(dim=1)[inexact] > 5e-3).all()  # the data reaches the trap: noise / std is 0.007-0.06
+        for std in (True, False):
+            a = group_advantages(batch, G, std_normalize=std)
+            assert (a == 0).all() and a.dtype == torch.float32, (batch, std)
+        assert not gmts.informative(batch, G).any(), batch
+    one_right = group_advantages(torch.tensor([1.0] + [0.1] * 7), G)  # countdown: one right, seven tagged but wrong
+    assert one_right.tolist() == pytest.approx([math.sqrt(7)] + [-math.sqrt(1 / 7)] * 7, abs=1e-5)
+    assert gmts.informative(torch.tensor([1.0] + [0.1] * 7 + [0.1] * 8), G).tolist() == [True, False]
 
 
 PAD = 258
@@ -760,6 +785,30 @@ def test_gmts_spends_nothing_on_zero_advantage_groups():
         assert not ((sel & zero).any() and (~sel & ~zero).any())
 
 
+def test_gmts_and_gradnorm_keep_no_token_of_an_all_equal_group():
+    """Step 6 as train() runs it (step_selection) on three G = 8 groups: countdown-like rewards (one answer right at
+    1.0, seven tagged but wrong at 0.1), then all 0.1 and all 0.7: inexact floats whose unmasked advantage would be
+    ~0.007-0.06, not 0. The all-equal groups have the HIGHEST entropies. gmts and gradnorm keep none of their
+    tokens, even with a budget beyond the 40 live tokens (then they keep exactly those 40); entropy spends its
+    whole budget on them."""
+    G, T = 8, 5
+    adv = group_advantages(torch.tensor([1.0] + [0.1] * 7 + [0.1] * 8 + [0.7] * 8), G)  # (24,)
+    g = torch.Generator().manual_seed(0)
+    H = torch.rand(24, T, generator=g) + 0.5
+    H[G:] += 2.0  # the all-equal groups: the highest entropies
+    gn = torch.rand(24, T, generator=g) + 0.1
+    mask = torch.ones(24, T, dtype=torch.bool)
+    om = omega(adv, torch.ones_like(H), 0.2, 0.28)
+    dead = (torch.arange(24) >= G)[:, None] & mask
+    for method in ("gmts", "gradnorm"):
+        for rho in (0.2, 0.5, 0.9):
+            sel = gmts.step_selection(gmts.Config(select=method, rho=rho), None, H, gn, om, mask)
+            assert not (sel & dead).any(), (method, rho)
+            assert int(sel.sum()) == min(math.ceil(rho * 120), 40), (method, rho)
+    ent = gmts.step_selection(gmts.Config(select="entropy", rho=0.2), None, H, gn, om, mask)
+    assert int((ent & dead).sum()) == int(ent.sum()) == 24
+
+
 def test_gmts_orders_like_entropy_within_an_answer(tiny):
     """On a real batch (gmts's rollout, batch_token_stats, omega at the first update, token_scores, select_tokens):
     within one answer omega is constant, so gmts orders and keeps that answer's tokens exactly as entropy does,
@@ -951,6 +1000,28 @@ def test_all_zero_advantage_batch_makes_no_update(tiny):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
 
 
+def test_a_batch_of_only_all_equal_groups_does_not_step(tiny):
+    """The step rule on a real batch of two G = 8 groups whose rewards are all 0.1 and all 0.7 (inexact floats: the
+    unmasked advantage would be ~0.007 and ~0.06). A is exactly 0, so for every method (train's step_selection) no
+    kept token is live, policy_update does not step, and neither the weights nor AdamW's moments move (weight decay
+    on: a step on a zero gradient would still move them)."""
+    model, tok = tiny
+    b, _ = _batch_from(model, tok, seed=7, n_prompts=2, G=8)
+    adv = group_advantages(torch.tensor([0.1] * 8 + [0.7] * 8), 8)
+    m = b["resp_mask"]
+    logp, H, gn = gmts.batch_token_stats(model, b, 1.0, 4, 64)
+    om = omega(adv, torch.ones_like(H), 0.2, 0.28)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for method in gmts.CHOICES["select"]:
+        sel = gmts.step_selection(gmts.Config(select=method), logp, H, gn, om, m)
+        assert sel.any() == (method in ("all", "random", "entropy")), method
+        stats = gmts.policy_update(model, opt, b, adv, sel, logp, float(m.sum()), temperature=1.0, clip_low=.2,
+                                   clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
+        assert stats["stepped"] == 0 and stats["live"] == 0 and stats["grad_norm"] == 0.0, (method, stats)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
+
+
 # ---- training loop: the lr schedule, then runs in this process through gmts.main -------------------------------------
 
 
@@ -1059,12 +1130,14 @@ def test_every_method_honours_select_and_loss_norm(tmp_path, monkeypatch):
 def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, monkeypatch):
     """Issue 14's one step rule: with a constant reward (every advantage 0) no method steps its optimiser, so all
     five end with the starting weights, the same (empty) Adam state and the same lr, which follows GRPO steps.
-    Weight decay is on: an optimiser step on a zero gradient would still move the weights."""
-    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.5)
+    Weight decay is on: an optimiser step on a zero gradient would still move the weights. The reward is 0.1 at
+    G = 8 (every answer tagged but wrong): an inexact float whose unmasked group advantage would be ~0.007."""
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.1)
     ends = {}
     for m in ("all", "random", "entropy", "gmts", "gradnorm"):
         out = tmp_path / m
-        recs = train_main(*SMALL, "--steps", "2", "--select", m, "--weight-decay", "0.1", "--lr", "1e-3", "--out", out)
+        recs = train_main(*SMALL, "--group-size", "8", "--prompts-per-step", "1", "--steps", "2", "--select", m,
+                          "--weight-decay", "0.1", "--lr", "1e-3", "--out", out)
         steps = recs[1:]
         assert [r["lr"] for r in steps] == pytest.approx([1e-4, 2e-4])  # warm-up 10: lr * 1/10, 2/10
         assert all(r["groups_filtered_frac"] == 1.0 and r["rollout_batches"] == 2 for r in steps)  # resampled to cap

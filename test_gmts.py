@@ -528,8 +528,9 @@ def test_keep_groups_keeps_the_first_b_informative_groups():
     assert batch["truncated"].tolist() == ba["truncated"][2:4].tolist() + bb["truncated"][0:2].tolist()
     assert gmts.keep_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
     assert gmts.keep_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
-    dead = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0])
-    assert gmts.keep_groups([dead, dead], 2, 2, PAD)[0] is dead[0]  # nothing informative: the first batch as is
+    dead, dead2 = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0]), _part(4, 3, 2, [0.1, 0.1, 0.0, 0.0])
+    first = gmts.keep_groups([dead, dead2], 2, 2, PAD)  # nothing informative: the FIRST batch as is (two distinct ones)
+    assert first[0] is dead[0] and first[1] is dead[1] and first[2] is dead[2] and (first[2] == 0).all()
 
 
 # ---- token statistics: the derivation, pinned ------------------------------------------------------------------------
@@ -569,15 +570,37 @@ def test_token_stats_on_bf16_logits_is_fp32():
         assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5), (got.double() - want).abs().max()
 
 
+def test_grad_norm_at_near_certain_tokens_does_not_cancel():
+    """token_stats' comment: (1 - p_y)^2 + sum_{j != y} p_j^2 "does not cancel catastrophically when p_y ~ 1", unlike
+    1 - 2 p_y + sum_j p_j^2. At sampled tokens with 1 - p_y = 1e-2, 1e-3, 1e-4 (the rest spread over 1 or 49 other
+    tokens) the norm is within 0.5% of an fp64 reference; the data reaches the trap: there the textbook form in fp32
+    is off by more than 50% (or NaN). What is left is log_softmax's own fp32 rounding of log p_y."""
+    for V in (2, 50):
+        for d in (1e-2, 1e-3, 1e-4):
+            z = torch.full((1, V), -math.log((V - 1) * (1 - d) / d))  # token 0 at logit 0: p_0 = 1 - d exactly
+            z[0, 0] = 0.0
+            y = torch.tensor([0])
+            _, _, gn = token_stats(z, y)
+            p = torch.softmax(z.double(), -1)
+            want = ((1 - p[0, 0]) ** 2 + (p[0, 1:] ** 2).sum()).sqrt()
+            assert want.item() == pytest.approx(math.sqrt(d * d + d * d / (V - 1)), rel=1e-5)  # fp32 logits
+            assert torch.isfinite(gn).all() and abs(gn.item() / want.item() - 1) < 5e-3, (V, d, gn.item(), want.item())
+            if d == 1e-4:
+                pf = torch.softmax(z, -1)
+                textbook = (1 - 2 * pf[0, 0] + (pf * pf).sum()).sqrt()  # fp32, as the cancelling form computes it
+                assert not abs(textbook.item() / want.item() - 1) < 0.5, (V, textbook.item())
+
+
 def test_derivation_logit_gradient_of_clipped_loss():
-    """dl/dz = -(omega/T) (onehot(y) - p), and 0 exactly where the clip is active (derivation steps 1-3)."""
+    """dl/dz = -(omega/T) (onehot(y) - p), and 0 exactly where the clip is active (derivation steps 1-3). The last
+    three tokens have A = 0 at ratios inside, above and below the clip range: never "clipped", just zero."""
     torch.manual_seed(0)
     V, T = 11, 0.7
-    z = torch.randn(8, V, requires_grad=True)
-    y = torch.randint(0, V, (8,))
+    z = torch.randn(10, V, requires_grad=True)
+    y = torch.randint(0, V, (10,))
     old = torch.log_softmax(z.detach() / T, -1).gather(-1, y[:, None]).squeeze(-1) + torch.tensor(
-        [0.0, 0.5, -0.5, 0.1, 0.0, 0.5, -0.5, -0.1])  # ratios 1, e^-.5, e^.5, ...
-    adv = torch.tensor([1.5, 1.5, 1.5, -0.7, -0.7, -0.7, -0.7, 0.0])
+        [0.0, 0.5, -0.5, 0.1, 0.0, 0.5, -0.5, -0.1, -0.5, 0.5])  # ratios 1, e^-.5, e^.5, ...
+    adv = torch.tensor([1.5, 1.5, 1.5, -0.7, -0.7, -0.7, -0.7, 0.0, 0.0, 0.0])
     logp, _, gn = token_stats(z, y, T)
     loss, clipped = gmts.grpo_token_loss(logp, old, adv, 0.2, 0.28)
     loss.sum().backward()
@@ -587,8 +610,9 @@ def test_derivation_logit_gradient_of_clipped_loss():
     expect = -(om / T)[:, None] * (torch.nn.functional.one_hot(y, V) - p)
     assert torch.allclose(z.grad, expect, atol=1e-5)
     assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)  # = |omega| * grad_norm
-    assert clipped.tolist() == (om == 0).tolist()[:7] + [False]  # A = 0 is not "clipped", just zero
-    assert clipped.tolist() == [False, False, True, False, False, True, False, False]
+    assert clipped.tolist() == (om == 0).tolist()[:7] + [False] * 3  # A = 0 is not "clipped", just zero
+    assert clipped.tolist() == [False, False, True, False, False, True, False, False, False, False]
+    assert ratio[8] > 1 + 0.28 and ratio[9] < 1 - 0.2 and (om[7:] == 0).all()  # the A = 0 cases are reached
 
 
 def rank_corr(a, b):
@@ -683,6 +707,40 @@ def test_token_stats_on_another_architecture():
     assert torch.allclose(ref[m], full[0][m], atol=1e-5) and (ref[~m] == 0).all()
 
 
+def test_left_padding_positions_on_absolute_position_embeddings():
+    """Rotary models (Qwen2, GPT-NeoX) see only differences of positions, so they cannot tell whether
+    response_hidden's position ids follow the left padding. GPT-2's learned absolute positions can (checked: a
+    forward with plain 0..P+T-1 positions is off): on left-padded prompts of two lengths, batch_token_stats and
+    response_logp reproduce generate()'s own distribution, whose positions come from the attention mask."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    _, tok = gmts.build_tiny(hidden=32, layers=1)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=256, bos_token_id=None,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight.normal_(0, 1.0)  # positions that matter
+    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "Hi"]]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, attn = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
+    assert attn.sum(1).unique().numel() == 2  # the rows are left padded by different amounts
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0,
+                         eos_token_id=gmts.end_token_ids(tok), pad_token_id=tok.pad_token_id, output_scores=True,
+                         return_dict_in_generate=True)
+    comp = out.sequences[:, ids.shape[1]:]
+    mask, _ = completion_mask(comp, gmts.end_token_ids(tok))
+    b = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=mask)
+    want = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    logp = gmts.batch_token_stats(model, b, 1.0, 3, 5)[0]
+    assert torch.allclose(logp[mask], want[mask], atol=1e-5)
+    assert torch.allclose(gmts.response_logp(model, b, mask, 1.0, 3, 5)[mask], want[mask], atol=1e-5)
+    with torch.no_grad():  # the data reaches the case: positions that ignore the padding give other log-probs
+        full = torch.cat([ids, comp], 1)
+        plain = model(input_ids=full, attention_mask=torch.cat([attn, mask.long()], 1)).logits[:, ids.shape[1] - 1:-1]
+    off = torch.log_softmax(plain.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    assert (off - want)[mask].abs().max() > 1e-2
+
+
 # ---- scores and selection --------------------------------------------------------------------------------------------
 
 
@@ -717,7 +775,7 @@ def test_select_tokens_edges():
     assert not select_tokens(s, torch.zeros_like(m), 0.5).any()  # empty mask
     assert select_tokens(s, m, 0.5).tolist() == [[True, False, False], [True, True, False]]  # NaN ranks last
     assert select_tokens(s, m, 0.2).sum() == 2  # ceil(0.2 * 6) = 2
-    assert select_tokens(torch.ones(10), torch.ones(10, dtype=torch.bool), 0.2).sum() == 2  # not 3: 0.2*10 rounding
+    assert select_tokens(torch.ones(10), torch.ones(10, dtype=torch.bool), 0.2).sum() == 2  # ceil(0.2 * 10) = 2
     # any rho in (0, 1] keeps at least one valid token: ceil(1e-10 * 5) = 1, the highest score
     assert select_tokens(torch.arange(5.).view(1, -1), torch.ones(1, 5, dtype=torch.bool), 1e-10).tolist() == \
         [[False, False, False, False, True]]

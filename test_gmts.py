@@ -336,6 +336,21 @@ def test_math_reward(text, answer, want):
     assert timed(math_reward, text, answer) == want
 
 
+def test_parse_number_reads_its_docstring_examples():
+    """parse_number's docstring, example by example (exact values, as Fractions), and what it must refuse: a second
+    slash is not a fraction, a doubled point, an exponent, a bad separator, a zero denominator, words. '18.' and
+    '1/2/3' reach no other test: in a completion the last-number and #### paths strip a trailing point first."""
+    read = {"-$1,450": -1450, "72.00": 72, "18.": 18, "50%": 50, "\\frac{1}{2}": Fraction(1, 2),
+            "\\frac{-20}{2}": -10, "3/4": Fraction(3, 4), " 18. ": 18, "\\$18": 18, "50\\%": 50, ".5": Fraction(1, 2),
+            "-\\frac{1}{2}": Fraction(-1, 2), "3/-4": Fraction(-3, 4), "1{,}450": 1450}
+    for text, want in read.items():
+        got = gmts.parse_number(text)
+        assert got == want and isinstance(got, Fraction), (text, got)
+    for text in ["1/2/3", "18..", "1e5", "7,2", "1/0", "\\frac{1}{0}", "", "abc", "1/", "/2", "--5"]:
+        assert gmts.parse_number(text) is None, text
+    assert math_reward("\\boxed{18.}", "18") == 1.0 and math_reward("\\boxed{1/2/3}", "0.5") == 0.0
+
+
 # ---- logic: (completion, expected) against one solution ----
 SOL = {"Alice": True, "Bob": False, "Carol": True}
 GOOD = "Alice: knight, Bob: knave, Carol: knight"
@@ -355,6 +370,7 @@ LOGIC_CASES = {
     "unknown person": (A(GOOD + ", Dave: knave"), 0.1),
     "prose instead of format": (A("Alice is a knight, Bob is a knave, Carol is a knight"), 0.1),
     "two roles in one entry": (A("Alice: knight knave, Bob: knave, Carol: knight"), 0.1),
+    "entries run together": (A("Alice: knightBob: knave, Carol: knight"), 0.1),  # split by , ; or whitespace only
     "all knights hedge": (A("Alice: knight/knave, Bob: knight/knave, Carol: knight/knave"), 0.1),
     "empty answer": (A(""), 0.1),
     "1 MB answer": (A(GOOD + ", " + "Alice: knight, " * 70_000), 0.1),

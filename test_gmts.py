@@ -1106,6 +1106,14 @@ def test_lr_schedule_hand_computed():
     assert gmts.lr_factor(0, 1, 10) == 0.1 and gmts.lr_factor(99, 100, 0) == pytest.approx(0.01)
 
 
+def test_step_lr_counts_update_slots():
+    """--warmup-steps and the decay count update slots, steps x --inner-updates (the flag's help): with 3 steps of 2
+    inner updates, warm-up 2, the six slots get lr_factor's 0.5, 1, 1, 0.75, 0.5, 0.25, in order."""
+    cfg = gmts.Config(lr=2.0, steps=3, inner_updates=2, warmup_steps=2)
+    got = [gmts.step_lr(cfg, step, inner) for step in (1, 2, 3) for inner in (0, 1)]
+    assert got == pytest.approx([1.0, 2.0, 2.0, 1.5, 1.0, 0.5])
+
+
 SMALL = ["--model", "tiny", "--task", "countdown", "--data", "easy", "--short-prompt", "--prompts-per-step", "2",
          "--group-size", "4", "--max-new-tokens", "16", "--eval-size", "2", "--max-resample", "2",
          "--eval-every", "0", "--save-every", "0"]
@@ -1283,6 +1291,75 @@ def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch
     assert (ratios[0] == 1).all() and (ratios[1] - 1).abs().max() > 1e-3
     assert not torch.equal(entropies[0], entropies[1])
     assert recs[1]["grad_norm"] > 0
+
+
+def test_filter_groups_resamples_new_prompts_until_b_groups_are_informative(tmp_path, monkeypatch):
+    """Dynamic sampling (sample_groups, B = 2): the k-th rollout batch of step s draws its prompts with the key
+    (s, k), and batches are drawn until B groups are informative. Here batch 0 has one live prompt, batch 1 none,
+    batch 2 two: the step draws exactly 3 batches (keys (1, 0), (1, 1), (1, 2)), reports half of its 6 groups
+    filtered and trains on the first 2 informative groups, both split 1, 0, 1, 0 (reward mean 0.5)."""
+    live = {0: [True, False], 1: [False, False], 2: [True, True]}  # resample k -> which of its 2 prompts is live
+    keys, real_split = [], gmts.split_rows
+
+    def split(cfg):
+        draw, held = real_split(cfg)
+
+        def tagged(n, *key):
+            keys.append(key)
+            return [dict(r, live=live.get(key[1], [False] * n)[i]) for i, r in enumerate(draw(n, *key))]
+        return tagged, held
+    monkeypatch.setattr(gmts, "split_rows", split)
+    it = itertools.cycle([1.0, 0.0])
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: next(it) if row.get("live") else 0.0)
+    recs = train_main(*SMALL, "--steps", "1", "--filter-groups", "--max-resample", "4", "--out", tmp_path / "f")
+    assert keys == [(1, 0), (1, 1), (1, 2)]
+    step = recs[1]
+    assert step["rollout_batches"] == 3 and step["groups_filtered_frac"] == 0.5
+    assert step["reward_mean"] == 0.5 and step["grad_norm"] > 0
+
+
+def test_training_at_a_temperature_is_on_policy(tmp_path, monkeypatch, parity):
+    """--temperature 0.7 reaches every log-prob of a step: the sampler's (rollout), pi_old's statistics and the
+    loss's. So the sampler and the learner agree (sampler_logp_gap < 1e-5) and the first update's ratio
+    pi_theta / pi_old is 1 on every kept token ('all' keeps them all)."""
+    ratios, real = [], gmts.grpo_token_loss
+    monkeypatch.setattr(gmts, "grpo_token_loss", lambda logp, old, *a: ratios.append(torch.exp(logp - old).detach())
+                        or real(logp, old, *a))
+    recs = train_main(*SMALL, "--steps", "1", "--temperature", "0.7", "--select", "all", "--no-filter-groups",
+                      "--out", tmp_path / "t")
+    assert recs[1]["sampler_logp_gap_max"] < 1e-5 and recs[1]["clip_frac"] == 0.0
+    r = torch.cat(ratios)
+    assert r.numel() == round(recs[1]["completion_len"] * 8) and (r - 1).abs().max() < 1e-5
+
+
+def test_overlong_filter_trains_nothing_on_truncated_answers(tmp_path, monkeypatch, parity):
+    """--overlong-filter (DAPO): an answer flagged truncated trains nothing. Every other answer of train's rollouts
+    is flagged here; policy_update must get valid = resp_mask minus those rows, a selection inside it ('all': all
+    of it; gmts: part of it) and --loss-norm all's denominator = the valid count; with KL the same `valid`."""
+    real_rollout, real_update = gmts.rollout, gmts.policy_update
+    seen = []
+
+    def rollout(*a, **k):
+        b = real_rollout(*a, **k)
+        if k.get("sampler_logp"):  # train's rollouts, not evaluate's
+            b["truncated"] = torch.arange(len(b["texts"])) % 2 == 1
+        return b
+
+    def update(model, opt, batch, adv, sel_mask, old_logp, denom, **k):
+        seen.append((batch, sel_mask.clone(), denom, k["valid"].clone()))
+        return real_update(model, opt, batch, adv, sel_mask, old_logp, denom, **k)
+    monkeypatch.setattr(gmts, "rollout", rollout)
+    monkeypatch.setattr(gmts, "policy_update", update)
+    for method, kl in (("all", "0"), ("gmts", "0.1")):
+        seen.clear()
+        train_main(*SMALL, "--steps", "1", "--overlong-filter", "--select", method, "--kl-beta", kl,
+                   "--no-filter-groups", "--out", tmp_path / method)
+        ((batch, sel, denom, valid),) = seen
+        trunc = batch["truncated"][:, None]
+        assert trunc.any() and (~trunc).any()
+        assert torch.equal(valid, batch["resp_mask"] & ~trunc) and not (sel & trunc).any()
+        assert denom == float(valid.sum()) < float(batch["resp_mask"].sum())
+        assert torch.equal(sel, valid) if method == "all" else (sel.any() and not (sel & ~valid).any())
 
 
 def test_cpu_preset_with_a_tiny_budget(tmp_path):

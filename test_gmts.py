@@ -1,5 +1,10 @@
 """Tests for gmts.py, in the order of its sections. Offline, CPU:  python -m pytest -q test_gmts.py
 
+The reading part first: Config and presets, rollouts, rewards (the verifiers and prompts), group advantages and
+dynamic sampling, token statistics, scores and selection, loss and update, the training loop (the lr schedule and
+short runs); then the supporting code: problem generators and data loaders, model and tokenizer, evaluation, the
+run folder (kill, resume, checkpoints), step lines and trackers, config checks (the bad-input table), the CLI.
+
 Every hand-derived formula is checked against autograd or a slow reference loop (micrograd style). Runs go through
 gmts.main(argv) in this process (no torch import per run); the real CLI and SIGKILL run in subprocesses.
 Hypothesis: a CI profile (500 examples per verifier); HYPOTHESIS_PROFILE=thorough runs the old 3400.
@@ -47,7 +52,132 @@ THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 PROPS = settings(settings.get_profile("thorough" if THOROUGH else "ci"))
 
 
-# ---- tasks and verifiers ---------------------------------------------------------------------------------------
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(HERE, "gmts.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=HERE, env=ENV1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    return model.float().eval(), tok
+
+
+# ---- Config and presets (Config, PRESETS: every field a --flag, --preset first) --------------------------------------
+
+
+def test_preset_then_explicit_flag_wins():
+    cfg = gmts.parse_args(["--preset", "cpu", "--lr", "1e-5"])
+    assert cfg.lr == 1e-5 and cfg.model == gmts.WARM_CPU and cfg.data == "easy" and cfg.steps == 80
+    assert gmts.WARM_CPU == os.path.join(HERE, "warm", "cpu")
+    assert gmts.parse_args([]).rho == 0.2 and gmts.parse_args(["--no-std-normalize"]).std_normalize is False
+    assert gmts.parse_args(["--preset", "smoke"]).model == gmts.WARM_CPU
+
+
+def test_every_config_field_is_a_flag_with_help(capsys):
+    with pytest.raises(SystemExit):
+        gmts.parse_args(["--help"])
+    out = capsys.readouterr().out
+    opts = out[out.index("options:"):]
+    for f in gmts.dataclasses.fields(gmts.Config):
+        flag = "--" + f.name.replace("_", "-")
+        m = re.search(rf"^  {flag}[ ,](.*?)\(default:", opts, re.M | re.S)  # its entry, up to the default
+        assert m, flag
+        help_ = f.metadata["help"]  # compared without whitespace: argparse wraps lines, also after a hyphen
+        assert len(help_.split()) >= 2 and re.sub(r"\s", "", help_) in re.sub(r"\s", "", m.group(1)), flag
+
+
+# ---- rollouts --------------------------------------------------------------------------------------------------------
+
+
+def test_chat_decision(tiny):
+    _, tok = tiny
+    assert gmts.use_chat(tok) is True and gmts.use_chat(tok, "auto") is True  # eos <|im_end|> + a template
+    assert gmts.use_chat(tok, "no") is False and gmts.use_chat(tok, "yes") is True
+    prompt = gmts.render_prompt(tok, "Q?", chat=True)
+    assert prompt.startswith("<|im_start|>system") and prompt.endswith(gmts.ASSISTANT_PREFIX)
+    assert gmts.render_prompt(tok, "Q?", chat=False).endswith("Assistant: " + gmts.ASSISTANT_PREFIX)
+    assert gmts.parse_args(["--chat-template", "no"]).chat_template == "no"
+    assert gmts.Config().chat_template == "auto"
+
+
+def test_completion_mask_by_position():
+    end = [7, 9]  # 9 doubles as the pad id, as <|endoftext|> does for Qwen
+    comp = torch.tensor([[1, 2, 7, 9, 9],   # ends at 2: the end token is kept, pads after it dropped
+                         [9, 3, 3, 3, 3],   # ends at once: only the end token
+                         [1, 2, 3, 4, 5],   # never ends: truncated, all valid
+                         [1, 7, 2, 7, 9]])  # only the FIRST end counts
+    mask, trunc = completion_mask(comp, end)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert trunc.tolist() == [False, False, True, False]
+
+
+def test_recomputed_logp_equals_generate_scores(tiny):
+    """Left-padded prompts, position ids from the mask: a forward pass reproduces the sampler's distribution."""
+    model, tok = tiny
+    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "Hi"]]  # different lengths
+    T = 0.7
+    torch.manual_seed(0)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, attn = enc["input_ids"].repeat_interleave(3, 0), enc["attention_mask"].repeat_interleave(3, 0)
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True, temperature=T,
+                         top_k=0, top_p=1.0, repetition_penalty=1.0, eos_token_id=gmts.end_token_ids(tok),
+                         pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+    comp = out.sequences[:, ids.shape[1]:]
+    mask, _ = completion_mask(comp, gmts.end_token_ids(tok))
+    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=mask)
+    logp, ent, _ = gmts.batch_token_stats(model, batch, T, micro_batch=4, chunk=5)
+    scores = torch.stack(out.scores, 1).float()  # (N, T, V), temperature already applied, nothing filtered
+    assert torch.isfinite(scores).all()  # top_k = 0 / top_p = 1: the full distribution
+    ref = torch.log_softmax(scores, -1).gather(-1, comp[..., None]).squeeze(-1)
+    assert torch.allclose(logp[mask], ref[mask], atol=1e-5)
+    p = torch.softmax(scores, -1)
+    assert torch.allclose(ent[mask], -(p * torch.log_softmax(scores, -1)).sum(-1)[mask], atol=1e-4)
+
+
+def test_rollout_shapes_and_flags(tiny):
+    model, tok = tiny
+    torch.manual_seed(1)
+    b = gmts.rollout(model, tok, ["a", "bbb"], group_size=3, max_new_tokens=6)
+    assert b["comp_ids"].shape[0] == 6 and b["resp_mask"].shape == b["comp_ids"].shape
+    assert len(b["texts"]) == 6 and b["truncated"].dtype == torch.bool
+    assert (b["resp_mask"][:, 0]).all()  # every answer has at least one token
+
+
+def test_rollout_passes_no_logits_processor_whatever_the_checkpoint_sets(tmp_path, monkeypatch):
+    """A checkpoint's generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...) must not
+    reach rollout's sampling: at T = 1 generate() builds an EMPTY logits-processor list, so answers are drawn from
+    the policy whose log-probs are trained on. Spied on generate's own processor builder, through rollout."""
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerationMixin
+
+    model, tok = gmts.build_tiny(hidden=32, layers=1, seed=0)
+    knobs = dict(top_k=20, top_p=0.8, repetition_penalty=1.1, min_p=0.05, typical_p=0.9, no_repeat_ngram_size=3,
+                 temperature=0.7)
+    model.generation_config = GenerationConfig(do_sample=True, **knobs)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, tok = gmts.load_model(str(tmp_path), torch.device("cpu"))
+    assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # the checkpoint sets them all
+    seen, real = [], GenerationMixin._get_logits_processor
+
+    def spy(self, *a, **k):
+        procs = real(self, *a, **k)
+        seen.append(sorted(type(p).__name__ for p in procs))
+        return procs
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
+    model.generate(**tok(["a"], return_tensors="pt"), max_new_tokens=2)  # the knobs do act when left to leak
+    assert len(seen[-1]) >= 6, seen[-1]
+    for kw, want in [({}, []), (dict(greedy=True), []), (dict(temperature=0.7), ["TemperatureLogitsWarper"]),
+                     (dict(top_k=5), ["TopKLogitsWarper"]), (dict(top_p=0.9), ["TopPLogitsWarper"])]:
+        seen.clear()
+        b = gmts.rollout(model, tok, ["a", "bb"], 2, 4, **kw)
+        assert seen == [want], (kw, seen)
+        assert len(b["texts"]) == 4
+    assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # restored afterwards
+
+
+# ---- rewards: the tasks' prompts and verifiers -----------------------------------------------------------------------
 # Verifiers must be right on the table cases, never raise and return a float on anything (hypothesis feeds them
 # adversarial inputs). Timing: a generous bound that only catches a runaway (the benchmark measures speed).
 
@@ -206,6 +336,21 @@ def test_math_reward(text, answer, want):
     assert timed(math_reward, text, answer) == want
 
 
+def test_parse_number_reads_its_docstring_examples():
+    """parse_number's docstring, example by example (exact values, as Fractions), and what it must refuse: a second
+    slash is not a fraction, a doubled point, an exponent, a bad separator, a zero denominator, words. '18.' and
+    '1/2/3' reach no other test: in a completion the last-number and #### paths strip a trailing point first."""
+    read = {"-$1,450": -1450, "72.00": 72, "18.": 18, "50%": 50, "\\frac{1}{2}": Fraction(1, 2),
+            "\\frac{-20}{2}": -10, "3/4": Fraction(3, 4), " 18. ": 18, "\\$18": 18, "50\\%": 50, ".5": Fraction(1, 2),
+            "-\\frac{1}{2}": Fraction(-1, 2), "3/-4": Fraction(-3, 4), "1{,}450": 1450}
+    for text, want in read.items():
+        got = gmts.parse_number(text)
+        assert got == want and isinstance(got, Fraction), (text, got)
+    for text in ["1/2/3", "18..", "1e5", "7,2", "1/0", "\\frac{1}{0}", "", "abc", "1/", "/2", "--5"]:
+        assert gmts.parse_number(text) is None, text
+    assert math_reward("\\boxed{18.}", "18") == 1.0 and math_reward("\\boxed{1/2/3}", "0.5") == 0.0
+
+
 # ---- logic: (completion, expected) against one solution ----
 SOL = {"Alice": True, "Bob": False, "Carol": True}
 GOOD = "Alice: knight, Bob: knave, Carol: knight"
@@ -225,6 +370,7 @@ LOGIC_CASES = {
     "unknown person": (A(GOOD + ", Dave: knave"), 0.1),
     "prose instead of format": (A("Alice is a knight, Bob is a knave, Carol is a knight"), 0.1),
     "two roles in one entry": (A("Alice: knight knave, Bob: knave, Carol: knight"), 0.1),
+    "entries run together": (A("Alice: knightBob: knave, Carol: knight"), 0.1),  # split by , ; or whitespace only
     "all knights hedge": (A("Alice: knight/knave, Bob: knight/knave, Carol: knight/knave"), 0.1),
     "empty answer": (A(""), 0.1),
     "1 MB answer": (A(GOOD + ", " + "Alice: knight, " * 70_000), 0.1),
@@ -293,99 +439,6 @@ def test_regexes_do_not_backtrack():
         assert time.perf_counter() - t < SLOW, s[:20]  # backtracking on 40k characters would take minutes
 
 
-# ---- generators ----
-def test_countdown_problems_are_solvable():
-    rng = random.Random(0)
-    for _ in range(200):
-        p = countdown_problem(rng)
-        assert len(p["nums"]) in (3, 4) and all(1 <= x <= 99 for x in p["nums"]) and 1 <= p["target"] <= 1000
-        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
-    rows = load_rows("countdown", "easy", 2000, seed=0)  # the CPU demo's variant
-    for p in rows:
-        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 0 <= p["target"] <= 27
-        assert re.fullmatch(r"\d [+-] \d [+-] \d", p["expr"])
-        assert [int(x) for x in re.findall(r"[0-9]+", p["expr"])] == p["nums"]  # listed in the reference's order
-        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
-    patterns = collections.Counter(re.sub(r"[\d ]", "", p["expr"]) for p in rows)
-    assert all(abs(patterns[s] / len(rows) - 0.25) < 0.03 for s in ("++", "+-", "-+", "--")), patterns
-    for s in ("++", "+-", "-+", "--"):  # a fixed guess of the signs is right for about 1 problem in 4
-        guess = [countdown_reward(A(f"{a} {s[0]} {b} {s[1]} {c}"), p["nums"], p["target"])
-                 for p in rows for a, b, c in [p["nums"]]]
-        assert 0.2 < guess.count(1.0) / len(rows) < 0.32
-
-
-def _claim(body, names, me):
-    """Independent reading of a rendered statement: English -> function(world) -> bool."""
-    atom = r"(I am|[A-Z][a-z]+ is) a (knight|knave)"
-
-    def at(subject, role):
-        who = me if subject == "I am" else names.index(subject[:-3])
-        return lambda w: w[who] == (role == "knight")
-    subjects = re.findall(atom, body)
-    assert len({s for s, _ in subjects}) == len(subjects), body  # a claim never names one person twice
-    assert subjects != [("I am", "knight")] and subjects != [("I am", "knave")], body
-    if m := re.fullmatch(rf"It is not the case that {atom}", body):
-        f = at(*m.groups())
-        return lambda w: not f(w)
-    if m := re.fullmatch(rf"If {atom} then {atom}", body):
-        f, g = at(*m.groups()[:2]), at(*m.groups()[2:])
-        return lambda w: not f(w) or g(w)
-    if m := re.fullmatch(rf"{atom} (and|or) {atom}", body):
-        f, g = at(*m.groups()[:2]), at(*m.groups()[3:])
-        return (lambda w: f(w) and g(w)) if m[3] == "and" else (lambda w: f(w) or g(w))
-    m = re.fullmatch(atom, body)
-    assert m, body
-    return at(*m.groups())
-
-
-def test_logic_puzzles_have_exactly_one_solution():
-    rng = random.Random(0)
-    sizes = set()
-    for _ in range(200):
-        p = logic_problem(rng)
-        names = p["names"]
-        sizes.add(len(names))
-        claims = []
-        for i, s in enumerate(p["statements"]):
-            m = re.fullmatch(r'(\w+) says: "(.*)\."', s)
-            assert m and m[1] == names[i], s
-            claims.append(_claim(m[2], names, i))
-        worlds = [w for w in itertools.product([True, False], repeat=len(names))
-                  if all(c(w) == w[i] for i, c in enumerate(claims))]
-        assert worlds == [tuple(p["solution"][n] for n in names)]
-    assert sizes == {2, 3, 4, 5, 6}
-
-
-def test_math_problems():
-    rng = random.Random(0)
-    for _ in range(200):
-        p = math_problem(rng)
-        assert 2 <= len(p["steps"]) <= 4 and int(p["answer"]) >= 0 and p["steps"][-1].endswith("= " + p["answer"])
-        for step in p["steps"]:  # each worked step is right
-            a, op, b, _, c = step.split()
-            a, b, c = int(a), int(b), int(c)
-            assert {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op] == c
-    for p in load_rows("math", "easy", 300, seed=0):  # one step; the words alone tell the operation
-        a, op, b, _, c = p["steps"][0].split()
-        assert len(p["steps"]) == 1 and p["answer"] == c and int(a) >= int(b) >= 2 and int(c) >= 0
-        assert op == ("-" if " left?" in p["question"] else "*" if " in all?" in p["question"] else "+")
-        assert re.search(rf" {a} .* {b}\b", p["question"])  # both numbers shown, a first
-
-
-@pytest.mark.parametrize("task", sorted(TASKS))
-@pytest.mark.parametrize("data", ["gen", "easy"])
-def test_generators_are_deterministic_and_prompts_ask_for_the_format(task, data):
-    t = get_task(task)  # (the reference answers and their test moved to gmts_lab.py)
-    rows = t["load"](data, 200, 1)
-    assert rows == t["load"](data, 200, 1)
-    assert rows != t["load"](data, 200, 2)
-    for row in rows:
-        assert t["reward"]("no answer here", row) == 0.0
-        for short in (False, True):
-            assert isinstance(t["prompt"](row, short=short), str)
-        assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
-
-
 def test_prompts():
     row = {"nums": [3, 5, 2], "target": 16, "expr": "(3 + 5) * 2"}
     assert get_task("countdown")["prompt"](row, short=True) == "Make 16 from 3 5 2."
@@ -412,206 +465,7 @@ def test_no_eval_or_exec():
     assert not calls & {"eval", "exec", "compile", "__import__"}
 
 
-# ---- loaders ----
-def write(tmp_path, name, lines):
-    path = tmp_path / name
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
-def test_jsonl_good_files(tmp_path):
-    p = write(tmp_path, "cd.jsonl", ['{"nums": [3, 5, 2], "target": 16}', "", '{"nums": [1, 2], "target": 3}'])
-    assert load_rows("countdown", p, 0, 0) == [{"nums": [3, 5, 2], "target": 16}, {"nums": [1, 2], "target": 3}]
-    assert len(load_rows("countdown", p, 1, 0)) == 1
-    p = write(tmp_path, "m.jsonl", [json.dumps({"question": "q1", "answer": "He has 2<<1+1=2>> apples\n#### 1,450"}),
-                                     json.dumps({"question": "q2", "answer": 72})])
-    rows = load_rows("math", p, 0, 0)
-    assert [r["answer"] for r in rows] == ["1450", "72"] and rows[0]["steps"] == ["He has 2 apples"]
-    assert get_task("math")["reward"]("<answer>\\boxed{1,450}</answer>", rows[0]) == 1.0
-    lg = logic_problem(random.Random(3))
-    p = write(tmp_path, "l.jsonl", [json.dumps(lg)])
-    assert load_rows("logic", p, 0, 0) == [lg]
-
-
-@pytest.mark.parametrize("task,lines,msg", [
-    ("countdown", ['{"nums": [1, 2], "target": 3}', "", "{not json"], "line 3: invalid JSON"),
-    ("countdown", ['{"nums": [1, 2], "target": 3}', '{"nums": [1, 2]}'], 'line 2: missing key "target"'),
-    ("countdown", ['{"nums": [1, "2"], "target": 3}'], 'line 1: "nums" must be'),
-    ("countdown", ['{"nums": [1, 2], "target": 3.5}'], 'line 1: "target" must be'),
-    ("countdown", ["[1, 2, 3]"], "line 1: expected a JSON object"),
-    ("math", ['{"question": "q", "answer": "many"}'], 'line 1: "answer" must be'),
-    ("math", ['{"answer": "3"}'], 'line 1: missing key "question"'),
-    ("logic", ['{"names": ["A"], "statements": [], "solution": {"A": "yes"}}'], 'line 1: "solution" must be'),
-    ("countdown", [""], "no rows"),
-])
-def test_jsonl_bad_files(tmp_path, task, lines, msg):
-    p = write(tmp_path, "bad.jsonl", lines)
-    with pytest.raises(ValueError) as e:
-        load_rows(task, p, 10, 0)
-    assert msg in str(e.value) and p in str(e.value) and "\n" not in str(e.value)
-
-
-def test_missing_file():
-    with pytest.raises(ValueError, match="nope.jsonl: cannot read"):
-        load_rows("countdown", "nope.jsonl", 10, 0)
-
-
-def test_logic_has_no_hub_set_and_splits_are_checked():
-    with pytest.raises(ValueError, match="logic has no hub data set"):
-        load_rows("logic", "hf", 10, 0)
-    with pytest.raises(ValueError, match="hf:train or hf:test"):
-        load_rows("math", "hf:dev", 10, 0)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets is not installed")
-@pytest.mark.parametrize("task", ["countdown", "math"])
-def test_hub_offline_gives_a_clean_error(task):
-    import datasets  # noqa: F401  (a cold import is not what is timed)
-    t = time.perf_counter()
-    with pytest.raises(ValueError, match=r"could not load .* from the hub \(no network\?\): .*; use --data gen"):
-        load_rows(task, "hf", 10, 0)
-    assert time.perf_counter() - t < 20  # offline fails at once: no network retries
-
-
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, os.path.join(HERE, "gmts.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=HERE, env=ENV1)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
-    return model.float().eval(), tok
-
-
-# ---- tiny model and tokenizer ----------------------------------------------------------------------------------
-
-
-def test_tiny_tokenizer_round_trip(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model, tok = gmts.build_tiny()
-    text = "Use 7 1 5 to make 35.\n<|im_start|>assistant\né <answer>(1 + 2) / 3</answer><|im_end|>"
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    tok2 = AutoTokenizer.from_pretrained(tmp_path)
-    assert tok2(text, add_special_tokens=False)["input_ids"] == ids  # the v5 reload trap (env.md)
-    assert tok.decode(ids) == text
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen2ForCausalLM"
-
-
-def test_model_name_resolution():
-    assert gmts.resolve_model_name("Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-    assert gmts.resolve_model_name("Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert gmts.resolve_model_name("someone/model") == "someone/model"
-
-
-def test_chat_decision(tiny):
-    _, tok = tiny
-    assert gmts.use_chat(tok) is True and gmts.use_chat(tok, "auto") is True  # eos <|im_end|> + a template
-    assert gmts.use_chat(tok, "no") is False and gmts.use_chat(tok, "yes") is True
-    prompt = gmts.render_prompt(tok, "Q?", chat=True)
-    assert prompt.startswith("<|im_start|>system") and prompt.endswith(gmts.ASSISTANT_PREFIX)
-    assert gmts.render_prompt(tok, "Q?", chat=False).endswith("Assistant: " + gmts.ASSISTANT_PREFIX)
-    assert gmts.parse_args(["--chat-template", "no"]).chat_template == "no"
-    assert gmts.Config().chat_template == "auto"
-
-
-# ---- rollouts --------------------------------------------------------------------------------------------------
-
-
-def test_completion_mask_by_position():
-    end = [7, 9]  # 9 doubles as the pad id, as <|endoftext|> does for Qwen
-    comp = torch.tensor([[1, 2, 7, 9, 9],   # ends at 2: the end token is kept, pads after it dropped
-                         [9, 3, 3, 3, 3],   # ends at once: only the end token
-                         [1, 2, 3, 4, 5],   # never ends: truncated, all valid
-                         [1, 7, 2, 7, 9]])  # only the FIRST end counts
-    mask, trunc = completion_mask(comp, end)
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert trunc.tolist() == [False, False, True, False]
-
-
-def test_recomputed_logp_equals_generate_scores(tiny):
-    """Left-padded prompts, position ids from the mask: a forward pass reproduces the sampler's distribution."""
-    model, tok = tiny
-    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "Hi"]]  # different lengths
-    T = 0.7
-    torch.manual_seed(0)
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids, attn = enc["input_ids"].repeat_interleave(3, 0), enc["attention_mask"].repeat_interleave(3, 0)
-    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True, temperature=T,
-                         top_k=0, top_p=1.0, repetition_penalty=1.0, eos_token_id=gmts.end_token_ids(tok),
-                         pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
-    comp = out.sequences[:, ids.shape[1]:]
-    mask, _ = completion_mask(comp, gmts.end_token_ids(tok))
-    batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=mask)
-    logp, ent, _ = gmts.batch_token_stats(model, batch, T, micro_batch=4, chunk=5)
-    scores = torch.stack(out.scores, 1).float()  # (N, T, V), temperature already applied, nothing filtered
-    assert torch.isfinite(scores).all()  # top_k = 0 / top_p = 1: the full distribution
-    ref = torch.log_softmax(scores, -1).gather(-1, comp[..., None]).squeeze(-1)
-    assert torch.allclose(logp[mask], ref[mask], atol=1e-5)
-    p = torch.softmax(scores, -1)
-    assert torch.allclose(ent[mask], -(p * torch.log_softmax(scores, -1)).sum(-1)[mask], atol=1e-4)
-
-
-def test_rollout_shapes_and_flags(tiny):
-    model, tok = tiny
-    torch.manual_seed(1)
-    b = gmts.rollout(model, tok, ["a", "bbb"], group_size=3, max_new_tokens=6)
-    assert b["comp_ids"].shape[0] == 6 and b["resp_mask"].shape == b["comp_ids"].shape
-    assert len(b["texts"]) == 6 and b["truncated"].dtype == torch.bool
-    assert (b["resp_mask"][:, 0]).all()  # every answer has at least one token
-
-
-def test_rollout_passes_no_logits_processor_whatever_the_checkpoint_sets(tmp_path, monkeypatch):
-    """A checkpoint's generation_config (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...) must not
-    reach rollout's sampling: at T = 1 generate() builds an EMPTY logits-processor list, so answers are drawn from
-    the policy whose log-probs are trained on. Spied on generate's own processor builder, through rollout."""
-    from transformers import GenerationConfig
-    from transformers.generation.utils import GenerationMixin
-
-    model, tok = gmts.build_tiny(hidden=32, layers=1, seed=0)
-    knobs = dict(top_k=20, top_p=0.8, repetition_penalty=1.1, min_p=0.05, typical_p=0.9, no_repeat_ngram_size=3,
-                 temperature=0.7)
-    model.generation_config = GenerationConfig(do_sample=True, **knobs)
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    model, tok = gmts.load_model(str(tmp_path), torch.device("cpu"))
-    assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # the checkpoint sets them all
-    seen, real = [], GenerationMixin._get_logits_processor
-
-    def spy(self, *a, **k):
-        procs = real(self, *a, **k)
-        seen.append(sorted(type(p).__name__ for p in procs))
-        return procs
-    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
-    model.generate(**tok(["a"], return_tensors="pt"), max_new_tokens=2)  # the knobs do act when left to leak
-    assert len(seen[-1]) >= 6, seen[-1]
-    for kw, want in [({}, []), (dict(greedy=True), []), (dict(temperature=0.7), ["TemperatureLogitsWarper"]),
-                     (dict(top_k=5), ["TopKLogitsWarper"]), (dict(top_p=0.9), ["TopPLogitsWarper"])]:
-        seen.clear()
-        b = gmts.rollout(model, tok, ["a", "bb"], 2, 4, **kw)
-        assert seen == [want], (kw, seen)
-        assert len(b["texts"]) == 4
-    assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # restored afterwards
-
-
-def test_evaluate_greedy_accuracy_length_and_sample(tiny, monkeypatch):
-    """evaluate = greedy rollouts in batches: the share of rows whose answer scores exactly 1.0, the mean number of
-    valid response tokens, the first answer (at most 200 characters); nothing else (well-formedness: gmts_lab)."""
-    model, tok = tiny
-    task = dict(get_task("countdown"), reward=lambda text, row: 1.0 if row["target"] == 16 else 0.1)
-    rows = [{"nums": [3, 5, 2], "target": 16}, {"nums": [1, 2], "target": 3}, {"nums": [4, 4], "target": 16}]
-    want = gmts.rollout(model, tok, gmts.build_prompts(tok, task, rows, True, True), 1, 9, greedy=True)
-    for bs in (64, 2, 1):
-        got = gmts.evaluate(model, tok, task, rows, True, True, 9, batch_size=bs)
-        assert set(got) == {"eval_acc", "eval_len", "eval_sample"}
-        assert got["eval_acc"] == pytest.approx(2 / 3) and got["eval_sample"] == want["texts"][0][:200]
-        assert got["eval_len"] == pytest.approx(float(want["resp_mask"].sum()) / 3)
-
-
-# ---- group advantages and dynamic sampling -------------------------------------------------------------------
+# ---- group advantages and dynamic sampling ---------------------------------------------------------------------------
 
 
 def test_group_advantages_hand_computed():
@@ -621,11 +475,36 @@ def test_group_advantages_hand_computed():
     assert a[1].item() == pytest.approx(-math.sqrt(1 / 7), abs=1e-5)  # -sqrt(k/(G-k))
     assert (a[8:] == 0).all()  # all-equal groups: exactly 0, not NaN
     assert group_advantages(r, 8, std_normalize=False)[:2].tolist() == pytest.approx([0.875, -0.125])
-    same = group_advantages(torch.tensor([0.1] * 6), 3)  # 0.1 has no exact float: r - mean would be ~1e-17
+    same = group_advantages(torch.tensor([0.1] * 16), 8)  # fp32: r - mean = 7.45e-9; unmasked, A would be ~0.0074
     assert (same == 0).all() and not torch.isnan(same).any()
     mixed = group_advantages(torch.tensor([1.0, 0.1, 0.0, 0.1]), 4)
     assert mixed.sum().abs() < 1e-6 and (mixed.std(unbiased=False) - 1).abs() < 1e-4
     assert gmts.informative(r, 8).tolist() == [True, False, False]
+
+
+def test_group_advantages_all_equal_groups_are_exactly_zero():
+    """The float trap behind "exactly 0": at the default G = 8 the fp32 mean of eight 0.1s (0.2, 0.3, 0.7, 0.9, 1/3)
+    is not the value itself, so r - mean is ~1e-8 and the population std the same size (or 0, as the reduction
+    falls): (r - mean) / (std + eps) would be an advantage of 0.007-0.06 for answers that all earned the same. The
+    test checks that its data reaches the trap, then that group_advantages gives exactly 0, with and without the
+    std, and that informative() calls none of these groups informative, in one batch and one group at a time. A
+    mixed group of inexact rewards keeps the binary values."""
+    G = 8
+    values = [0.1, 0.2, 0.3, 0.7, 0.9, 1 / 3, 0.5, 1.0]  # six inexact in fp32, two exact
+    r = torch.tensor([v for v in values for _ in range(G)])
+    for batch in [r] + [torch.full((G,), v) for v in values]:  # the whole batch, and each group alone (B = 1)
+        groups = batch.view(-1, G)
+        centred = groups - groups.mean(dim=1, keepdim=True)
+        raw = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + 1e-6)  # the formula without its mask
+        inexact = (groups[:, 0] != 0.5) & (groups[:, 0] != 1.0)
+        assert (raw.abs().amin(dim=1)[inexact] > 5e-3).all()  # the data reaches the trap: noise / std is 0.007-0.06
+        for std in (True, False):
+            a = group_advantages(batch, G, std_normalize=std)
+            assert (a == 0).all() and a.dtype == torch.float32, (batch, std)
+        assert not gmts.informative(batch, G).any(), batch
+    one_right = group_advantages(torch.tensor([1.0] + [0.1] * 7), G)  # countdown: one right, seven tagged but wrong
+    assert one_right.tolist() == pytest.approx([math.sqrt(7)] + [-math.sqrt(1 / 7)] * 7, abs=1e-5)
+    assert gmts.informative(torch.tensor([1.0] + [0.1] * 7 + [0.1] * 8), G).tolist() == [True, False]
 
 
 PAD = 258
@@ -665,11 +544,12 @@ def test_keep_groups_keeps_the_first_b_informative_groups():
     assert batch["truncated"].tolist() == ba["truncated"][2:4].tolist() + bb["truncated"][0:2].tolist()
     assert gmts.keep_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
     assert gmts.keep_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
-    dead = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0])
-    assert gmts.keep_groups([dead, dead], 2, 2, PAD)[0] is dead[0]  # nothing informative: the first batch as is
+    dead, dead2 = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0]), _part(4, 3, 2, [0.1, 0.1, 0.0, 0.0])
+    first = gmts.keep_groups([dead, dead2], 2, 2, PAD)  # nothing informative: the FIRST batch as is (two distinct ones)
+    assert first[0] is dead[0] and first[1] is dead[1] and first[2] is dead[2] and (first[2] == 0).all()
 
 
-# ---- token statistics: the derivation, pinned --------------------------------------------------------------------
+# ---- token statistics: the derivation, pinned ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("V", [2, 17, 1000])
@@ -706,15 +586,37 @@ def test_token_stats_on_bf16_logits_is_fp32():
         assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5), (got.double() - want).abs().max()
 
 
+def test_grad_norm_at_near_certain_tokens_does_not_cancel():
+    """token_stats' comment: (1 - p_y)^2 + sum_{j != y} p_j^2 "does not cancel catastrophically when p_y ~ 1", unlike
+    1 - 2 p_y + sum_j p_j^2. At sampled tokens with 1 - p_y = 1e-2, 1e-3, 1e-4 (the rest spread over 1 or 49 other
+    tokens) the norm is within 0.5% of an fp64 reference; the data reaches the trap: there the textbook form in fp32
+    is off by more than 50% (or NaN). What is left is log_softmax's own fp32 rounding of log p_y."""
+    for V in (2, 50):
+        for d in (1e-2, 1e-3, 1e-4):
+            z = torch.full((1, V), -math.log((V - 1) * (1 - d) / d))  # token 0 at logit 0: p_0 = 1 - d exactly
+            z[0, 0] = 0.0
+            y = torch.tensor([0])
+            _, _, gn = token_stats(z, y)
+            p = torch.softmax(z.double(), -1)
+            want = ((1 - p[0, 0]) ** 2 + (p[0, 1:] ** 2).sum()).sqrt()
+            assert want.item() == pytest.approx(math.sqrt(d * d + d * d / (V - 1)), rel=1e-5)  # fp32 logits
+            assert torch.isfinite(gn).all() and abs(gn.item() / want.item() - 1) < 5e-3, (V, d, gn.item(), want.item())
+            if d == 1e-4:
+                pf = torch.softmax(z, -1)
+                textbook = (1 - 2 * pf[0, 0] + (pf * pf).sum()).sqrt()  # fp32, as the cancelling form computes it
+                assert not abs(textbook.item() / want.item() - 1) < 0.5, (V, textbook.item())
+
+
 def test_derivation_logit_gradient_of_clipped_loss():
-    """dl/dz = -(omega/T) (onehot(y) - p), and 0 exactly where the clip is active (derivation steps 1-3)."""
+    """dl/dz = -(omega/T) (onehot(y) - p), and 0 exactly where the clip is active (derivation steps 1-3). The last
+    three tokens have A = 0 at ratios inside, above and below the clip range: never "clipped", just zero."""
     torch.manual_seed(0)
     V, T = 11, 0.7
-    z = torch.randn(8, V, requires_grad=True)
-    y = torch.randint(0, V, (8,))
+    z = torch.randn(10, V, requires_grad=True)
+    y = torch.randint(0, V, (10,))
     old = torch.log_softmax(z.detach() / T, -1).gather(-1, y[:, None]).squeeze(-1) + torch.tensor(
-        [0.0, 0.5, -0.5, 0.1, 0.0, 0.5, -0.5, -0.1])  # ratios 1, e^-.5, e^.5, ...
-    adv = torch.tensor([1.5, 1.5, 1.5, -0.7, -0.7, -0.7, -0.7, 0.0])
+        [0.0, 0.5, -0.5, 0.1, 0.0, 0.5, -0.5, -0.1, -0.5, 0.5])  # ratios 1, e^-.5, e^.5, ...
+    adv = torch.tensor([1.5, 1.5, 1.5, -0.7, -0.7, -0.7, -0.7, 0.0, 0.0, 0.0])
     logp, _, gn = token_stats(z, y, T)
     loss, clipped = gmts.grpo_token_loss(logp, old, adv, 0.2, 0.28)
     loss.sum().backward()
@@ -724,8 +626,9 @@ def test_derivation_logit_gradient_of_clipped_loss():
     expect = -(om / T)[:, None] * (torch.nn.functional.one_hot(y, V) - p)
     assert torch.allclose(z.grad, expect, atol=1e-5)
     assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)  # = |omega| * grad_norm
-    assert clipped.tolist() == (om == 0).tolist()[:7] + [False]  # A = 0 is not "clipped", just zero
-    assert clipped.tolist() == [False, False, True, False, False, True, False, False]
+    assert clipped.tolist() == (om == 0).tolist()[:7] + [False] * 3  # A = 0 is not "clipped", just zero
+    assert clipped.tolist() == [False, False, True, False, False, True, False, False, False, False]
+    assert ratio[8] > 1 + 0.28 and ratio[9] < 1 - 0.2 and (om[7:] == 0).all()  # the A = 0 cases are reached
 
 
 def rank_corr(a, b):
@@ -755,6 +658,14 @@ def test_derivation_bounds_and_entropy_link():
     p1 = torch.tensor([0.999] + [2e-5] * 50)
     _, h1, g1 = token_stats(p1.log()[None], torch.tensor([1]))
     assert h1.item() == pytest.approx(0.012, abs=5e-4) and g1.item() == pytest.approx(1.414, abs=1e-3)
+
+
+def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
+    torch.manual_seed(seed)
+    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "x", "Use 9 9 to make 81."]]
+    b = gmts.rollout(model, tok, prompts[:n_prompts], G, new)
+    adv = group_advantages(torch.tensor([float(i % 3 == 0) for i in range(n_prompts * G)]), G)
+    return b, adv
 
 
 def _full_logits_stats(model, b, T):
@@ -812,7 +723,41 @@ def test_token_stats_on_another_architecture():
     assert torch.allclose(ref[m], full[0][m], atol=1e-5) and (ref[~m] == 0).all()
 
 
-# ---- scores and selection --------------------------------------------------------------------------------------
+def test_left_padding_positions_on_absolute_position_embeddings():
+    """Rotary models (Qwen2, GPT-NeoX) see only differences of positions, so they cannot tell whether
+    response_hidden's position ids follow the left padding. GPT-2's learned absolute positions can (checked: a
+    forward with plain 0..P+T-1 positions is off): on left-padded prompts of two lengths, batch_token_stats and
+    response_logp reproduce generate()'s own distribution, whose positions come from the attention mask."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    _, tok = gmts.build_tiny(hidden=32, layers=1)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=256, bos_token_id=None,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight.normal_(0, 1.0)  # positions that matter
+    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "Hi"]]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, attn = enc["input_ids"].repeat_interleave(2, 0), enc["attention_mask"].repeat_interleave(2, 0)
+    assert attn.sum(1).unique().numel() == 2  # the rows are left padded by different amounts
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0,
+                         eos_token_id=gmts.end_token_ids(tok), pad_token_id=tok.pad_token_id, output_scores=True,
+                         return_dict_in_generate=True)
+    comp = out.sequences[:, ids.shape[1]:]
+    mask, _ = completion_mask(comp, gmts.end_token_ids(tok))
+    b = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=mask)
+    want = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    logp = gmts.batch_token_stats(model, b, 1.0, 3, 5)[0]
+    assert torch.allclose(logp[mask], want[mask], atol=1e-5)
+    assert torch.allclose(gmts.response_logp(model, b, mask, 1.0, 3, 5)[mask], want[mask], atol=1e-5)
+    with torch.no_grad():  # the data reaches the case: positions that ignore the padding give other log-probs
+        full = torch.cat([ids, comp], 1)
+        plain = model(input_ids=full, attention_mask=torch.cat([attn, mask.long()], 1)).logits[:, ids.shape[1] - 1:-1]
+    off = torch.log_softmax(plain.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    assert (off - want)[mask].abs().max() > 1e-2
+
+
+# ---- scores and selection --------------------------------------------------------------------------------------------
 
 
 def slow_select(scores, mask, rho, nonzero=False):
@@ -846,7 +791,7 @@ def test_select_tokens_edges():
     assert not select_tokens(s, torch.zeros_like(m), 0.5).any()  # empty mask
     assert select_tokens(s, m, 0.5).tolist() == [[True, False, False], [True, True, False]]  # NaN ranks last
     assert select_tokens(s, m, 0.2).sum() == 2  # ceil(0.2 * 6) = 2
-    assert select_tokens(torch.ones(10), torch.ones(10, dtype=torch.bool), 0.2).sum() == 2  # not 3: 0.2*10 rounding
+    assert select_tokens(torch.ones(10), torch.ones(10, dtype=torch.bool), 0.2).sum() == 2  # ceil(0.2 * 10) = 2
     # any rho in (0, 1] keeps at least one valid token: ceil(1e-10 * 5) = 1, the highest score
     assert select_tokens(torch.arange(5.).view(1, -1), torch.ones(1, 5, dtype=torch.bool), 1e-10).tolist() == \
         [[False, False, False, False, True]]
@@ -914,6 +859,30 @@ def test_gmts_spends_nothing_on_zero_advantage_groups():
         assert not ((sel & zero).any() and (~sel & ~zero).any())
 
 
+def test_gmts_and_gradnorm_keep_no_token_of_an_all_equal_group():
+    """Step 6 as train() runs it (step_selection) on three G = 8 groups: countdown-like rewards (one answer right at
+    1.0, seven tagged but wrong at 0.1), then all 0.1 and all 0.7: inexact floats whose unmasked advantage would be
+    ~0.007-0.06, not 0. The all-equal groups have the HIGHEST entropies. gmts and gradnorm keep none of their
+    tokens, even with a budget beyond the 40 live tokens (then they keep exactly those 40); entropy spends its
+    whole budget on them."""
+    G, T = 8, 5
+    adv = group_advantages(torch.tensor([1.0] + [0.1] * 7 + [0.1] * 8 + [0.7] * 8), G)  # (24,)
+    g = torch.Generator().manual_seed(0)
+    H = torch.rand(24, T, generator=g) + 0.5
+    H[G:] += 2.0  # the all-equal groups: the highest entropies
+    gn = torch.rand(24, T, generator=g) + 0.1
+    mask = torch.ones(24, T, dtype=torch.bool)
+    om = omega(adv, torch.ones_like(H), 0.2, 0.28)
+    dead = (torch.arange(24) >= G)[:, None] & mask
+    for method in ("gmts", "gradnorm"):
+        for rho in (0.2, 0.5, 0.9):
+            sel = gmts.step_selection(gmts.Config(select=method, rho=rho), None, H, gn, om, mask)
+            assert not (sel & dead).any(), (method, rho)
+            assert int(sel.sum()) == min(math.ceil(rho * 120), 40), (method, rho)
+    ent = gmts.step_selection(gmts.Config(select="entropy", rho=0.2), None, H, gn, om, mask)
+    assert int((ent & dead).sum()) == int(ent.sum()) == 24
+
+
 def test_gmts_orders_like_entropy_within_an_answer(tiny):
     """On a real batch (gmts's rollout, batch_token_stats, omega at the first update, token_scores, select_tokens):
     within one answer omega is constant, so gmts orders and keeps that answer's tokens exactly as entropy does,
@@ -931,7 +900,7 @@ def test_gmts_orders_like_entropy_within_an_answer(tiny):
                                select_tokens(H[i:i + 1], m[i:i + 1], rho))
 
 
-# ---- loss and update -------------------------------------------------------------------------------------------
+# ---- loss and update -------------------------------------------------------------------------------------------------
 
 
 def test_k3_kl():
@@ -945,14 +914,6 @@ def test_k3_kl():
         ref = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, 0)
         expected_k3 = (pi * gmts.k3_kl(pi.log(), ref.log())).sum()
         assert expected_k3.item() == pytest.approx((pi * (pi / ref).log()).sum().item(), rel=1e-12, abs=1e-15)
-
-
-def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
-    torch.manual_seed(seed)
-    prompts = [gmts.render_prompt(tok, q, True) for q in ["Use 1 2 3 to make 6.", "x", "Use 9 9 to make 81."]]
-    b = gmts.rollout(model, tok, prompts[:n_prompts], G, new)
-    adv = group_advantages(torch.tensor([float(i % 3 == 0) for i in range(n_prompts * G)]), G)
-    return b, adv
 
 
 def _grads(model):
@@ -1113,6 +1074,31 @@ def test_all_zero_advantage_batch_makes_no_update(tiny):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
 
 
+def test_a_batch_of_only_all_equal_groups_does_not_step(tiny):
+    """The step rule on a real batch of two G = 8 groups whose rewards are all 0.1 and all 0.7 (inexact floats: the
+    unmasked advantage would be ~0.007 and ~0.06). A is exactly 0, so for every method (train's step_selection) no
+    kept token is live, policy_update does not step, and neither the weights nor AdamW's moments move (weight decay
+    on: a step on a zero gradient would still move them)."""
+    model, tok = tiny
+    b, _ = _batch_from(model, tok, seed=7, n_prompts=2, G=8)
+    adv = group_advantages(torch.tensor([0.1] * 8 + [0.7] * 8), 8)
+    m = b["resp_mask"]
+    logp, H, gn = gmts.batch_token_stats(model, b, 1.0, 4, 64)
+    om = omega(adv, torch.ones_like(H), 0.2, 0.28)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for method in gmts.CHOICES["select"]:
+        sel = gmts.step_selection(gmts.Config(select=method), logp, H, gn, om, m)
+        assert sel.any() == (method in ("all", "random", "entropy")), method
+        stats = gmts.policy_update(model, opt, b, adv, sel, logp, float(m.sum()), temperature=1.0, clip_low=.2,
+                                   clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
+        assert stats["stepped"] == 0 and stats["live"] == 0 and stats["grad_norm"] == 0.0, (method, stats)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
+
+
+# ---- training loop: the lr schedule, then runs in this process through gmts.main -------------------------------------
+
+
 def test_lr_schedule_hand_computed():
     f = [gmts.lr_factor(i, total=6, warmup=2) for i in range(6)]
     assert f == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])  # up over 2 steps, then (6 - i) / 4
@@ -1120,7 +1106,13 @@ def test_lr_schedule_hand_computed():
     assert gmts.lr_factor(0, 1, 10) == 0.1 and gmts.lr_factor(99, 100, 0) == pytest.approx(0.01)
 
 
-# ---- training runs (in this process, through gmts.main) ------------------------------------------------------------
+def test_step_lr_counts_update_slots():
+    """--warmup-steps and the decay count update slots, steps x --inner-updates (the flag's help): with 3 steps of 2
+    inner updates, warm-up 2, the six slots get lr_factor's 0.5, 1, 1, 0.75, 0.5, 0.25, in order."""
+    cfg = gmts.Config(lr=2.0, steps=3, inner_updates=2, warmup_steps=2)
+    got = [gmts.step_lr(cfg, step, inner) for step in (1, 2, 3) for inner in (0, 1)]
+    assert got == pytest.approx([1.0, 2.0, 2.0, 1.5, 1.0, 0.5])
+
 
 SMALL = ["--model", "tiny", "--task", "countdown", "--data", "easy", "--short-prompt", "--prompts-per-step", "2",
          "--group-size", "4", "--max-new-tokens", "16", "--eval-size", "2", "--max-resample", "2",
@@ -1222,12 +1214,14 @@ def test_every_method_honours_select_and_loss_norm(tmp_path, monkeypatch):
 def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, monkeypatch):
     """Issue 14's one step rule: with a constant reward (every advantage 0) no method steps its optimiser, so all
     five end with the starting weights, the same (empty) Adam state and the same lr, which follows GRPO steps.
-    Weight decay is on: an optimiser step on a zero gradient would still move the weights."""
-    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.5)
+    Weight decay is on: an optimiser step on a zero gradient would still move the weights. The reward is 0.1 at
+    G = 8 (every answer tagged but wrong): an inexact float whose unmasked group advantage would be ~0.007."""
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.1)
     ends = {}
     for m in ("all", "random", "entropy", "gmts", "gradnorm"):
         out = tmp_path / m
-        recs = train_main(*SMALL, "--steps", "2", "--select", m, "--weight-decay", "0.1", "--lr", "1e-3", "--out", out)
+        recs = train_main(*SMALL, "--group-size", "8", "--prompts-per-step", "1", "--steps", "2", "--select", m,
+                          "--weight-decay", "0.1", "--lr", "1e-3", "--out", out)
         steps = recs[1:]
         assert [r["lr"] for r in steps] == pytest.approx([1e-4, 2e-4])  # warm-up 10: lr * 1/10, 2/10
         assert all(r["groups_filtered_frac"] == 1.0 and r["rollout_batches"] == 2 for r in steps)  # resampled to cap
@@ -1256,108 +1250,6 @@ def test_kl_run_with_constant_reward_never_moves(tmp_path, monkeypatch):
     assert [r["kl"] for r in recs[1:]] == [0.0, 0.0, 0.0]
     assert all(r["grad_norm"] == 0.0 for r in recs[1:])
     assert _same_weights(out, out / "ckpt-000000")
-
-
-def _wandb_history(folder):
-    """The history records of the one offline wandb run under folder: its .wandb file is a LevelDB-style log (a
-    7-byte file header, 32 KiB blocks, records with a 7-byte header: crc, length, type 1 full / 2 first / 3 middle
-    / 4 last) of wandb's protobuf Records. -> [{key: value}]"""
-    import glob
-    import struct
-    from wandb.proto import wandb_internal_pb2
-    (path,) = glob.glob(os.path.join(str(folder), "wandb", "offline-run-*", "run-*.wandb"))
-    data = open(path, "rb").read()
-    pos, pending, history = 7, b"", []
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            rec = wandb_internal_pb2.Record()
-            rec.ParseFromString(pending)
-            pending = b""
-            if rec.WhichOneof("record_type") == "history":
-                history.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item})
-    return history
-
-
-@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
-def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
-    """--report-to: every number of every metrics.jsonl record (step 0's evaluation included) reaches the tracker at
-    its step: read back from tensorboard's event file, or from wandb's offline run file."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    out = tmp_path / "run"
-    recs = train_main("--preset", "smoke", "--report-to", tracker, "--out", out)
-    want = {}  # (key, step) -> value
-    for r in gmts.read_metrics(str(out)):
-        for k, v in r.items():
-            if k != "step" and type(v) in (int, float):
-                want[k, r["step"]] = v
-    got = {}
-    if tracker == "tensorboard":
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-        acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
-        acc.Reload()
-        for k in acc.Tags()["scalars"]:
-            for e in acc.Scalars(k):
-                got[k, e.step] = e.value
-    else:
-        for h in _wandb_history(out):
-            for k, v in h.items():
-                if not k.startswith("_"):
-                    got[k, h["_step"]] = v
-    assert got.keys() == want.keys() and ("eval_acc", 0) in got and len(recs) == 3
-    for k in want:
-        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-30), k  # tensorboard stores float32
-
-
-def test_report_to_without_its_package_is_one_line(tmp_path, monkeypatch, capsys):
-    """A tracker whose package is missing: one line, exit 2, before any work (nothing written to --out)."""
-    real = importlib.import_module
-    monkeypatch.setattr(gmts.importlib, "import_module",
-                        lambda name: (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real(name))
-    with pytest.raises(SystemExit) as e:
-        gmts.main(["--preset", "smoke", "--report-to", "wandb", "--out", str(tmp_path / "r")])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "pip install wandb" in err
-    assert not (tmp_path / "r").exists()
-
-
-def test_progress_bar_on_a_terminal_plain_lines_elsewhere(tmp_path):
-    """On a TTY stdout a tqdm bar counts the steps (its '2/2' and the step's numbers on one redrawn line), the
-    evaluations stay above it as step lines; piped, the same run prints one plain line per step and no bar."""
-    import pty
-    args = [sys.executable, os.path.join(HERE, "gmts.py"), "--preset", "smoke", "--eval-every", "2"]
-    import fcntl
-    import struct
-    import termios
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a 160-column terminal
-    p = subprocess.Popen(args + ["--out", str(tmp_path / "tty")], stdout=follower, stderr=subprocess.PIPE, cwd=HERE,
-                         env=ENV1)
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed with the process
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    assert p.wait(timeout=300) == 0
-    os.close(leader)
-    tty = b"".join(chunks).decode()
-    assert "2/2" in tty and "\r" in tty and "reward_mean" in tty
-    assert re.search(r"step 2 \|[^\n]*eval_acc", tty)  # the evaluation step stays as a line
-    assert "step 1 |" not in tty  # a step without an evaluation lives only in the bar
-    piped = run_cli("--preset", "smoke", "--out", str(tmp_path / "pipe"))
-    assert piped.returncode == 0 and "2/2" not in piped.stdout and "\r" not in piped.stdout
-    assert re.search(r"^step 1 \|", piped.stdout, re.M) and re.search(r"^step 2 \|", piped.stdout, re.M)
 
 
 def test_filter_groups_cli_writes_its_metrics(tmp_path):
@@ -1403,6 +1295,244 @@ def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch
     assert recs[1]["grad_norm"] > 0
 
 
+def test_filter_groups_resamples_new_prompts_until_b_groups_are_informative(tmp_path, monkeypatch):
+    """Dynamic sampling (sample_groups, B = 2): the k-th rollout batch of step s draws its prompts with the key
+    (s, k), and batches are drawn until B groups are informative. Here batch 0 has one live prompt, batch 1 none,
+    batch 2 two: the step draws exactly 3 batches (keys (1, 0), (1, 1), (1, 2)), reports half of its 6 groups
+    filtered and trains on the first 2 informative groups, both split 1, 0, 1, 0 (reward mean 0.5)."""
+    live = {0: [True, False], 1: [False, False], 2: [True, True]}  # resample k -> which of its 2 prompts is live
+    keys, real_split = [], gmts.split_rows
+
+    def split(cfg):
+        draw, held = real_split(cfg)
+
+        def tagged(n, *key):
+            keys.append(key)
+            return [dict(r, live=live.get(key[1], [False] * n)[i]) for i, r in enumerate(draw(n, *key))]
+        return tagged, held
+    monkeypatch.setattr(gmts, "split_rows", split)
+    it = itertools.cycle([1.0, 0.0])
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: next(it) if row.get("live") else 0.0)
+    recs = train_main(*SMALL, "--steps", "1", "--filter-groups", "--max-resample", "4", "--out", tmp_path / "f")
+    assert keys == [(1, 0), (1, 1), (1, 2)]
+    step = recs[1]
+    assert step["rollout_batches"] == 3 and step["groups_filtered_frac"] == 0.5
+    assert step["reward_mean"] == 0.5 and step["grad_norm"] > 0
+
+
+def test_training_at_a_temperature_is_on_policy(tmp_path, monkeypatch, parity):
+    """--temperature 0.7 reaches every log-prob of a step: the sampler's (rollout), pi_old's statistics and the
+    loss's. So the sampler and the learner agree (sampler_logp_gap < 1e-5) and the first update's ratio
+    pi_theta / pi_old is 1 on every kept token ('all' keeps them all)."""
+    ratios, real = [], gmts.grpo_token_loss
+    monkeypatch.setattr(gmts, "grpo_token_loss", lambda logp, old, *a: ratios.append(torch.exp(logp - old).detach())
+                        or real(logp, old, *a))
+    recs = train_main(*SMALL, "--steps", "1", "--temperature", "0.7", "--select", "all", "--no-filter-groups",
+                      "--out", tmp_path / "t")
+    assert recs[1]["sampler_logp_gap_max"] < 1e-5 and recs[1]["clip_frac"] == 0.0
+    r = torch.cat(ratios)
+    assert r.numel() == round(recs[1]["completion_len"] * 8) and (r - 1).abs().max() < 1e-5
+
+
+def test_overlong_filter_trains_nothing_on_truncated_answers(tmp_path, monkeypatch, parity):
+    """--overlong-filter (DAPO): an answer flagged truncated trains nothing. Every other answer of train's rollouts
+    is flagged here; policy_update must get valid = resp_mask minus those rows, a selection inside it ('all': all
+    of it; gmts: part of it) and --loss-norm all's denominator = the valid count; with KL the same `valid`."""
+    real_rollout, real_update = gmts.rollout, gmts.policy_update
+    seen = []
+
+    def rollout(*a, **k):
+        b = real_rollout(*a, **k)
+        if k.get("sampler_logp"):  # train's rollouts, not evaluate's
+            b["truncated"] = torch.arange(len(b["texts"])) % 2 == 1
+        return b
+
+    def update(model, opt, batch, adv, sel_mask, old_logp, denom, **k):
+        seen.append((batch, sel_mask.clone(), denom, k["valid"].clone()))
+        return real_update(model, opt, batch, adv, sel_mask, old_logp, denom, **k)
+    monkeypatch.setattr(gmts, "rollout", rollout)
+    monkeypatch.setattr(gmts, "policy_update", update)
+    for method, kl in (("all", "0"), ("gmts", "0.1")):
+        seen.clear()
+        train_main(*SMALL, "--steps", "1", "--overlong-filter", "--select", method, "--kl-beta", kl,
+                   "--no-filter-groups", "--out", tmp_path / method)
+        ((batch, sel, denom, valid),) = seen
+        trunc = batch["truncated"][:, None]
+        assert trunc.any() and (~trunc).any()
+        assert torch.equal(valid, batch["resp_mask"] & ~trunc) and not (sel & trunc).any()
+        assert denom == float(valid.sum()) < float(batch["resp_mask"].sum())
+        assert torch.equal(sel, valid) if method == "all" else (sel.any() and not (sel & ~valid).any())
+
+
+def test_cpu_preset_with_a_tiny_budget(tmp_path):
+    out = tmp_path / "cpu"
+    recs = train_main("--preset", "cpu", "--steps", "2", "--prompts-per-step", "2", "--eval-size", "4",
+                      "--eval-every", "1", "--out", out)
+    assert recs[0]["step"] == 0 and "eval_acc" in recs[0]  # the warm start's accuracy is the first eval_acc
+    assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
+    assert json.loads((out / "run_config.json").read_text())["model"] == gmts.WARM_CPU
+
+
+# ######################################################################################################################
+# Below gmts.py's "Supporting code" banner, in its order.
+# ######################################################################################################################
+
+
+# ---- problem generators and data loaders -----------------------------------------------------------------------------
+
+
+def test_countdown_problems_are_solvable():
+    rng = random.Random(0)
+    for _ in range(200):
+        p = countdown_problem(rng)
+        assert len(p["nums"]) in (3, 4) and all(1 <= x <= 99 for x in p["nums"]) and 1 <= p["target"] <= 1000
+        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
+    rows = load_rows("countdown", "easy", 2000, seed=0)  # the CPU demo's variant
+    for p in rows:
+        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 0 <= p["target"] <= 27
+        assert re.fullmatch(r"\d [+-] \d [+-] \d", p["expr"])
+        assert [int(x) for x in re.findall(r"[0-9]+", p["expr"])] == p["nums"]  # listed in the reference's order
+        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
+    patterns = collections.Counter(re.sub(r"[\d ]", "", p["expr"]) for p in rows)
+    assert all(abs(patterns[s] / len(rows) - 0.25) < 0.03 for s in ("++", "+-", "-+", "--")), patterns
+    for s in ("++", "+-", "-+", "--"):  # a fixed guess of the signs is right for about 1 problem in 4
+        guess = [countdown_reward(A(f"{a} {s[0]} {b} {s[1]} {c}"), p["nums"], p["target"])
+                 for p in rows for a, b, c in [p["nums"]]]
+        assert 0.2 < guess.count(1.0) / len(rows) < 0.32
+
+
+def _claim(body, names, me):
+    """Independent reading of a rendered statement: English -> function(world) -> bool."""
+    atom = r"(I am|[A-Z][a-z]+ is) a (knight|knave)"
+
+    def at(subject, role):
+        who = me if subject == "I am" else names.index(subject[:-3])
+        return lambda w: w[who] == (role == "knight")
+    subjects = re.findall(atom, body)
+    assert len({s for s, _ in subjects}) == len(subjects), body  # a claim never names one person twice
+    assert subjects != [("I am", "knight")] and subjects != [("I am", "knave")], body
+    if m := re.fullmatch(rf"It is not the case that {atom}", body):
+        f = at(*m.groups())
+        return lambda w: not f(w)
+    if m := re.fullmatch(rf"If {atom} then {atom}", body):
+        f, g = at(*m.groups()[:2]), at(*m.groups()[2:])
+        return lambda w: not f(w) or g(w)
+    if m := re.fullmatch(rf"{atom} (and|or) {atom}", body):
+        f, g = at(*m.groups()[:2]), at(*m.groups()[3:])
+        return (lambda w: f(w) and g(w)) if m[3] == "and" else (lambda w: f(w) or g(w))
+    m = re.fullmatch(atom, body)
+    assert m, body
+    return at(*m.groups())
+
+
+def test_logic_puzzles_have_exactly_one_solution():
+    rng = random.Random(0)
+    sizes = set()
+    for _ in range(200):
+        p = logic_problem(rng)
+        names = p["names"]
+        sizes.add(len(names))
+        claims = []
+        for i, s in enumerate(p["statements"]):
+            m = re.fullmatch(r'(\w+) says: "(.*)\."', s)
+            assert m and m[1] == names[i], s
+            claims.append(_claim(m[2], names, i))
+        worlds = [w for w in itertools.product([True, False], repeat=len(names))
+                  if all(c(w) == w[i] for i, c in enumerate(claims))]
+        assert worlds == [tuple(p["solution"][n] for n in names)]
+    assert sizes == {2, 3, 4, 5, 6}
+
+
+def test_math_problems():
+    rng = random.Random(0)
+    for _ in range(200):
+        p = math_problem(rng)
+        assert 2 <= len(p["steps"]) <= 4 and int(p["answer"]) >= 0 and p["steps"][-1].endswith("= " + p["answer"])
+        for step in p["steps"]:  # each worked step is right
+            a, op, b, _, c = step.split()
+            a, b, c = int(a), int(b), int(c)
+            assert {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op] == c
+    for p in load_rows("math", "easy", 300, seed=0):  # one step; the words alone tell the operation
+        a, op, b, _, c = p["steps"][0].split()
+        assert len(p["steps"]) == 1 and p["answer"] == c and int(a) >= int(b) >= 2 and int(c) >= 0
+        assert op == ("-" if " left?" in p["question"] else "*" if " in all?" in p["question"] else "+")
+        assert re.search(rf" {a} .* {b}\b", p["question"])  # both numbers shown, a first
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("data", ["gen", "easy"])
+def test_generators_are_deterministic_and_prompts_ask_for_the_format(task, data):
+    t = get_task(task)  # (the reference answers and their test moved to gmts_lab.py)
+    rows = t["load"](data, 200, 1)
+    assert rows == t["load"](data, 200, 1)
+    assert rows != t["load"](data, 200, 2)
+    for row in rows:
+        assert t["reward"]("no answer here", row) == 0.0
+        for short in (False, True):
+            assert isinstance(t["prompt"](row, short=short), str)
+        assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
+
+
+def write(tmp_path, name, lines):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_jsonl_good_files(tmp_path):
+    p = write(tmp_path, "cd.jsonl", ['{"nums": [3, 5, 2], "target": 16}', "", '{"nums": [1, 2], "target": 3}'])
+    assert load_rows("countdown", p, 0, 0) == [{"nums": [3, 5, 2], "target": 16}, {"nums": [1, 2], "target": 3}]
+    assert len(load_rows("countdown", p, 1, 0)) == 1
+    p = write(tmp_path, "m.jsonl", [json.dumps({"question": "q1", "answer": "He has 2<<1+1=2>> apples\n#### 1,450"}),
+                                     json.dumps({"question": "q2", "answer": 72})])
+    rows = load_rows("math", p, 0, 0)
+    assert [r["answer"] for r in rows] == ["1450", "72"] and rows[0]["steps"] == ["He has 2 apples"]
+    assert get_task("math")["reward"]("<answer>\\boxed{1,450}</answer>", rows[0]) == 1.0
+    lg = logic_problem(random.Random(3))
+    p = write(tmp_path, "l.jsonl", [json.dumps(lg)])
+    assert load_rows("logic", p, 0, 0) == [lg]
+
+
+@pytest.mark.parametrize("task,lines,msg", [
+    ("countdown", ['{"nums": [1, 2], "target": 3}', "", "{not json"], "line 3: invalid JSON"),
+    ("countdown", ['{"nums": [1, 2], "target": 3}', '{"nums": [1, 2]}'], 'line 2: missing key "target"'),
+    ("countdown", ['{"nums": [1, "2"], "target": 3}'], 'line 1: "nums" must be'),
+    ("countdown", ['{"nums": [1, 2], "target": 3.5}'], 'line 1: "target" must be'),
+    ("countdown", ["[1, 2, 3]"], "line 1: expected a JSON object"),
+    ("math", ['{"question": "q", "answer": "many"}'], 'line 1: "answer" must be'),
+    ("math", ['{"answer": "3"}'], 'line 1: missing key "question"'),
+    ("logic", ['{"names": ["A"], "statements": [], "solution": {"A": "yes"}}'], 'line 1: "solution" must be'),
+    ("countdown", [""], "no rows"),
+])
+def test_jsonl_bad_files(tmp_path, task, lines, msg):
+    p = write(tmp_path, "bad.jsonl", lines)
+    with pytest.raises(ValueError) as e:
+        load_rows(task, p, 10, 0)
+    assert msg in str(e.value) and p in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ValueError, match="nope.jsonl: cannot read"):
+        load_rows("countdown", "nope.jsonl", 10, 0)
+
+
+def test_logic_has_no_hub_set_and_splits_are_checked():
+    with pytest.raises(ValueError, match="logic has no hub data set"):
+        load_rows("logic", "hf", 10, 0)
+    with pytest.raises(ValueError, match="hf:train or hf:test"):
+        load_rows("math", "hf:dev", 10, 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets is not installed")
+@pytest.mark.parametrize("task", ["countdown", "math"])
+def test_hub_offline_gives_a_clean_error(task):
+    import datasets  # noqa: F401  (a cold import is not what is timed)
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"could not load .* from the hub \(no network\?\): .*; use --data gen"):
+        load_rows(task, "hf", 10, 0)
+    assert time.perf_counter() - t < 20  # offline fails at once: no network retries
+
+
 def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):
     """The first eval_size rows are held out whatever --steps is; training rows are drawn lazily per (seed, step,
     resample) and never repeat a held-out prompt; nothing is built up front, even for --steps 10**20."""
@@ -1432,37 +1562,47 @@ def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):
     assert all(sorted(r["nums"][0] for r in draw(3, step, 0)) == [2, 4, 5] for step in range(20))  # no repeats
 
 
-def test_preset_then_explicit_flag_wins():
-    cfg = gmts.parse_args(["--preset", "cpu", "--lr", "1e-5"])
-    assert cfg.lr == 1e-5 and cfg.model == gmts.WARM_CPU and cfg.data == "easy" and cfg.steps == 80
-    assert gmts.WARM_CPU == os.path.join(HERE, "warm", "cpu")
-    assert gmts.parse_args([]).rho == 0.2 and gmts.parse_args(["--no-std-normalize"]).std_normalize is False
-    assert gmts.parse_args(["--preset", "smoke"]).model == gmts.WARM_CPU
+# ---- model and tokenizer ---------------------------------------------------------------------------------------------
 
 
-def test_cpu_preset_with_a_tiny_budget(tmp_path):
-    out = tmp_path / "cpu"
-    recs = train_main("--preset", "cpu", "--steps", "2", "--prompts-per-step", "2", "--eval-size", "4",
-                      "--eval-every", "1", "--out", out)
-    assert recs[0]["step"] == 0 and "eval_acc" in recs[0]  # the warm start's accuracy is the first eval_acc
-    assert [x["step"] for x in recs] == [0, 1, 2] and (out / "metrics.png").stat().st_size > 1000
-    assert json.loads((out / "run_config.json").read_text())["model"] == gmts.WARM_CPU
+def test_tiny_tokenizer_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = gmts.build_tiny()
+    text = "Use 7 1 5 to make 35.\n<|im_start|>assistant\né <answer>(1 + 2) / 3</answer><|im_end|>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    tok2 = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok2(text, add_special_tokens=False)["input_ids"] == ids  # the v5 reload trap (env.md)
+    assert tok.decode(ids) == text
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen2ForCausalLM"
 
 
-def test_every_config_field_is_a_flag_with_help(capsys):
-    with pytest.raises(SystemExit):
-        gmts.parse_args(["--help"])
-    out = capsys.readouterr().out
-    opts = out[out.index("options:"):]
-    for f in gmts.dataclasses.fields(gmts.Config):
-        flag = "--" + f.name.replace("_", "-")
-        m = re.search(rf"^  {flag}[ ,](.*?)\(default:", opts, re.M | re.S)  # its entry, up to the default
-        assert m, flag
-        help_ = f.metadata["help"]  # compared without whitespace: argparse wraps lines, also after a hyphen
-        assert len(help_.split()) >= 2 and re.sub(r"\s", "", help_) in re.sub(r"\s", "", m.group(1)), flag
+def test_model_name_resolution():
+    assert gmts.resolve_model_name("Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert gmts.resolve_model_name("Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert gmts.resolve_model_name("someone/model") == "someone/model"
 
 
-# ---- reliability: kill, resume, damaged checkpoints, bad input -----------------------------------------------------
+# ---- evaluation ------------------------------------------------------------------------------------------------------
+
+
+def test_evaluate_greedy_accuracy_length_and_sample(tiny, monkeypatch):
+    """evaluate = greedy rollouts in batches: the share of rows whose answer scores exactly 1.0, the mean number of
+    valid response tokens, the first answer (at most 200 characters); nothing else (well-formedness: gmts_lab)."""
+    model, tok = tiny
+    task = dict(get_task("countdown"), reward=lambda text, row: 1.0 if row["target"] == 16 else 0.1)
+    rows = [{"nums": [3, 5, 2], "target": 16}, {"nums": [1, 2], "target": 3}, {"nums": [4, 4], "target": 16}]
+    want = gmts.rollout(model, tok, gmts.build_prompts(tok, task, rows, True, True), 1, 9, greedy=True)
+    for bs in (64, 2, 1):
+        got = gmts.evaluate(model, tok, task, rows, True, True, 9, batch_size=bs)
+        assert set(got) == {"eval_acc", "eval_len", "eval_sample"}
+        assert got["eval_acc"] == pytest.approx(2 / 3) and got["eval_sample"] == want["texts"][0][:200]
+        assert got["eval_len"] == pytest.approx(float(want["resp_mask"].sum()) / 3)
+
+
+# ---- the run folder: kill, resume, damaged checkpoints, a finished run kept ------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -1617,31 +1757,6 @@ def test_old_checkpoints_are_renamed_before_they_are_deleted(tmp_path, monkeypat
     assert state["step"] == 2 and "opt" in state
 
 
-def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch, capsys):
-    real = gmts.rollout
-
-    def oom_in_training(model, tok, prompts, group_size, *a, **k):  # the greedy step-0 eval (G = 1) still runs
-        if group_size > 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(model, tok, prompts, group_size, *a, **k)
-    monkeypatch.setattr(gmts, "rollout", oom_in_training)
-    err = fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
-    assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
-    assert gmts.checkpoints(str(tmp_path / "o"))  # the last checkpoint is kept
-
-
-def test_out_of_memory_in_evaluation_and_interrupt_are_one_line(tmp_path, monkeypatch, capsys):
-    def oom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    monkeypatch.setattr(gmts, "evaluate", oom)
-    assert "--micro-batch" in fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
-
-    def interrupt(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(gmts, "evaluate", interrupt)
-    assert "no checkpoint yet" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)  # the step-0 eval: true
-
-
 def test_a_new_run_never_replaces_a_finished_one(tmp_path, finished, capsys, parity):
     """Without --overwrite a new run into a run's folder stops (exit 2) and leaves every byte; a deliberate
     --overwrite whose model cannot load (exit 1) leaves every byte too; a bad override with --resume is never
@@ -1659,6 +1774,112 @@ def test_a_new_run_never_replaces_a_finished_one(tmp_path, finished, capsys, par
     assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000000", "ckpt-000001"]
 
 
+# ---- step lines, the progress bar and trackers -----------------------------------------------------------------------
+
+
+def _wandb_history(folder):
+    """The history records of the one offline wandb run under folder: its .wandb file is a LevelDB-style log (a
+    7-byte file header, 32 KiB blocks, records with a 7-byte header: crc, length, type 1 full / 2 first / 3 middle
+    / 4 last) of wandb's protobuf Records. -> [{key: value}]"""
+    import glob
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    (path,) = glob.glob(os.path.join(str(folder), "wandb", "offline-run-*", "run-*.wandb"))
+    data = open(path, "rb").read()
+    pos, pending, history = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(pending)
+            pending = b""
+            if rec.WhichOneof("record_type") == "history":
+                history.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item})
+    return history
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
+    """--report-to: every number of every metrics.jsonl record (step 0's evaluation included) reaches the tracker at
+    its step: read back from tensorboard's event file, or from wandb's offline run file."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    recs = train_main("--preset", "smoke", "--report-to", tracker, "--out", out)
+    want = {}  # (key, step) -> value
+    for r in gmts.read_metrics(str(out)):
+        for k, v in r.items():
+            if k != "step" and type(v) in (int, float):
+                want[k, r["step"]] = v
+    got = {}
+    if tracker == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+        acc.Reload()
+        for k in acc.Tags()["scalars"]:
+            for e in acc.Scalars(k):
+                got[k, e.step] = e.value
+    else:
+        for h in _wandb_history(out):
+            for k, v in h.items():
+                if not k.startswith("_"):
+                    got[k, h["_step"]] = v
+    assert got.keys() == want.keys() and ("eval_acc", 0) in got and len(recs) == 3
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-30), k  # tensorboard stores float32
+
+
+def test_report_to_without_its_package_is_one_line(tmp_path, monkeypatch, capsys):
+    """A tracker whose package is missing: one line, exit 2, before any work (nothing written to --out)."""
+    real = importlib.import_module
+    monkeypatch.setattr(gmts.importlib, "import_module",
+                        lambda name: (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real(name))
+    with pytest.raises(SystemExit) as e:
+        gmts.main(["--preset", "smoke", "--report-to", "wandb", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "pip install wandb" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_progress_bar_on_a_terminal_plain_lines_elsewhere(tmp_path):
+    """On a TTY stdout a tqdm bar counts the steps (its '2/2' and the step's numbers on one redrawn line), the
+    evaluations stay above it as step lines; piped, the same run prints one plain line per step and no bar."""
+    import pty
+    args = [sys.executable, os.path.join(HERE, "gmts.py"), "--preset", "smoke", "--eval-every", "2"]
+    import fcntl
+    import struct
+    import termios
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a 160-column terminal
+    p = subprocess.Popen(args + ["--out", str(tmp_path / "tty")], stdout=follower, stderr=subprocess.PIPE, cwd=HERE,
+                         env=ENV1)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert p.wait(timeout=300) == 0
+    os.close(leader)
+    tty = b"".join(chunks).decode()
+    assert "2/2" in tty and "\r" in tty and "reward_mean" in tty
+    assert re.search(r"step 2 \|[^\n]*eval_acc", tty)  # the evaluation step stays as a line
+    assert "step 1 |" not in tty  # a step without an evaluation lives only in the bar
+    piped = run_cli("--preset", "smoke", "--out", str(tmp_path / "pipe"))
+    assert piped.returncode == 0 and "2/2" not in piped.stdout and "\r" not in piped.stdout
+    assert re.search(r"^step 1 \|", piped.stdout, re.M) and re.search(r"^step 2 \|", piped.stdout, re.M)
+
+
+# ---- config checks: the bad-input table ------------------------------------------------------------------------------
 # The bad-input table (issue 18): flags, data files, output folders, resume folders, model folders. Each case runs
 # gmts.main in this process and must end with exactly one stderr line, no traceback, and its exit code: 2 for bad
 # input, 1 for a model that cannot be loaded or no loadable checkpoint. A case that names an existing run ({run},
@@ -1832,3 +2053,31 @@ def test_bad_input_is_one_line_and_its_exit_code(tmp_path, finished, capsys, arg
     assert all(n in err for n in ([needle] if isinstance(needle, str) else needle)), err
     for p, before in runs.items():
         assert snapshot(p) == before, f"{p} changed"
+
+
+# ---- CLI and signals: memory and interrupts are one line -------------------------------------------------------------
+
+
+def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch, capsys):
+    real = gmts.rollout
+
+    def oom_in_training(model, tok, prompts, group_size, *a, **k):  # the greedy step-0 eval (G = 1) still runs
+        if group_size > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, tok, prompts, group_size, *a, **k)
+    monkeypatch.setattr(gmts, "rollout", oom_in_training)
+    err = fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
+    assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
+    assert gmts.checkpoints(str(tmp_path / "o"))  # the last checkpoint is kept
+
+
+def test_out_of_memory_in_evaluation_and_interrupt_are_one_line(tmp_path, monkeypatch, capsys):
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(gmts, "evaluate", oom)
+    assert "--micro-batch" in fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gmts, "evaluate", interrupt)
+    assert "no checkpoint yet" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)  # the step-0 eval: true

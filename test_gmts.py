@@ -1301,16 +1301,18 @@ def test_filter_groups_resamples_new_prompts_until_b_groups_are_informative(tmp_
     batch 2 two: the step draws exactly 3 batches (keys (1, 0), (1, 1), (1, 2)), reports half of its 6 groups
     filtered and trains on the first 2 informative groups, both split 1, 0, 1, 0 (reward mean 0.5)."""
     live = {0: [True, False], 1: [False, False], 2: [True, True]}  # resample k -> which of its 2 prompts is live
-    keys, real_split = [], gmts.split_rows
+    keys, real_read = [], gmts.read_data
 
-    def split(cfg):
-        draw, held = real_split(cfg)
+    def read(cfg):
+        data = real_read(cfg)
+        draw = data.draw
 
         def tagged(n, *key):
             keys.append(key)
             return [dict(r, live=live.get(key[1], [False] * n)[i]) for i, r in enumerate(draw(n, *key))]
-        return tagged, held
-    monkeypatch.setattr(gmts, "split_rows", split)
+        data.draw = tagged
+        return data
+    monkeypatch.setattr(gmts, "read_data", read)
     it = itertools.cycle([1.0, 0.0])
     monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: next(it) if row.get("live") else 0.0)
     recs = train_main(*SMALL, "--steps", "1", "--filter-groups", "--max-resample", "4", "--out", tmp_path / "f")

@@ -1336,6 +1336,36 @@ def test_training_at_a_temperature_is_on_policy(tmp_path, monkeypatch, parity):
     assert r.numel() == round(recs[1]["completion_len"] * 8) and (r - 1).abs().max() < 1e-5
 
 
+def test_a_truncated_answer_adds_nothing_to_the_gradient(tiny):
+    """loss_backward with --overlong-filter's `valid` (resp_mask minus truncated answers), KL on: the gradient is the
+    plain one of the kept tokens and the k3 terms of the other answers only, truncated rows contributing nothing
+    though they are kept and have A != 0 (their advantage and their log-probs could move the weights otherwise)."""
+    model, tok = tiny
+    model.train()
+    b, adv = _batch_from(model, tok, seed=5, n_prompts=3)
+    trunc = torch.arange(len(adv)) % 3 == 0  # (N,): these answers count as cut at the length limit
+    assert (adv[trunc] != 0).any()
+    valid = b["resp_mask"] & ~trunc[:, None]
+    logp = gmts.batch_token_stats(model, b, 1.0, 4, 7)[0]
+    ref = logp - 0.3 * b["resp_mask"]  # a reference that differs everywhere: KL pulls on every valid token
+    model.zero_grad()
+    gmts.loss_backward(model, b, adv, valid, logp, float(valid.sum()), temperature=1.0, clip_low=.2, clip_high=.28,
+                       micro_batch=2, chunk=3, kl_beta=0.5, ref_logp=ref, valid=valid)
+    g_ours = _grads(model)
+    model.zero_grad()
+    lp = _plain_logp(model, b, 1.0)
+    k3 = torch.exp(ref - lp) - (ref - lp) - 1
+    loss = (-(adv[:, None] * lp * valid).sum() + 0.5 * (k3 * valid).sum()) / valid.sum()
+    loss.backward()
+    g_ref = _grads(model)
+    assert g_ref.abs().max() > 0 and torch.allclose(g_ours, g_ref, atol=1e-5), (g_ours - g_ref).abs().max()
+    model.zero_grad()
+    gmts.loss_backward(model, b, adv, b["resp_mask"], logp, float(valid.sum()), temperature=1.0, clip_low=.2,
+                       clip_high=.28, micro_batch=2, chunk=3, kl_beta=0.5, ref_logp=ref)  # no filter
+    assert not torch.allclose(_grads(model), g_ref, atol=1e-4)  # the truncated rows would have moved it
+    model.zero_grad()
+
+
 def test_overlong_filter_trains_nothing_on_truncated_answers(tmp_path, monkeypatch, parity):
     """--overlong-filter (DAPO): an answer flagged truncated trains nothing. Every other answer of train's rollouts
     is flagged here; policy_update must get valid = resp_mask minus those rows, a selection inside it ('all': all

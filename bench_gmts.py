@@ -29,6 +29,17 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      gradient checkpointing, as gmts.py; bf16 weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of the
      same starting model, the same B x G prompts and completion length: step_ratio_gmts_trl = (new rollout + gmts
      update) / TRL's median step (steps 2..n).
+  f. threads (issue 31): steps per second of `gmts.py --preset cpu --steps --thread-steps` (5) at --threads 1 and
+     --threads 0 (torch's choice: every core), each run a fresh process with OMP_NUM_THREADS / MKL_NUM_THREADS
+     taken out of its environment, so that 0 is the machine's default whatever the benchmark's own shell sets; the
+     variants alternate (1 0, then 0 1, ...), --repeats runs each, on the CPU whatever --device says. steps_per_s =
+     steps / the sum of their step_time_s (metrics.jsonl: the steps alone, not the import, the model load, the
+     step-0 and final evals, the checkpoints: those are in wall_s); ratio = steps/s at 1 thread / at the default.
+     Beside the timings it says whether the runs logged the same metrics (every key but the three timing keys),
+     within a variant and across the two: the first step and key where they part, and every key that differs.
+     Not in the default --sections: it starts 2 x --repeats processes of a real training run (~2 minutes on a
+     free 2-core CPU, far longer on a loaded one), a measurement of the machine rather than of GMTS; --quick runs
+     1 step of the smoke preset.
 Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and ratios of
 medians. Peak memory is the growth over the state before the call: CUDA: torch.cuda.max_memory_allocated after
 reset_peak_memory_stats, minus memory_allocated before. CPU: torch's CPU allocations are invisible to
@@ -43,6 +54,7 @@ head pass takes ~30 s on one core, so three runs would not fit in 10 minutes (--
 Run:  python bench_gmts.py --json bench.json        (CPU, ~8 minutes)
       python bench_gmts.py --device cuda --json gpu.json
       python bench_gmts.py --quick --json tmp.json  (seconds; tiny sizes, section e with --small)
+      python bench_gmts.py --sections f --json threads.json  (threads: the cpu preset at 1 thread and the default)
 """
 import os
 
@@ -58,8 +70,10 @@ import itertools
 import json
 import math
 import random
+import re
 import statistics
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,6 +93,7 @@ QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num
               rope_theta=1000000.0)
 SMALL = dict(QWEN05, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 HIDDEN = 896
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Meter:
@@ -468,6 +483,75 @@ def sec_model_step(args, meter, dev) -> dict:
     return out
 
 
+TIMING_KEYS = ("rollout_time_s", "step_time_s", "tokens_per_s")  # the metrics.jsonl keys that are clock readings
+# A child: gmts.main on the arguments, then the thread count torch ended up with (what --threads 0 chose).
+THREADS_CHILD = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import gmts; gmts.main(sys.argv[2:]); "
+                 "print('bench_torch_threads', torch.get_num_threads(), flush=True)")
+
+
+def threads_run(preset: str, steps: int, threads: int) -> dict:
+    """One fresh gmts.py process of `steps` steps of `preset` at --threads `threads`, in a temporary --out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out")
+        cmd = [sys.executable, "-c", THREADS_CHILD, HERE, "--preset", preset, "--steps", str(steps),
+               "--threads", str(threads), "--device", "cpu", "--out", out]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+        wall = time.perf_counter() - t
+        if p.returncode != 0:
+            raise RuntimeError(f"threads {threads}: gmts.py exited {p.returncode}: {p.stderr[-1500:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+    got = re.search(r"^bench_torch_threads (\d+)$", p.stdout, re.M)
+    step_s = [r["step_time_s"] for r in recs if r["step"] >= 1 and "step_time_s" in r]
+    return dict(torch_threads=int(got.group(1)) if got else None, steps=len(step_s), step_s=sum(step_s),
+                steps_per_s=len(step_s) / sum(step_s), wall_s=wall,
+                eval_acc=[r["eval_acc"] for r in recs if "eval_acc" in r][-1],
+                metrics=[{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs])
+
+
+def first_difference(a: list, b: list):
+    """The first (step, key, value a, value b) where two runs' metrics (timing keys left out) differ, or None."""
+    for ra, rb in itertools.zip_longest(a, b, fillvalue={}):
+        for k in sorted(set(ra) | set(rb), key=lambda k: (k != "step", k)):
+            if ra.get(k) != rb.get(k):
+                return dict(step=ra.get("step", rb.get("step")), key=k, a=ra.get(k), b=rb.get(k))
+    return None
+
+
+def sec_threads(args, meter, dev) -> dict:
+    """Section f: the cpu preset's steps/s at each of --thread-variants (1, then 0: torch's default), interleaved."""
+    preset, steps, variants = args.thread_preset, args.thread_steps, args.thread_variants
+    runs = {v: [] for v in variants}
+    for r in range(args.repeats):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            runs[v].append(threads_run(preset, steps, v))
+            print(f"[f] --threads {v}: {runs[v][-1]['steps_per_s']:.3f} steps/s "
+                  f"({runs[v][-1]['torch_threads']} torch threads)", file=sys.stderr, flush=True)
+    out = dict(preset=preset, steps=steps, repeats=args.repeats, variants={})
+    for v, rs in runs.items():
+        same = [first_difference(rs[0]["metrics"], x["metrics"]) for x in rs[1:]]
+        out["variants"][str(v)] = dict(
+            threads_asked=v, torch_threads=rs[0]["torch_threads"],
+            steps_per_s=statistics.median(x["steps_per_s"] for x in rs),
+            steps_per_s_runs=[round(x["steps_per_s"], 4) for x in rs], step_s_runs=[round(x["step_s"], 2) for x in rs],
+            wall_s=statistics.median(x["wall_s"] for x in rs), wall_s_runs=[round(x["wall_s"], 1) for x in rs],
+            eval_acc=rs[0]["eval_acc"], metrics_identical=all(d is None for d in same),
+            metrics_first_difference=next((d for d in same if d is not None), None))
+    if len(variants) >= 2:
+        a, b = (out["variants"][str(v)] for v in variants[:2])
+        out["ratio"] = a["steps_per_s"] / b["steps_per_s"]
+        out["ratio_of"] = f"steps/s at --threads {variants[0]} / at --threads {variants[1]}"
+        ma, mb = runs[variants[0]][0]["metrics"], runs[variants[1]][0]["metrics"]
+        d = first_difference(ma, mb)
+        out["metrics_identical_across"], out["metrics_first_difference_across"] = d is None, d
+        out["metrics_keys_differing_across"] = sorted({k for ra, rb in zip(ma, mb) for k in set(ra) | set(rb)
+                                                       if ra.get(k) != rb.get(k)})
+    return out
+
+
 def targets(R: dict, C: int) -> list:
     """PASS/FAIL of each target, computed from the measurements."""
     t = []
@@ -536,6 +620,20 @@ def table(R: dict) -> str:
             f"{r['step_ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}  {r['weights']} weights; gmts step (new rollout) / "
             f"trl {S['step_ratio_gmts_trl']:.2f}, all / trl {S['step_ratio_all_trl']:.2f}"
             if "step_ms" in r else f"{'-':>10} {'-':>9}  {r['error']}"))
+    if "threads" in R:
+        T = R["threads"]
+        for v, r in T["variants"].items():
+            what = f"--threads {v} ({r['torch_threads']} torch)"
+            lines.append(f"{'f threads':<12} {what:<26} {1e3 / r['steps_per_s']:10.1f} {'-':>9}  "
+                         f"{r['steps_per_s']:.3f} steps/s (runs {r['steps_per_s_runs']}), wall {r['wall_s']:.0f} s "
+                         f"for {T['steps']} steps of --preset {T['preset']}; same metrics each run: "
+                         f"{'yes' if r['metrics_identical'] else 'no'}")
+        if "ratio" in T:
+            d = T["metrics_first_difference_across"]
+            lines.append(f"{'f threads':<12} {'ratio ' + ' / '.join(T['variants']):<26} {T['ratio']:10.2f} "
+                         f"{'':>9}  {T['ratio_of']}; metrics "
+                         + ("identical" if d is None else f"differ from step {d['step']} in "
+                            + ", ".join(T["metrics_keys_differing_across"])))
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
         lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  (<= {t['limit']})")
@@ -555,7 +653,8 @@ def parse_args(argv=None):
     p.add_argument("--extra", action="store_true", help="also ours@1024 in a and all@1024 (chunked) in b")
     p.add_argument("--rho", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--sections", default="abcde", help="which sections to run (e runs on CUDA or with --small)")
+    p.add_argument("--sections", default="abcde",
+                   help="which sections to run (e runs on CUDA or with --small; f, threads, only when named)")
     p.add_argument("--small", action="store_true", help="section e with a tiny Qwen2 config (CPU smoke of the path)")
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere, implies --small")
     p.add_argument("--sampler-dtype", default="bf16", choices=["bf16", "fp32"],
@@ -565,12 +664,18 @@ def parse_args(argv=None):
                         "--quick; HF generate compiles on CUDA only)")
     p.add_argument("--trl-steps", type=int, default=-1,
                    help="TRL GRPOTrainer steps in section e, median of steps 2..n (-1: 4, --quick 2; 0: none)")
+    p.add_argument("--thread-steps", type=int, default=0, help="steps per run in section f (0: 5, --quick 1)")
+    p.add_argument("--thread-preset", default="", help="gmts.py preset section f runs (default: cpu, --quick smoke)")
+    p.add_argument("--thread-variants", default="1,0", type=lambda s: [int(x) for x in s.split(",")],
+                   help="section f's --threads values, compared first / second (0: torch's default)")
     p.add_argument("--json", default="", help="write all measurements here")
     a = p.parse_args(argv)
     a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
     a.head_repeats = a.head_repeats or (a.repeats if a.device == "cuda" or a.quick else 2)
     a.select_sizes = [2 ** 14, 2 ** 16] if a.quick else [2 ** 20, 2 ** 25]
     a.trl_steps = (2 if a.quick else 4) if a.trl_steps < 0 else a.trl_steps
+    a.thread_steps = a.thread_steps or (1 if a.quick else 5)
+    a.thread_preset = a.thread_preset or ("smoke" if a.quick else "cpu")
     if a.fast_generate is None:
         a.fast_generate = a.quick or a.device == "cuda"
     if a.quick:
@@ -597,6 +702,7 @@ def main(argv=None):
              ("d", "step_tiny", sec_tiny_step)]
     if dev.type == "cuda" or args.small:
         steps.append(("e", "step_model", sec_model_step))
+    steps.append(("f", "threads", sec_threads))
     for letter, key, fn in steps:
         if letter in args.sections:
             t = time.time()

@@ -55,3 +55,44 @@ def test_bench_quick_writes_every_section(tmp_path):
     printed = {name: verdict for verdict, name in re.findall(r"^  (PASS|FAIL)  (.+?) +\S+  \(<= ", p.stdout, re.M)}
     assert printed == {t["target"]: "PASS" if t["passed"] else "FAIL" for t in R["targets"]}
     assert all(math.isfinite(t["value"]) for t in R["targets"])
+
+
+def test_bench_threads_section_structure(tmp_path):
+    """Section f (issue 31) at its tiny size: 1 step of the smoke preset at --threads 1 and 0, one fresh process
+    each. Its figures are the machine's, so only their shape is checked, and that --threads 0 got torch's default
+    for this machine although this test's own environment pins OMP_NUM_THREADS=1."""
+    out = tmp_path / "threads.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "bench_gmts.py"), "--sections", "f", "--quick",
+                        "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    R = json.loads(out.read_text())
+    assert "stats" not in R and "step_tiny" not in R  # only the section asked for
+    T = R["threads"]
+    assert (T["preset"], T["steps"], T["repeats"]) == ("smoke", 1, 1)
+    assert set(T["variants"]) == {"1", "0"}
+    default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], text=True,
+                             capture_output=True, env={k: v for k, v in env.items() if k != "OMP_NUM_THREADS"})
+    assert T["variants"]["1"]["torch_threads"] == 1
+    assert T["variants"]["0"]["torch_threads"] == int(default.stdout)
+    for v, r in T["variants"].items():
+        assert r["threads_asked"] == int(v) and r["steps_per_s_runs"] and r["wall_s_runs"]
+        assert r["steps_per_s"] > 0 and r["wall_s"] > 0 and 0 <= r["eval_acc"] <= 1
+        assert r["metrics_identical"] is True and r["metrics_first_difference"] is None  # one run: itself
+    assert T["ratio"] == T["variants"]["1"]["steps_per_s"] / T["variants"]["0"]["steps_per_s"]
+    d = T["metrics_first_difference_across"]
+    assert T["metrics_identical_across"] == (d is None)
+    assert d is None or {"step", "key", "a", "b"} == set(d)
+    assert (d is None) == (T["metrics_keys_differing_across"] == []) and (d is None or d["key"] in
+                                                                        T["metrics_keys_differing_across"])
+    rows = re.findall(r"^f threads +(--threads \d|ratio 1 / 0)", p.stdout, re.M)
+    assert rows == ["--threads 1", "--threads 0", "ratio 1 / 0"]
+
+
+def test_first_difference():
+    import bench_gmts
+    a = [dict(step=0, eval_acc=0.25), dict(step=1, loss=0.5, kl=0.0)]
+    assert bench_gmts.first_difference(a, [dict(r) for r in a]) is None
+    assert bench_gmts.first_difference(a, [a[0], dict(a[1], kl=1e-9)]) == dict(step=1, key="kl", a=0.0, b=1e-9)
+    assert bench_gmts.first_difference(a, a[:1]) == dict(step=1, key="step", a=1, b=None)  # b has no step 1

@@ -92,7 +92,7 @@ class Config:
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
     threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core); "
-                          "the cpu and smoke presets set 1, faster for their tiny model")
+                          "the cpu and smoke presets set 1: steady when other work shares the cores")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
@@ -1615,7 +1615,9 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     prints = dict(data=data.print, prompt=prompt_print(run.tok, cfg.chat_template))  # what a resume checks
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
-    log(f"device {device} | model {resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} "
+    kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
+    log(f"device {device} ({kernels} kernels, {torch.get_num_threads()} threads) | model "
+        f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} "
         f"| {len(run.eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     if resumed:

@@ -393,7 +393,8 @@ def copy_checkout(dest: str):
 
 
 def pytest(where: str, tests: list, timeout: int, one_process=False) -> tuple:
-    """(passed?, the FAILED/ERROR lines, seconds) of pytest -x on tests in the copy; one_process: without
+    """(passed?, the FAILED/ERROR lines or, if it passed, pytest's summary line, seconds) of pytest -x on tests in
+    the copy; one_process: without
     pytest.ini's two xdist workers (their start costs more than one test takes)."""
     t = time.time()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
@@ -407,6 +408,8 @@ def pytest(where: str, tests: list, timeout: int, one_process=False) -> tuple:
     failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     if code not in (0, 1):  # 5: nothing collected, 2: interrupted (a syntax error, a collection error)
         failed = failed or [f"pytest exit {code}: " + " | ".join(out.strip().splitlines()[-3:])]
+    if code == 0:  # a survivor: what ran (the count shows that the whole suite did)
+        failed = [ln for ln in out.strip().splitlines()[-1:]]
     return code == 0, failed, time.time() - t
 
 
@@ -456,7 +459,7 @@ def main():
                 print("    " + ln[:220], flush=True)
     print("\n| mutant | what it breaks | killed by | result |\n|---|---|---|---|")
     for name, survived, failed, _ in rows:
-        by = ", ".join(sorted({re.sub(r"^(FAILED|ERROR) (\S+).*", r"\2", ln) for ln in failed})) or "-"
+        by = "-" if survived else ", ".join(sorted({re.sub(r"^(FAILED|ERROR) (\S+).*", r"\2", ln) for ln in failed}))
         print(f"| `{name}` | {MUTANTS[name][2]} | {by} | {'SURVIVED' if survived else 'killed'} |")
     survivors = [r[0] for r in rows if r[1]]
     print(f"\n{len(rows) - len(survivors)} of {len(rows)} killed" + (f"; survivors: {', '.join(survivors)}"

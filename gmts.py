@@ -1034,7 +1034,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         refresh_sampler(run.sampler, model)
         check_weights(model, batch, step, cfg.out)  # non-finite weights stop the run before a checkpoint
         # 8. log, evaluate, checkpoint
-        rec = step_record(step, cfg, parts, batch, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
+        rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
                           run.skipped, t0, t_roll)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate(model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
@@ -1628,9 +1628,9 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
 
-def step_record(step: int, cfg: Config, parts: list, batch: dict, rewards, adv, old_logp, entropy, sel_mask,
+def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards, adv, old_logp, entropy, sel_mask,
                 stats: dict, opt, skipped: int, t0: float, t_roll: float) -> dict:
-    """One line of metrics.jsonl (NOTES.md's glossary explains each key); t0 the step's start time."""
+    """One metrics.jsonl line (the glossary in NOTES.md explains each key); t0: the step's start; valid: the loss's."""
     mask = batch["resp_mask"]  # (N, T)
     n_valid = max(int(mask.sum()), 1)
     n_sel = max(int(sel_mask.sum()), 1)
@@ -1639,7 +1639,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, rewards, adv, 
     gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
     dt = time.time() - t0
     return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
-                selected_frac=int(sel_mask.sum()) / n_valid,
+                selected_frac=int(sel_mask.sum()) / max(int(valid.sum()), 1),
                 entropy_mean=float((entropy * mask).sum()) / n_valid,
                 entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
                 zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,

@@ -1369,7 +1369,8 @@ def test_a_truncated_answer_adds_nothing_to_the_gradient(tiny):
 def test_overlong_filter_trains_nothing_on_truncated_answers(tmp_path, monkeypatch, parity):
     """--overlong-filter (DAPO): an answer flagged truncated trains nothing. Every other answer of train's rollouts
     is flagged here; policy_update must get valid = resp_mask minus those rows, a selection inside it ('all': all
-    of it; gmts: part of it) and --loss-norm all's denominator = the valid count; with KL the same `valid`."""
+    of it; gmts: part of it) and --loss-norm all's denominator = the valid count; with KL the same `valid`; the
+    logged selected_frac is kept / valid."""
     real_rollout, real_update = gmts.rollout, gmts.policy_update
     seen = []
 
@@ -1386,14 +1387,16 @@ def test_overlong_filter_trains_nothing_on_truncated_answers(tmp_path, monkeypat
     monkeypatch.setattr(gmts, "policy_update", update)
     for method, kl in (("all", "0"), ("gmts", "0.1")):
         seen.clear()
-        train_main(*SMALL, "--steps", "1", "--overlong-filter", "--select", method, "--kl-beta", kl,
-                   "--no-filter-groups", "--out", tmp_path / method)
+        recs = train_main(*SMALL, "--steps", "1", "--overlong-filter", "--select", method, "--kl-beta", kl,
+                          "--no-filter-groups", "--out", tmp_path / method)
         ((batch, sel, denom, valid),) = seen
         trunc = batch["truncated"][:, None]
         assert trunc.any() and (~trunc).any()
         assert torch.equal(valid, batch["resp_mask"] & ~trunc) and not (sel & trunc).any()
         assert denom == float(valid.sum()) < float(batch["resp_mask"].sum())
         assert torch.equal(sel, valid) if method == "all" else (sel.any() and not (sel & ~valid).any())
+        # selected_frac is a share of the valid tokens: 1 for 'all', not valid / resp_mask
+        assert recs[-1]["selected_frac"] == float(sel.sum()) / float(valid.sum())
 
 
 def test_cpu_preset_with_a_tiny_budget(tmp_path):

@@ -91,8 +91,8 @@ class Config:
                                     "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
-    threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core); "
-                          "the cpu and smoke presets set 1: steady when other work shares the cores")
+    threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core, faster on "
+                          "idle cores); the cpu and smoke presets set 1: steady when other work shares the cores")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "

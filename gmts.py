@@ -1742,12 +1742,12 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
 
 @torch.no_grad()
 def check_weights(model, batch: dict, step: int, out: str):
-    """After an update: weights that are not finite, or finite but so large that the next-token distribution of
-    the batch's first answer is not (the next step could not sample), end the run (RunError, exit 1) before they
-    reach a checkpoint."""
+    """After an update: weights that are not finite, or finite but so large that the distribution of the batch's
+    first answer's first token is not (the next step could not sample), end the run (RunError, exit 1) before
+    they reach a checkpoint."""
     finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
-    if finite:
-        h = response_hidden(model, batch, slice(0, 1))[batch["resp_mask"][:1]]  # (T_0, d)
+    if finite:  # one (1, V) row of logits: a sampling step's worth, not the whole answer's (T, V)
+        h = response_hidden(model, batch, slice(0, 1))[0, :1]  # (1, d)
         finite = bool(torch.log_softmax(model.get_output_embeddings()(h).float(), -1).isfinite().all())
     if not finite:
         raise RunError(f"step {step} left non-finite weights or logits (is --lr too high?); stopped, the checkpoints "

@@ -1809,9 +1809,9 @@ def _run_above(out: str):
     folders are passed over: they hold their runs by design."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
-        marks = [os.path.join(parent, name) for name in (RUN_MARK, "run_config.json")]
-        if any(os.path.isfile(m) for m in marks) and run_kind(parent) != "compare":
-            return parent, run_kind(parent)
+        kind = run_kind(parent)
+        if kind not in (None, "compare"):
+            return parent, kind
         parent = os.path.dirname(parent)
     return None
 

@@ -921,6 +921,8 @@ def start_run(cfg: Config, log=print) -> Run:
     state); record_start writes the run's config and, for a new run, step 0 (the starting model's
     held-out accuracy) and ckpt-000000."""
     device = pick_device(cfg.device)
+    if cfg.threads > 0:  # before any work
+        torch.set_num_threads(cfg.threads)
     model, tok, state, data = open_run(cfg, device, log)
     ref = None
     if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts
@@ -1577,8 +1579,6 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     data). A new run loads --model and only then deletes an old run's files there; --resume loads the newest
     checkpoint that passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value,
     so a resume or a rerun starts it afresh. state: step, skipped, resumed (and opt on a resume)."""
-    if cfg.threads > 0:  # before any work
-        torch.set_num_threads(cfg.threads)
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)

@@ -905,7 +905,7 @@ class Run:
     tok: object  # its tokenizer
     opt: torch.optim.Optimizer
     task: dict  # TASKS[cfg.task]
-    draw: object  # draw(n, *key) -> n training rows (split_rows)
+    draw: object  # draw(n, *key) -> n training rows (read_data)
     eval_rows: list  # the held-out rows
     chat: bool  # prompts in the chat template
     ref: object  # the KL reference model, or None (--kl-beta 0)
@@ -1402,11 +1402,6 @@ class Data:
     rows: list  # the rows checked before step 0: a data file's every row, else the held-out ones
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     print: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
-
-def split_rows(cfg: Config) -> tuple:
-    """(draw, held-out rows) of read_data."""
-    data = read_data(cfg)
-    return data.draw, data.held
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows from

@@ -154,7 +154,7 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
                seed: int, blind: bool = False, log=print):
     """Cross-entropy on the answer tokens of reference completions, after each row's own prompt.
 
-    draw(n, *key) -> n training rows (gmts.split_rows). blind=True teaches BLIND[task]'s random answers instead of
+    draw(n, *key) -> n training rows (gmts.read_data). blind=True teaches BLIND[task]'s random answers instead of
     the solutions: the model learns the format and to copy (and compute with) the prompt's material, while the
     content of its answers (countdown's signs, math's operation, logic's roles) stays spread out and unrelated to
     the prompt."""
@@ -208,7 +208,7 @@ def warm_start(out: str = None, task: str = "countdown", log=print, **recipe):
     torch.set_num_threads(1)  # another thread count may sum in another order: other bits
     try:
         cfg = warm_config(task)
-        draw, _ = gmts.split_rows(cfg)
+        draw = gmts.read_data(cfg).draw
         model, tok = gmts.build_tiny(r["hidden"], r["layers"], seed=0)
         sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                    r["steps"], r["lr"], r["batch_size"], seed=0, blind=True, log=log)
@@ -389,7 +389,7 @@ def fixed_guess_line(folder: str, runs: dict) -> float:
         cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size") if k in saved})
         if cfg.data != "easy":
             return math.nan  # the easy variants' content is a sign pattern, an operation, a role pattern
-        accs.append(best_fixed_guess_acc(cfg.task, gmts.split_rows(cfg)[1]))
+        accs.append(best_fixed_guess_acc(cfg.task, gmts.read_data(cfg).held))
     return sum(accs) / len(accs) if accs else math.nan
 
 def plot_curves(ax, runs: dict, title: str, fixed: float = math.nan):
@@ -569,7 +569,7 @@ def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
     task = gmts.get_task(cfg.task)
-    draw, _ = gmts.split_rows(cfg)
+    draw = gmts.read_data(cfg).draw
     model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     return model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)
 
@@ -741,7 +741,7 @@ def _main(lab, rest):
             gmts.claim_out(out, "warm")
             model, tok = warm_start(out, a.task)
             cfg = warm_config(a.task)
-            rows = gmts.split_rows(cfg)[1]
+            rows = gmts.read_data(cfg).held
             chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, the best fixed content "
                       f"{best_fixed_guess_acc(a.task, rows):.3f}")
             if a.task == "countdown":
@@ -803,7 +803,7 @@ def decoy_main(cfg: gmts.Config):
     if cfg.task != "countdown":
         raise ValueError(f"decoy is defined for countdown, not --task {cfg.task}")
     model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    rows = gmts.split_rows(cfg)[1]
+    rows = gmts.read_data(cfg).held
     ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt, cfg.max_new_tokens)
     print(f"| model | held-out greedy acc | same, other targets shown | read from the target | well-formed |\n"
           f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "

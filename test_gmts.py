@@ -1574,25 +1574,26 @@ def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):
     task = get_task("countdown")
     made, gen = [], gmts._GEN["countdown"]
     monkeypatch.setitem(gmts._GEN, "countdown", lambda r, easy: made.append(1) or gen(r, easy))
-    splits = [gmts.split_rows(gmts.Config(data="easy", steps=n, prompts_per_step=32, eval_size=256))
+    splits = [gmts.read_data(gmts.Config(data="easy", steps=n, prompts_per_step=32, eval_size=256))
               for n in (1, 60, 10 ** 20)]
     assert len(made) == 3 * 256  # only the held-out rows
-    held = splits[0][1]
-    assert len(held) == 256 and all(s[1] == held for s in splits)
+    held = splits[0].held
+    assert len(held) == 256 and all(s.held == held for s in splits)
     seen = {task["prompt"](r) for r in held}
-    draw = splits[0][0]
-    for d, _ in splits:
+    draw = splits[0].draw
+    for d in (s.draw for s in splits):
         for key in [(1, 0), (2, 0), (2, 1), (59, 0)]:
             rows = d(32, *key)
             assert len(rows) == 32 and not seen & {task["prompt"](r) for r in rows}
             assert rows == draw(32, *key)  # a function of (seed, step, resample), not of --steps
     assert draw(32, 1, 0) != draw(32, 1, 1) and draw(32, 1, 0) != draw(32, 2, 0)
-    assert gmts.split_rows(gmts.Config(data="easy", eval_size=256, seed=1))[0](32, 1, 0) != draw(32, 1, 0)
+    assert gmts.read_data(gmts.Config(data="easy", eval_size=256, seed=1)).draw(32, 1, 0) != draw(32, 1, 0)
     rows = [{"nums": [i, 1], "target": i + 1} for i in range(6)]
     rows[3] = dict(rows[0])  # a duplicate of a held-out prompt
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    draw, held = gmts.split_rows(gmts.Config(data=str(path), eval_size=2))
+    data = gmts.read_data(gmts.Config(data=str(path), eval_size=2))
+    draw, held = data.draw, data.held
     assert held == rows[:2] and {r["nums"][0] for r in draw(300, 1, 0)} == {2, 4, 5}
     assert all(sorted(r["nums"][0] for r in draw(3, step, 0)) == [2, 4, 5] for step in range(20))  # no repeats
 

@@ -181,7 +181,7 @@ def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(tas
     b, tok = lab.warm_start(str(tmp_path / "b"), task, log=None, **tiny)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert len(taught) == 48 and taught[:24] == taught[24:]
-    held = gmts.split_rows(lab.warm_config(task))[1]
+    held = gmts.read_data(lab.warm_config(task)).held
     assert lab.warm_config(task).task == task and not any(r in held for r, _ in taught)
     key = "answer" if task == "math" else "solution"
     assert sum(r[key] != x[key] for r, x in taught) >= 6  # 3 in 4 (logic), ~2 in 3 (math) expected of 24
@@ -321,8 +321,8 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     for run in (tmp_path / "cmp").iterdir():
         if run.name != "all-s1":
             shutil.rmtree(run)
-    fixed = lab.best_fixed_guess_acc("logic", gmts.split_rows(gmts.Config(task="logic", data="easy", seed=1,
-                                                                          eval_size=16))[1])
+    fixed = lab.best_fixed_guess_acc("logic", gmts.read_data(gmts.Config(task="logic", data="easy", seed=1,
+                                                                         eval_size=16)).held)
     lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
     assert f"(mean over seeds): {fixed:.3f}" in capsys.readouterr().out and fixed > 0
     row = lambda first: next(x for x in out.splitlines() if x.startswith(f"| {first} |")).split("|")  # noqa: E731

@@ -1401,7 +1401,7 @@ class Data:
     held: list  # the held-out rows
     rows: list  # the rows checked before step 0: a data file's every row, else the held-out ones
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
-    print: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
+    fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows from
@@ -1437,7 +1437,7 @@ def read_data(cfg: Config) -> Data:
             if len(out) == n:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-    return Data(draw=draw, held=held, rows=checked, where=where, print=data_print)
+    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
 def check_prompts(cfg: Config, run, data: Data):
     """ValueError naming the first row whose prompt and answer would pass the model's positions: every
@@ -1578,7 +1578,7 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     set_seed(cfg.seed)
     data = read_data(cfg)
     want = saved.get("fingerprint", {}).get("data")
-    if want and not cfg.allow_change and data.print != want:
+    if want and not cfg.allow_change and data.fingerprint != want:
         raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or sha256 differ); "
                          "pass --allow-change to train on it")
     if checkpoints(cfg.out) and cfg.resume:
@@ -1607,7 +1607,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     if resumed:  # the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
-    prints = dict(data=data.print, prompt=prompt_print(run.tok, cfg.chat_template))  # what a resume checks
+    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template))  # what a resume checks
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
@@ -2117,8 +2117,8 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def resolved_paths(cfg: Config) -> Config:
-    """cfg with its paths absolute: --model where it names a folder, --data where it names a file, --out. Done
-    once, where a config is made: a resume from any working folder finds the same files."""
+    """cfg with its paths absolute: --model where it names a folder, --data where it names a file, --out. parse_args
+    and train (for configs made in Python) apply it: a resume from any working folder finds the same files."""
     model, data, out = cfg.model, cfg.data, cfg.out
     if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
         model = os.path.abspath(model)
@@ -2217,9 +2217,10 @@ def _main(argv):
     except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
         die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if memory_fault(e) is None:
+        why = memory_fault(e)
+        if why is None:
             raise
-        die(memory_fault(e), 1)
+        die(why, 1)
     except KeyboardInterrupt:
         if finished(out, steps, started):  # the signal came after `done:`: every file is saved
             return

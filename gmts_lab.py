@@ -782,9 +782,10 @@ def _main(lab, rest):
     except (OSError, gmts.RunError) as e:  # a model that cannot be loaded, a full disk, nothing to analyse
         gmts.die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if gmts.memory_fault(e) is None:
+        why = gmts.memory_fault(e)
+        if why is None:
             raise
-        gmts.die(gmts.memory_fault(e), 1)
+        gmts.die(why, 1)
     except KeyboardInterrupt:
         gmts.die("interrupted", 130)
     finally:

@@ -2154,6 +2154,16 @@ def memory_fault(e: BaseException):
         return ("out of CPU memory: lower --micro-batch, --group-size or --max-new-tokens, or use a smaller model "
                 "(the last checkpoint is kept)")
     return None
+
+def error_line(e: BaseException, cap: int = 200) -> str:
+    """The one line that stands for any exception: memory first (memory_fault), else the first non-blank line of
+    its message, else the name of its type (an empty OSError() has no message)."""
+    why = memory_fault(e)
+    if why:
+        return why
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0][:cap] if lines else type(e).__name__
+
 STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
 

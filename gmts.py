@@ -129,10 +129,14 @@ class Config:
     kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
     std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
-    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens")
+    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens; seq: GRPO's "
+                                "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
     select: str = arg("gmts", "all, random, entropy, gmts or gradnorm")
-    rho: float = arg(0.2, "share of the batch's response tokens kept")
+    rho: float = arg(0.2, "share of the response tokens kept")
+    scope: str = arg("auto", "where the top rho is taken: group (within each prompt's G answers: GMTS's authors) or "
+                             "batch (the whole batch: 80/20, ETS; with gmts, this project's variant); auto: group for "
+                             "gmts, batch for the others")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
     warmup_steps: int = arg(10, "linear lr warm-up, in update slots (steps x --inner-updates, "
@@ -147,7 +151,8 @@ CHOICES = {
     "select": ["all", "random", "entropy", "gmts", "gradnorm"],
     "device": ["auto", "cuda", "mps", "cpu"],
     "chat_template": ["auto", "yes", "no"],
-    "loss_norm": ["all", "selected"],
+    "loss_norm": ["all", "selected", "seq"],
+    "scope": ["auto", "group", "batch"],
     "sampler_dtype": ["auto", "bf16", "fp32"],
     "report_to": ["none", "tensorboard", "wandb"],
 }
@@ -596,18 +601,24 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
 # A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
+# Step 7 minimises it over the kept tokens S, with k3 KL (beta > 0) over every valid token:
+#     L = sum_{t in S} w_t * l_t / D  +  beta * sum_{t valid} w_t * k3_t / D_kl
+#     k3 = e^d - d - 1,  d = log pi_ref(y) - log pi_theta(y)
+# w, D, D_kl are --loss-norm's normaliser (loss_weights): all w = 1, D = D_kl = the valid tokens;
+# selected D = the kept ones; seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
 # 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
-#    or (A < 0 and r < 1 - eps_l): "the clip is active". Otherwise
-#        dl/dtheta = -A * dr/dtheta = -A * r * dlogp_y/dtheta.
-#    Write omega = r * A where the clip is inactive and omega = 0 where it is active:
-#        dl/dtheta = -omega * dlogp_y/dtheta.
+#    or (A < 0 and r < 1 - eps_l): "the clip is active", I_t = 0 (else I_t = 1). Otherwise
+#    dl/dlogp_y = -r * A (dr/dlogp_y = r), and dk3/dlogp_y = 1 - e^d = 1 - pi_ref / pi_theta. So for
+#    a kept token, with omega its coefficient in dL = -omega * dlogp_t (GMTS's omega):
+#        omega_t = -dL/dlogp_t = w_t r_t I_t A_i / D  +  beta w_t (pi_ref / pi_theta - 1) / D_kl
+#    L depends on token t's logits only through log p_y, so dL/dtheta = -sum_t omega_t dlogp_t/dtheta.
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
-#        dl/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
+#        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
-#        ||dl/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
+#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
 #    (grad_norm is computed by token_stats).
 # 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
-#    when r = 1), in two separate statements:
+#    when r = 1 and beta = 0), in two separate statements:
 #    a. Pointwise, for the token actually sampled:
 #           (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2,
 #       so the norm is set by p_y, not by H: a rare token sampled at a near-certain position has a
@@ -617,18 +628,19 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #       so a near-certain position (H ~ 0) has a near-zero logit gradient ON AVERAGE.
 #    Entropy ranks positions by (b) and misses the tokens of (a); gradnorm (below) scores each token
 #    by its exact norm.
-# 5. Why |A| matters ACROSS answers: the factor |omega| = |r * A| differs between answers. With
-#    binary rewards and k of G answers correct, A = +sqrt((G-k)/k) for the correct and
-#    -sqrt(k/(G-k)) for the wrong ones (G = 8, k = 1: +2.65 vs -0.38), and A = 0 for a group whose
-#    answers all got the same reward. Entropy ranking ignores this factor: it spends budget on
-#    tokens whose gradient is small or exactly 0.
-# 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3;
-#    this exact form is a replication's reading of the paper's equation 4: module docstring,
-#    "Provenance") and keeps the top rho. 'gradnorm' uses the exact logit-gradient norm
-#    |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
-# Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects
-# over the whole batch; recomputes omega (with the current ratio and clip) before every inner
-# update; computes all of it in fp32.
+# 5. Why omega matters ACROSS answers: it differs between them. With binary rewards and k of G
+#    answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
+#    (G = 8, k = 1: +2.65 vs -0.38), A = 0 for a group whose answers all got the same reward, and
+#    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
+#    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
+# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for the per-token norm of step 3)
+#    and keeps about the top rho of each prompt's group: of a group's n valid tokens, sorted by score
+#    ascending, the lowest max(1, ceil((1 - rho) n)) are dropped, and a score of 0 (H_t = 0
+#    included) is never kept (the authors' code: module docstring, "Provenance"). 'gradnorm' uses
+#    the exact logit-gradient norm |omega| * grad_norm instead (our ablation; it costs the same
+#    vocabulary reduction as H).
+# Where the authors leave it open this code: uses the rollout temperature T for p, H and log p;
+# recomputes omega (with the current ratio and clip) before every inner update; computes in fp32.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
@@ -718,7 +730,7 @@ def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, mi
         out[rows[r], t] = logp
     return out
 
-# ==== Scores and top-rho selection [paper: GMTS's score |H * omega|; 80/20's entropy score] =======
+# ==== Scores and top-rho selection [paper: GMTS's score H * |omega|; 80/20's entropy score] =======
 def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
                 clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
@@ -726,13 +738,30 @@ def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
     below = (adv < 0) & (ratio < 1 - clip_low)
     return above | below
 
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
-          clip_high: float) -> torch.Tensor:
-    """ratio * A where the PPO clip leaves the gradient alive, 0 where it is active (step 1).
-    adv (N,), ratio (N, T) -> (N, T)."""
+def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
+    """--loss-norm's normaliser of L (derivation): dict(w=(N, T), denom=D, kl_denom=D_kl), for omega and
+    policy_update. valid (N, T): the loss's tokens; n_kept: the kept count (train passes keep_budget's)."""
+    n_valid = float(max(int(valid.sum()), 1))
+    w = torch.ones(valid.shape, device=valid.device)  # (N, T)
+    if loss_norm == "seq":  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
+        n = float(valid.shape[0])
+        return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
+    if loss_norm == "selected":
+        return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
+    return dict(w=w, denom=n_valid, kl_denom=n_valid)
+
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float, kl_beta: float = 0.0,
+          ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0, kl_denom: float = 1.0) -> torch.Tensor:
+    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip
+    leaves the gradient alive (0 where it is active), plus with kl_beta > 0 the KL term's weight
+    kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta. w, denom, kl_denom: loss_weights;
+    their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
-    return torch.where(dead, torch.zeros_like(ratio), ratio * a)
+    om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
+    if kl_beta > 0:
+        om = om + kl_beta * w * (ref_ratio - 1) / kl_denom  # the KL term's
+    return om
 
 def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
                  generator: torch.Generator = None) -> torch.Tensor:
@@ -743,35 +772,69 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return torch.rand(entropy.shape, generator=generator).to(entropy.device)
     if method == "entropy":  # H_t (80/20 paper)
         return entropy
-    if method == "gmts":  # |H_t * omega_t| (GMTS, as a replication reads its equation 4)
+    if method == "gmts":  # H_t * |omega_t| (GMTS; H >= 0)
         return (entropy * om).abs()
     if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3; our ablation)
         return om.abs() * grad_norm
     raise ValueError(f"unknown selection method {method!r}; "
                      f"choose one of: {', '.join(CHOICES['select'])}")
 
-def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float,
-                  nonzero: bool = False) -> torch.Tensor:
-    """The k = ceil(rho * mask.sum()) valid tokens with the highest scores over the WHOLE batch:
-    (N, T) -> (N, T) bool. Any rho in (0, 1] keeps at least one valid token. Ties go to the
-    earlier position, masked-out tokens are never kept, NaN ranks lowest. nonzero=True (gmts,
-    gradnorm) then drops kept tokens whose score is 0 (their gradient is exactly 0), so they may
-    keep fewer than k."""
-    flat_mask = mask.reshape(-1)  # (N*T,)
-    sel = torch.zeros_like(flat_mask)
-    n = int(flat_mask.sum())
-    if n == 0:
-        return sel.view_as(mask)
+def group_keep(counts: torch.Tensor, rho: float) -> torch.Tensor:
+    """The authors' budget: of a group's n valid tokens drop max(1, ceil((1 - rho) n)) (so one even at rho = 1),
+    keep the rest; in integer arithmetic on rho as written (limited where int64 would overflow). (B,) -> (B,)."""
+    top = int(counts.max()) + 1 if counts.numel() else 1
+    frac = Fraction(str(float(rho))).limit_denominator(2**62 // top)
+    p, q = frac.numerator, frac.denominator
+    drop = ((q - p) * counts + q - 1) // q  # ceil((1 - rho) n)
+    return (counts - drop.clamp_min(1)).clamp_min(0)
+
+def keep_budget(mask: torch.Tensor, rho: float, group_size: int = 0) -> int:
+    """How many valid tokens select_tokens keeps before it drops zero scores: ceil(rho * n) of the whole
+    batch's n (at least one), or with group_size G group_keep summed over the groups of G rows."""
+    if group_size:
+        return int(group_keep(mask.reshape(-1, group_size * mask.shape[-1]).sum(1), rho).sum())
+    n = int(mask.sum())
     # rho * n in exact arithmetic on rho as written: in floats 0.07 * 100 is 7.000000000000001,
     # which would round up to 8 tokens.
-    k = math.ceil(Fraction(str(float(rho))) * n)
-    k = min(n, max(k, 1))
+    return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))
+
+def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torch.Tensor:
+    """The authors' per-group selection, vectorised: each group's scores sorted ascending (stable: of equal
+    scores the earlier comes first), group_keep's lowest dropped. vals, groups (n,) -> keep (n,) bool."""
+    order = torch.sort(vals, stable=True).indices  # by score
+    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: each group's lowest first
+    _, counts = torch.unique_consecutive(groups[order], return_counts=True)  # (B,)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(len(order), device=vals.device) - starts.repeat_interleave(counts)  # 0: a group's lowest
+    keep = torch.zeros_like(vals, dtype=torch.bool)
+    keep[order] = rank >= (counts - group_keep(counts, rho)).repeat_interleave(counts)
+    return keep
+
+def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
+                  group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
+    """The top valid tokens by score: (N, T) -> (N, T) bool; masked-out tokens are never kept, NaN ranks lowest.
+    The scope: group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier
+    position (any rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows
+    (keep_groups' layout) by the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within
+    each label instead. nonzero=True (gmts, gradnorm) then drops kept tokens whose score is 0 (their gradient
+    is exactly 0), so they may keep fewer."""
+    flat_mask = mask.reshape(-1)  # (N*T,)
+    sel = torch.zeros_like(flat_mask)
+    if not flat_mask.any():
+        return sel.view_as(mask)
     vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
     vals = torch.nan_to_num(vals, nan=-math.inf)
-    # Highest first. A stable sort keeps equal scores in position order: ties go to the earlier token.
-    order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
-    keep = torch.zeros_like(vals, dtype=torch.bool)
-    keep[order[:k]] = True
+    if group_size and groups is None:
+        if mask.shape[0] % group_size:
+            raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
+        groups = (torch.arange(mask.shape[0], device=mask.device) // group_size)[:, None].expand(mask.shape)
+    if groups is not None:
+        keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)
+    else:
+        # Highest first. A stable sort keeps equal scores in position order: ties go to the earlier token.
+        order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
+        keep = torch.zeros_like(vals, dtype=torch.bool)
+        keep[order[:keep_budget(mask, rho)]] = True
     if nonzero:
         keep &= vals > 0
     sel[flat_mask] = keep
@@ -796,19 +859,19 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, kept: torch.Tensor,
-                     ref_logp: torch.Tensor, *, denom: float, n_valid: int, clip_low: float,
+                     ref_logp: torch.Tensor, w: torch.Tensor, *, denom: float, kl_denom: float, clip_low: float,
                      clip_high: float, kl_beta: float) -> tuple:
-    """The objective on one micro-batch's M needed tokens, every input (M,):
-        sum_{kept} l_t / denom  +  kl_beta * sum_{all M} k3_t / n_valid
+    """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
+        sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
     -> (loss, counts): counts["clipped"] the kept tokens whose clip is active, counts["live"] the
     tokens whose gradient is not 0 (kept with A != 0 and an inactive clip; with KL also those where
     1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
     pg, clip_m = grpo_token_loss(logp, old_logp, adv, clip_low, clip_high)  # (M,)
-    loss = (pg * kept).sum() / denom
+    loss = (pg * kept * w).sum() / denom
     counts = dict(clipped=int((clip_m & kept).sum()), live=int((kept & ~clip_m & (adv != 0)).sum()), kl=0.0)
     if kl_beta > 0:
         kl = k3_kl(logp, ref_logp)  # (M,)
-        loss = loss + kl_beta * kl.sum() / n_valid  # its normaliser ignores the selection
+        loss = loss + kl_beta * (kl * w).sum() / kl_denom  # its normaliser ignores the selection
         counts["kl"] = float(kl.detach().sum())
         counts["live"] += int((torch.exp(ref_logp - logp.detach()) != 1).sum())
     return loss, counts
@@ -816,11 +879,13 @@ def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
 def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
                   old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
                   clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
-                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None) -> dict:
+                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None, w: torch.Tensor = None,
+                  kl_denom: float = None) -> dict:
     """Accumulate into .grad the gradient of micro_batch_loss over the batch, one micro-batch of
-    answers at a time. The masks, each (N, T):
+    answers at a time; denom, w (N, T) and kl_denom are loss_weights' (defaults: w = 1, kl_denom = the
+    valid tokens). The masks, each (N, T):
       valid     the response tokens the loss may use (default: resp_mask; --overlong-filter drops
-                truncated answers), KL's tokens and its normaliser n_valid
+                truncated answers), KL's tokens
       sel_mask  the kept tokens, the policy term's
       need      the tokens whose log-prob is computed: the kept ones, with KL every valid one
     Only `need` goes through the lm_head (the other tokens have zero gradient: leaving them out is
@@ -833,6 +898,10 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     if kl_beta > 0:
         need = sel_mask | valid
     n_valid = max(int(valid.sum()), 1)
+    if w is None:
+        w = torch.ones(valid.shape, device=valid.device)
+    if kl_denom is None:
+        kl_denom = n_valid
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
     for rows in active.split(micro_batch):
@@ -845,9 +914,8 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
         if kl_beta > 0:
             ref = ref_logp[rows][m]  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref, denom=denom,
-                                        n_valid=n_valid, clip_low=clip_low, clip_high=clip_high,
-                                        kl_beta=kl_beta)
+        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref, w[rows][m], denom=denom,
+                                        kl_denom=kl_denom, clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta)
         loss.backward()
         totals["loss"] += float(loss.detach())
         for key, value in counts.items():
@@ -860,7 +928,7 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
                   old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
                   clip_high: float, micro_batch: int, chunk: int, max_grad_norm: float,
                   kl_beta: float = 0.0, ref_logp: torch.Tensor = None,
-                  valid: torch.Tensor = None) -> dict:
+                  valid: torch.Tensor = None, w: torch.Tensor = None, kl_denom: float = None) -> dict:
     """One optimiser step on the kept tokens (the arguments as loss_backward's). The step rule, the
     same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
     everywhere, with the policy still at its reference, moves neither the weights nor the Adam
@@ -868,7 +936,7 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
                           clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,
-                          kl_beta=kl_beta, ref_logp=ref_logp, valid=valid)
+                          kl_beta=kl_beta, ref_logp=ref_logp, valid=valid, w=w, kl_denom=kl_denom)
     norm = 0.0
     if stats["live"]:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -976,16 +1044,27 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         return batch, rewards, adv, parts
     return (*keep_groups(parts, G, B, run.tok.pad_token_id), parts)
 
+def selection_rule(cfg: Config) -> tuple:
+    """(rho, group_size) of step 6: 'all' keeps every token (rho 1 over the batch); --scope group (auto: for
+    gmts, as its authors) ranks within each prompt's G answers, batch (auto: the others) over the whole batch (0)."""
+    if cfg.select == "all":
+        return 1.0, 0
+    scope = cfg.scope
+    if scope == "auto":
+        scope = "group" if cfg.select == "gmts" else "batch"
+    if scope == "group":
+        return cfg.rho, cfg.group_size
+    return cfg.rho, 0
+
 def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
-    """Step 6 as train() runs it, all (N, T): the top rho of the batch by token_scores(cfg.select);
-    'all' keeps every token; gmts and gradnorm never keep a score-0 token (deviation 9). score_fn
-    (logp, entropy, grad_norm, om) -> scores, if given, replaces token_scores: the notebook's own."""
+    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select) with selection_rule's rho
+    and scope; gmts and gradnorm never keep a score-0 token (deviation 9). score_fn (logp, entropy, grad_norm,
+    om) -> scores, if given, replaces token_scores: the notebook's own."""
+    rho, group_size = selection_rule(cfg)
     if score_fn is not None:
-        return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, cfg.rho)
+        return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, rho, group_size=group_size)
     scores = token_scores(cfg.select, entropy, grad_norm, om)
-    if cfg.select == "all":  # vanilla GRPO
-        return select_tokens(scores, mask, 1.0)
-    return select_tokens(scores, mask, cfg.rho, nonzero=cfg.select in ("gmts", "gradnorm"))
+    return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
     """GRPO with token selection, steps 1-8 of the module docstring -> the output folder. score_fn
@@ -1019,19 +1098,23 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            # 6. scores, and the top rho of the WHOLE batch (deviation 1)
-            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high)  # (N, T)
+            # 6. omega = -dL/dlogp of step 7's loss L (derivation step 1), the scores, and the top rho of
+            # each prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
+            rho, group_size = selection_rule(cfg)
+            norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
+            ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
+            if run.ref is not None:
+                ref_ratio = torch.exp(ref_logp - logp)
+            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
+                       **norm)  # (N, T)
             sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, valid, score_fn)  # (N, T) bool
             # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
             for group in opt.param_groups:
                 group["lr"] = step_lr(cfg, step, inner)
-            denom = float(valid.sum())  # --loss-norm all (deviation 3)
-            if cfg.loss_norm == "selected":
-                denom = max(float(sel_mask.sum()), 1.0)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, temperature=cfg.temperature,
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=cfg.temperature,
                                   clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb, chunk=chunk,
                                   max_grad_norm=cfg.max_grad_norm, kl_beta=cfg.kl_beta, ref_logp=ref_logp,
-                                  valid=valid)
+                                  valid=valid, **norm)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
         check_weights(model, batch, step, cfg.out)  # non-finite weights stop the run before a checkpoint

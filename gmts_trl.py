@@ -16,9 +16,14 @@ The hook (trl 1.16.0, GRPOTrainer._compute_loss):
      forward as the loss's log-probs, at the sampling temperature.
   2. A _compute_loss override (calls super) hands the hook the micro-batch's inputs: "advantages" (B,),
      "old_per_token_logps" when TRL has them, "importance_sampling_ratio" with vLLM; a
-     _get_per_token_logps_and_entropies override (calls super) the current log-probs. omega = ratio * A, 0 where
-     the clip is active (gmts.omega with TRL's epsilon_low / epsilon_high); ratio = 1 without old log-probs
-     (num_iterations = 1, no vLLM), as in TRL's loss.
+     _get_per_token_logps_and_entropies override (calls super) the current log-probs. omega is -dloss/dlogp_t of
+     the loss TRL runs (gmts.py's derivation step 1): ratio * A, 0 where the clip is active (gmts.omega with
+     TRL's epsilon_low / epsilon_high; ratio = 1 without old log-probs, as in TRL's loss), times the vLLM
+     importance ratio when TRL applies it, plus with beta > 0 the k3 KL term's beta (pi_ref / pi_theta - 1)
+     (with use_bias_correction_kl, TRL's default, k3 * ratio's: beta r (pi_ref / pi_theta - 1 - k3); with
+     importance_sampling_level="sequence" the ratio's spread over the row is not modelled), times the loss type's
+     per-token normaliser: 1 / |o_i| for grpo and sapo, 1 / (this process's valid tokens) for bnpo; the other
+     types' normalisers are one constant for every token of the step, which no ranking sees, and are left out.
   3. gradnorm needs sum_j p_j^2 too. TRL's fused LM head can return log sum_j p_j^2 ("log_sum_sq_probs") but
      GRPOTrainer doesn't ask for it, so with token_selection="gradnorm" the head is added again with that output and
      the forward is wrapped to keep it (one more vocabulary reduction per token).
@@ -26,9 +31,14 @@ The hook (trl 1.16.0, GRPOTrainer._compute_loss):
 Across processes: TRL's get_high_entropy_mask gathers the micro-batch's valid-token entropies from every process and
 keeps the tokens at or above one global quantile. Here every process gathers all valid-token scores (accelerate
 pad_across_processes + gather), runs gmts.select_tokens on the whole pool (the same result everywhere) and keeps its
-own slice: exactly ceil(rho * n) of the n valid tokens of the global micro-batch (ties: lower process first, then
-earlier position), where TRL's quantile keeps every tie. The pool is one micro-batch per process, not gmts.py's whole
-rollout batch. As in gmts.train, gmts and gradnorm then drop kept tokens whose score is 0 (A = 0 or clipped).
+own slice. The scope (token_scope, as gmts.py's --scope; auto: group for gmts) is either the pool: exactly
+ceil(rho * n) of its n valid tokens (ties: lower process first, then earlier position; TRL's quantile keeps every
+tie), or each prompt's group, by the GMTS authors' rule. A group is the num_generations answers of one prompt:
+_generate_and_score_completions labels every row with its group (global row // num_generations, the order TRL's
+advantages are grouped in), and the labels travel through TRL's shuffle with the rows. TRL's shuffle spreads a
+group's rows over the micro-batches of a step, so a group is ranked among its rows in the micro-batch at hand. The
+pool is one micro-batch per process, not gmts.py's whole rollout batch. As in gmts.train, gmts and gradnorm then drop
+kept tokens whose score is 0 (A = 0 or clipped).
 
 Loss normalisation: TRL multiplies the per-token loss by the mask and never divides by the kept-token count: the
 normaliser is the completion mask (or a constant), for every loss type. With the default loss_type="dapo" that is the
@@ -83,11 +93,15 @@ class GMTSConfig(GRPOConfig):
     """GRPOConfig plus gmts.py's token selection. token_rho replaces TRL's top_entropy_quantile (leave that at 1)."""
     token_selection: str = field(default="gmts", metadata={"help": "all, random, entropy, gmts or gradnorm"})
     token_rho: float = field(default=0.2, metadata={"help": "share of the valid tokens kept, in (0, 1]"})
+    token_scope: str = field(default="auto", metadata={"help": "group (each prompt's answers), batch (the pool) or "
+                                                               "auto (group for gmts), as gmts.py's --scope"})
 
     def __post_init__(self):
         super().__post_init__()
         if self.token_selection not in METHODS:
             raise ValueError(f"token_selection {self.token_selection!r} is not one of: {', '.join(METHODS)}")
+        if self.token_scope not in gmts.CHOICES["scope"]:
+            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(gmts.CHOICES['scope'])}")
         if not 0.0 < self.token_rho <= 1.0:
             raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
@@ -122,16 +136,21 @@ def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor, temperature: fl
     return (torch.expm1(logp.float()).square() + rest).sqrt() / temperature
 
 
-def select_global(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator):
-    """gmts.select_tokens (nonzero for gmts/gradnorm) over the valid tokens of ALL processes; returns (this
-    process's (B, T) bool mask, the kept share of the global pool). Every process must call it (two gathers), as
-    with TRL's get_high_entropy_mask."""
+def select_global(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator, groups=None):
+    """gmts.select_tokens (nonzero for gmts/gradnorm) over the valid tokens of ALL processes; with groups (B,), each
+    row's group label, within each group instead of over the pool. Returns (this process's (B, T) bool mask, the
+    kept share of the global pool). Every process must call it (two gathers, three with groups), as with TRL's
+    get_high_entropy_mask."""
     local = scores[mask].float()  # (n,) this process's valid tokens, row-major
     counts = accelerator.gather(torch.tensor([local.numel()], device=local.device))  # (W,)
     pool = accelerator.gather(accelerator.pad_across_processes(local, dim=0)).view(counts.numel(), -1)  # (W, L)
     valid = torch.arange(pool.shape[1], device=pool.device)[None, :] < counts[:, None]  # (W, L)
-    keep = gmts.select_tokens(pool, valid, 1.0 if method == "all" else rho,
-                              nonzero=method in ("gmts", "gradnorm"))  # (W, L), the same on every process
+    labels = None
+    if groups is not None:  # each token's group, gathered as the scores are
+        local_groups = groups[:, None].expand(mask.shape)[mask]  # (n,)
+        labels = accelerator.gather(accelerator.pad_across_processes(local_groups, dim=0)).view(pool.shape)
+    keep = gmts.select_tokens(pool, valid, 1.0 if method == "all" else rho, nonzero=method in ("gmts", "gradnorm"),
+                              groups=labels)  # (W, L), the same on every process
     sel = torch.zeros_like(mask)
     sel[mask] = keep[accelerator.process_index, :local.numel()]
     return sel, float(keep.sum()) / max(int(valid.sum()), 1)
@@ -150,6 +169,8 @@ class GMTSTrainer(GRPOTrainer):
         if not isinstance(self.args, GMTSConfig):
             raise TypeError("GMTSTrainer needs args=GMTSConfig(...)")
         self.token_selection, self.token_rho = self.args.token_selection, self.args.token_rho
+        rule = gmts.Config(select=self.token_selection, scope=self.args.token_scope, group_size=self.num_generations)
+        self.token_groups = gmts.selection_rule(rule)[1] > 0  # rank within each prompt's group
         # Any value < 1 makes TRL call get_high_entropy_mask; 'all' (gmts.py: rho = 1) leaves TRL's path unmasked.
         self.top_entropy_quantile = 1.0 if self.token_selection == "all" else 0.0
         self._live = None  # what the hook needs from the _compute_loss call in progress
@@ -187,6 +208,25 @@ class GMTSTrainer(GRPOTrainer):
                                f"gmts_trl.py supports trl {', '.join(TESTED_TRL)}")
         return loss
 
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollout, plus each row's group: the global row index // num_generations (the rows of a generation
+        batch are the processes' slices in order, as TRL groups the advantages). TRL shuffles it with the rows."""
+        out = super()._generate_and_score_completions(inputs)
+        n = out["completion_ids"].shape[0]
+        rows = self.accelerator.process_index * n + torch.arange(n, device=out["completion_ids"].device)
+        out["gmts_group"] = rows // self.num_generations  # (n,)
+        return out
+
+    def _loss_weight(self, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
+        """The per-token normaliser TRL's loss type puts on a token, up to one constant of the step: 1 / |o_i| for
+        grpo and sapo, 1 / (this process's valid tokens) for bnpo, else 1. -> (B, 1) or a number."""
+        m = mask.float()
+        if self.loss_type in ("grpo", "sapo"):
+            return 1.0 / m.sum(-1, keepdim=True).clamp(min=1.0)
+        if self.loss_type == "bnpo":
+            return 1.0 / float(m.sum().clamp(min=1.0))
+        return 1.0
+
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self._live is not None:
@@ -206,6 +246,27 @@ class GMTSTrainer(GRPOTrainer):
             log_ratio = log_ratio.expand(mask.shape)
         return log_ratio.exp()
 
+    def omega(self, inputs: dict, logp, mask: torch.Tensor) -> torch.Tensor:
+        """-dloss/dlogp_t of TRL's loss for a kept token, up to one constant of the step (module docstring, 2).
+        logp (B, T) the current log-probs (None: ratio 1, no KL), mask (B, T) bool -> (B, T)."""
+        adv = inputs["advantages"].float()  # (B,)
+        if adv.dim() != 1:
+            raise ValueError("GMTSTrainer needs one advantage per answer, shape (B,)")
+        clip = (self.epsilon_low, self.epsilon_high) if self.loss_type in CLIPPED_LOSSES else (math.inf, math.inf)
+        ratio = self._ratio(inputs, logp, mask)  # (B, T)
+        om = gmts.omega(adv, ratio, *clip)  # (B, T)
+        is_ratio = inputs.get("importance_sampling_ratio")
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo" \
+                and is_ratio is not None:
+            om = om * is_ratio  # TRL scales the token loss by it, so the token's gradient too
+        if self.beta != 0.0 and logp is not None:  # the KL term's weight: -dk3/dlogp = pi_ref / pi_theta - 1
+            d = inputs["ref_per_token_logps"] - logp
+            kl_w = torch.exp(d) - 1
+            if self.args.use_bias_correction_kl:  # TRL's k3 * ratio: -d(r k3)/dlogp = r (e^d - 1 - k3)
+                kl_w = ratio * (kl_w - gmts.k3_kl(logp, inputs["ref_per_token_logps"]))
+            om = om + self.beta * kl_w
+        return om * self._loss_weight(inputs, mask)
+
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's mask hook, answered with gmts.py's selection; threshold (1 - top_entropy_quantile) is not used.
         entropies, mask (B, T) -> (B, T) bool."""
@@ -213,21 +274,16 @@ class GMTSTrainer(GRPOTrainer):
             raise RuntimeError("GMTSTrainer.get_high_entropy_mask needs the inputs of a _compute_loss call")
         self._live["called"] = True
         inputs, mask, T = self._live["inputs"], mask.bool(), entropies.shape[1]
-        adv = inputs["advantages"].float()  # (B,)
-        if adv.dim() != 1:
-            raise ValueError("GMTSTrainer needs one advantage per answer, shape (B,)")
         logp = torch.cat(self._live["logps"])[:, -T:] if self._live["logps"] else None  # (B, T)
-        clip = (self.epsilon_low, self.epsilon_high) if self.loss_type in CLIPPED_LOSSES else (math.inf, math.inf)
-        om = gmts.omega(adv, self._ratio(inputs, logp, mask), *clip)  # (B, T)
-        is_ratio = inputs.get("importance_sampling_ratio")
-        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo" \
-                and is_ratio is not None:
-            om = om * is_ratio  # TRL scales the token loss by it, so the token's gradient too
+        om = self.omega(inputs, logp, mask)  # (B, T)
         gn = torch.zeros_like(om)
         if self.token_selection == "gradnorm":
             gn = grad_norm_from(logp, torch.cat(self._live["sum_sq"])[:, -T:], self.temperature)
         scores = gmts.token_scores(self.token_selection, entropies.detach().float(), gn, om, self._noise)  # (B, T)
-        sel, kept = select_global(self.token_selection, scores, mask, self.token_rho, self.accelerator)
+        groups = inputs.get("gmts_group") if self.token_groups else None
+        if self.token_groups and groups is None:
+            raise RuntimeError("GMTSTrainer: the micro-batch carries no group labels (gmts_group) for the group scope")
+        sel, kept = select_global(self.token_selection, scores, mask, self.token_rho, self.accelerator, groups)
         self._metrics["train" if self.model.training else "eval"]["gmts/kept_frac"].append(kept)
         return sel
 
@@ -307,6 +363,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
     a("--select", default="gmts", choices=METHODS, help="token selection method")
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
+    a("--scope", default="auto", choices=gmts.CHOICES["scope"], help="group, batch or auto (group for gmts)")
     a("--steps", type=int, default=200, help="optimizer steps")
     a("--out", default="out/trl", help="output folder (checkpoints every 50 steps, the final model)")
     a("--overwrite", action="store_true", help="write into an --out that already holds a run")
@@ -378,6 +435,7 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
             loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
             lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, then a linear decay
             use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
+            token_scope=args.scope,
             use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
             save_strategy="steps", save_steps=50)
     per_step = cfg.generation_batch_size // cfg.num_generations  # prompts per optimizer step, all processes

@@ -816,6 +816,89 @@ def test_select_tokens_beyond_2_pow_24_elements():
     assert select_tokens(scores, mask, 0.5, nonzero=True).nonzero().squeeze(1).tolist() == [n - 3, n - 2, n - 1]
 
 
+def literal_group_select(scores, mask, rho, G, nonzero=False):
+    """The authors' per-group rule as gmts-official.md states it, one token at a time: each group of G rows pools
+    its valid tokens in (row, position) order, sorts them by score ascending (Python's stable sort; NaN lowest),
+    drops the lowest max(1, ceil((1 - rho) * n)) and keeps the rest; nonzero: then only positive scores."""
+    keep = torch.zeros(mask.shape, dtype=torch.bool)
+    for g in range(mask.shape[0] // G):
+        entries = []
+        for i in range(g * G, (g + 1) * G):
+            for t in range(mask.shape[1]):
+                if mask[i, t]:
+                    v = float(scores[i, t])
+                    entries.append(((0, 0.0) if math.isnan(v) else (1, v), i, t))
+        entries.sort(key=lambda e: e[0])
+        drop = max(1, math.ceil((1 - Fraction(str(rho))) * len(entries)))
+        for (_, v), i, t in entries[drop:]:
+            keep[i, t] = not nonzero or v > 0
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("rho", [0.2, 0.5, 0.01, 0.99, 1.0])
+def test_select_tokens_per_group_matches_the_literal_reference(seed, rho):
+    """group_size=G against the literal loop: ties (few distinct scores), zeros (a zero-entropy token or A = 0),
+    a group whose scores are all 0 (its advantages all 0: nonzero keeps nothing of it), rows of unequal lengths
+    (random masks, one empty row), NaN, rho near 0 and 1 (at rho = 1 a group still drops its lowest token)."""
+    g = torch.Generator().manual_seed(seed)
+    G, N, T = 4, 16, 7
+    scores = torch.randint(0, 4, (N, T), generator=g).float()
+    scores[G:2 * G] = 0.0  # the all-zero group
+    scores[0, seed] = float("nan")
+    mask = torch.rand(N, T, generator=g) > 0.3
+    mask[3] = False
+    for nonzero in (False, True):
+        sel = select_tokens(scores, mask, rho, nonzero=nonzero, group_size=G)
+        assert sel.tolist() == literal_group_select(scores, mask, rho, G, nonzero).tolist(), nonzero
+        assert not (sel & ~mask).any()
+    sel = select_tokens(scores, mask, rho, nonzero=True, group_size=G)
+    assert not sel[G:2 * G].any()
+    budget = [int(gmts.group_keep(mask[i:i + G].sum().view(1), rho)) for i in range(0, N, G)]
+    assert gmts.keep_budget(mask, rho, G) == sum(budget)
+    assert [int(x) for x in select_tokens(scores, mask, rho, group_size=G).view(-1, G * T).sum(1)] == budget
+    # the same rule through the labels gmts_trl passes: rows in any order, each row labelled by its group
+    distinct = torch.rand(N, T, generator=g)  # no ties, so the rows' order cannot matter
+    perm = torch.randperm(N, generator=g)  # row k of the shuffled batch is row perm[k]
+    labels = (perm // G)[:, None].expand(N, T)
+    by_label = select_tokens(distinct[perm], mask[perm], rho, groups=labels)
+    assert torch.equal(by_label, select_tokens(distinct, mask, rho, group_size=G)[perm])
+
+
+def test_group_budget_and_scope_hand_computed():
+    """One group of 10 tokens, scores 0..9: rho 0.2 drops ceil(0.8 * 10) = 8 and keeps 8, 9; rho 0.25 drops
+    ceil(7.5) = 8 too (the batch scope keeps ceil(2.5) = 3); rho 1 drops one. Ties: of equal scores the later is
+    kept (the batch scope keeps the earlier). A scope that ranks over the whole batch keeps the highest scores
+    of the high-scoring group only; per group, each group keeps its own top."""
+    s = torch.arange(10.).view(2, 5)
+    m = torch.ones(2, 5, dtype=torch.bool)
+    assert select_tokens(s, m, 0.2, group_size=2).view(-1).nonzero().view(-1).tolist() == [8, 9]
+    assert int(select_tokens(s, m, 0.25, group_size=2).sum()) == 2 and int(select_tokens(s, m, 0.25).sum()) == 3
+    assert int(select_tokens(s, m, 1.0, group_size=2).sum()) == 9 and not select_tokens(s, m, 1.0, group_size=2)[0, 0]
+    tie = torch.ones(1, 10)
+    one = torch.ones(1, 10, dtype=torch.bool)
+    assert select_tokens(tie, one, 0.2, group_size=1).view(-1).nonzero().view(-1).tolist() == [8, 9]
+    assert select_tokens(tie, one, 0.2).view(-1).nonzero().view(-1).tolist() == [0, 1]
+    two = torch.cat([torch.arange(10.).view(2, 5), torch.arange(10.).view(2, 5) + 100])  # group 1 scores higher
+    mm = torch.ones(4, 5, dtype=torch.bool)
+    per_group = select_tokens(two, mm, 0.2, group_size=2)
+    assert per_group[:2].sum() == 2 and per_group[2:].sum() == 2
+    assert select_tokens(two, mm, 0.2)[:2].sum() == 0  # the batch scope spends it all on group 1
+    with pytest.raises(ValueError, match="not groups of 3"):
+        select_tokens(two, mm, 0.2, group_size=3)
+
+
+def test_scope_flag_and_each_methods_default():
+    """--scope auto: group for gmts (its authors), batch for entropy (their ETS baseline), random and gradnorm;
+    'all' keeps everything over the batch; --scope overrides either way; --loss-norm seq exists."""
+    rule = {m: gmts.selection_rule(gmts.parse_args(["--select", m, "--group-size", "6"])) for m in gmts.CHOICES["select"]}
+    assert rule == {"all": (1.0, 0), "random": (0.2, 0), "entropy": (0.2, 0), "gmts": (0.2, 6), "gradnorm": (0.2, 0)}
+    assert gmts.selection_rule(gmts.parse_args(["--scope", "batch"])) == (0.2, 0)
+    assert gmts.selection_rule(gmts.parse_args(["--select", "entropy", "--scope", "group"])) == (0.2, 8)
+    assert gmts.selection_rule(gmts.parse_args(["--select", "all", "--scope", "group"])) == (1.0, 0)
+    assert gmts.parse_args(["--loss-norm", "seq"]).loss_norm == "seq" and gmts.Config().scope == "auto"
+
+
 def test_scores_definitions():
     H = torch.tensor([[0.5, 2.0], [1.0, 0.1]])
     G = torch.tensor([[0.3, 0.9], [0.6, 0.2]])
@@ -874,11 +957,14 @@ def test_gmts_and_gradnorm_keep_no_token_of_an_all_equal_group():
     mask = torch.ones(24, T, dtype=torch.bool)
     om = omega(adv, torch.ones_like(H), 0.2, 0.28)
     dead = (torch.arange(24) >= G)[:, None] & mask
-    for method in ("gmts", "gradnorm"):
+    for method, scope in (("gmts", "batch"), ("gradnorm", "auto"), ("gmts", "auto"), ("gradnorm", "group")):
         for rho in (0.2, 0.5, 0.9):
-            sel = gmts.step_selection(gmts.Config(select=method, rho=rho), None, H, gn, om, mask)
+            sel = gmts.step_selection(gmts.Config(select=method, rho=rho, scope=scope), None, H, gn, om, mask)
             assert not (sel & dead).any(), (method, rho)
-            assert int(sel.sum()) == min(math.ceil(rho * 120), 40), (method, rho)
+            want = min(math.ceil(rho * 120), 40)  # over the batch: the budget moves to the live group
+            if gmts.selection_rule(gmts.Config(select=method, scope=scope))[1]:  # per group: each keeps its own
+                want = 40 - math.ceil((1 - Fraction(str(rho))) * 40)
+            assert int(sel.sum()) == want, (method, scope, rho)
     ent = gmts.step_selection(gmts.Config(select="entropy", rho=0.2), None, H, gn, om, mask)
     assert int((ent & dead).sum()) == int(ent.sum()) == 24
 
@@ -956,6 +1042,65 @@ def test_update_equals_full_reinforce_gradient(tiny, loss_norm):
     assert stats["grad_norm"] == pytest.approx(float(g_ref.norm()), rel=1e-4)
     model.zero_grad()
     model.eval()
+
+
+@pytest.mark.parametrize("loss_norm", ["all", "selected", "seq"])
+@pytest.mark.parametrize("beta", [0.0, 0.3])
+def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
+    """omega_t = -dL/dlogp_t of the objective policy_update minimises (derivation step 1), for every --loss-norm,
+    with KL off and on, on tokens whose clip is active and inactive (ratios 0.5-1.6, both signs of A):
+    (a) against autograd of micro_batch_loss over the batch's needed tokens (kept: the whole omega; dropped: the
+    KL part alone); (b) the parameter gradient loss_backward accumulates equals -sum_t omega_t dlogp_t/dtheta,
+    computed through a plain forward. A mutant that drops w, the normaliser or the KL weight fails (a)."""
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=5)
+    ref_model, _ = gmts.build_tiny(hidden=32, layers=2, seed=3)
+    T, m = 1.0, b["resp_mask"]
+    g = torch.Generator().manual_seed(1)
+    logp = gmts.batch_token_stats(model, b, T, 4, 64)[0]
+    old = (logp + (torch.rand(m.shape, generator=g) - 0.5)).masked_fill(~m, 0.0)  # ratios e^-0.5 .. e^0.5
+    ref = gmts.batch_token_stats(ref_model, b, T, 4, 64)[0]
+    sel = select_tokens(torch.rand(m.shape, generator=g), m, 0.4, group_size=4)
+    norm = gmts.loss_weights(loss_norm, m, gmts.keep_budget(m, 0.4, 4))
+    ratio = torch.exp(logp - old)
+    dead = gmts.clip_active(adv[:, None], ratio, 0.2, 0.28) & m
+    assert dead.any() and (sel & m & ~dead & (adv != 0)[:, None]).any()
+    om = omega(adv, ratio, 0.2, 0.28, beta, torch.exp(ref - logp), **norm)
+    need = sel | m if beta else sel
+    x = logp[need].clone().requires_grad_()
+    loss, _ = gmts.micro_batch_loss(x, old[need], adv[:, None].expand_as(m)[need], sel[need], ref[need],
+                                    norm["w"][need], denom=norm["denom"], kl_denom=norm["kl_denom"], clip_low=0.2,
+                                    clip_high=0.28, kl_beta=beta)
+    grad, = torch.autograd.grad(loss, x)
+    kept = sel[need]
+    assert torch.allclose(-grad[kept], om[need][kept], atol=1e-7, rtol=1e-5)
+    kl_part = om - omega(adv, ratio, 0.2, 0.28, **norm)  # the KL term's weight: on dropped tokens too
+    assert torch.allclose(-grad[~kept], kl_part[need][~kept], atol=1e-7, rtol=1e-5)
+    assert (kl_part[need][~kept] != 0).any() == (beta > 0)
+    model.zero_grad()
+    gmts.loss_backward(model, b, adv, sel, old, temperature=T, clip_low=.2, clip_high=.28, micro_batch=5, chunk=7,
+                       kl_beta=beta, ref_logp=ref, **norm)
+    g_ours = _grads(model)
+    model.zero_grad()
+    lp = _plain_logp(model, b, T)
+    om_plain = omega(adv, torch.exp(lp.detach() - old), 0.2, 0.28, beta, torch.exp(ref - lp.detach()), **norm)
+    weight = torch.where(sel, om_plain, om_plain - omega(adv, torch.exp(lp.detach() - old), 0.2, 0.28, **norm))
+    (-(weight * lp * need).sum()).backward()
+    g_ref = _grads(model)
+    assert g_ref.abs().max() > 0 and torch.allclose(g_ours, g_ref, atol=1e-6), (g_ours - g_ref).abs().max()
+    model.zero_grad()
+
+
+def test_loss_weights_hand_computed():
+    """seq: w = 1 / |o_i| and both divisors N (GRPO's per-answer mean, averaged over the answers); all: the valid
+    count; selected: the kept count for the policy term, the valid count for KL. A row with no valid token
+    (--overlong-filter) gets a finite weight and counts in N."""
+    valid = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    seq = gmts.loss_weights("seq", valid, 2)
+    assert seq["w"][:, 0].tolist() == pytest.approx([1 / 3, 1.0, 1.0], rel=1e-7) and seq["denom"] == seq["kl_denom"] == 3.0
+    assert (gmts.loss_weights("all", valid, 2)["denom"], gmts.loss_weights("all", valid, 2)["kl_denom"]) == (4., 4.)
+    sel = gmts.loss_weights("selected", valid, 2)
+    assert (sel["denom"], sel["kl_denom"]) == (2.0, 4.0) and sel["w"].eq(1).all()
 
 
 def test_kl_gradient_matches_autograd_and_ignores_the_selection(tiny):
@@ -1204,11 +1349,15 @@ def test_every_method_honours_select_and_loss_norm(tmp_path, monkeypatch):
             else:
                 assert r["zero_adv_selected_frac"] == 0.0 and 0 < n_kept <= budget, (method, r)
         assert AutoModelForCausalLM.from_pretrained(tmp_path / method).config.model_type == "qwen2"
-    sel = train_main(*base, "--select", "gmts", "--loss-norm", "selected", "--out", tmp_path / "gmts-selected")[1]
-    ref = runs["gmts"][1]  # the same step 1: same model, same batch, same kept tokens
+    batch = [*base, "--select", "gmts", "--scope", "batch", "--rho", "0.9"]  # a budget beyond the live group
+    sel = train_main(*batch, "--loss-norm", "selected", "--out", tmp_path / "gmts-selected")[1]
+    ref = train_main(*batch, "--out", tmp_path / "gmts-batch")[1]  # the same step 1: same model, batch, kept tokens
     assert sel["selected_frac"] == ref["selected_frac"] < 1 and ref["loss"] != 0
-    assert sel["loss"] == pytest.approx(ref["loss"] / ref["selected_frac"], rel=1e-4)
-    assert sel["grad_norm"] == pytest.approx(ref["grad_norm"] / ref["selected_frac"], rel=1e-4)
+    n_valid = round(ref["completion_len"] * 16)
+    budget = math.ceil(0.9 * n_valid - 1e-9)  # what selected divides by: the budget, zero scores included
+    assert round(ref["selected_frac"] * n_valid) < budget  # gmts dropped the dead group's zero scores
+    assert sel["loss"] == pytest.approx(ref["loss"] * n_valid / budget, rel=1e-4)
+    assert sel["grad_norm"] == pytest.approx(ref["grad_norm"] * n_valid / budget, rel=1e-4)
 
 
 def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, monkeypatch):
@@ -1283,8 +1432,8 @@ def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch
     pi_theta / pi_old has moved off 1 (the first is exactly 1)."""
     ratios, entropies = [], []
     real_omega, real_scores = gmts.omega, gmts.token_scores
-    monkeypatch.setattr(gmts, "omega", lambda adv, ratio, *a: ratios.append(ratio.clone()) or
-                        real_omega(adv, ratio, *a))
+    monkeypatch.setattr(gmts, "omega", lambda adv, ratio, *a, **k: ratios.append(ratio.clone()) or
+                        real_omega(adv, ratio, *a, **k))
     monkeypatch.setattr(gmts, "token_scores", lambda method, H, *a, **k: entropies.append(H.clone()) or
                         real_scores(method, H, *a, **k))
     recs = train_main(*SMALL, "--steps", "1", "--inner-updates", "2", "--lr", "1e-2", "--warmup-steps", "0",

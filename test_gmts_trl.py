@@ -61,10 +61,14 @@ def test_two_trl_steps_end_to_end(tmp_path, select):
     tr = make_trainer(tmp_path, select, reward=length_reward)
     calls = []
     hook = tr.get_high_entropy_mask
-    tr.get_high_entropy_mask = lambda *a: calls.append(1) or hook(*a)
+    tr.get_high_entropy_mask = lambda *a: calls.append(dict(tr._live["inputs"])) or hook(*a)
     before = [p.detach().clone() for p in tr.model.parameters()]
     tr.train()
     assert tr.state.global_step == 2 and len(calls) == 2  # one mask per micro-batch
+    for inputs in calls:  # the group labels came through TRL's shuffle with their rows: one label, one prompt
+        labels, prompts = inputs["gmts_group"].tolist(), inputs["prompt_ids"].tolist()
+        assert {(lab, tuple(p)) for lab, p in zip(labels, prompts)} == {(lab, tuple(p)) for lab, p in
+                                                                       dict(zip(labels, prompts)).items()}
     logs = [h for h in tr.state.log_history if "gmts/kept_frac" in h]
     assert len(logs) == 2 and all(0 < h["gmts/kept_frac"] <= 0.3 for h in logs)  # ceil(0.25 * n) / n at most
     assert all("rewards/countdown_reward/mean" in h for h in logs)
@@ -115,14 +119,59 @@ def test_hook_mask_equals_select_tokens(tmp_path, select, off_policy, rho):
         old = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
         inputs["old_per_token_logps"], ratio = old, torch.exp(logp - old)
     om = gmts.omega(adv, ratio, tr.epsilon_low, tr.epsilon_high)
+    inputs["gmts_group"] = torch.tensor([1, 0, 1, 0])  # rows as TRL's shuffle leaves them: two groups, interleaved
     tr._noise.manual_seed(5)
     got = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
     scores = gmts.token_scores(select, ent, gn, om, torch.Generator().manual_seed(5))
+    groups = None
+    if select == "gmts":  # its authors' scope by default: within each prompt's group
+        groups = inputs["gmts_group"][:, None].expand(mask.shape)
     # as gmts.train: gmts and gradnorm never keep a zero-gradient token
-    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho, nonzero=select in ("gmts", "gradnorm"))
+    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho, nonzero=select in ("gmts", "gradnorm"),
+                              groups=groups)
     assert got.dtype == torch.bool and torch.equal(got, want)
     if select in ("entropy", "random"):
         assert int(got.sum()) == math.ceil(rho * int(mask.sum()))
+    if select == "gmts":  # the group scope is not the pool's: the batch-scope mask differs here
+        assert not torch.equal(got, gmts.select_tokens(scores, mask, rho, nonzero=True))
+        with pytest.raises(RuntimeError, match="no group labels"):
+            run_hook(tr, ent, mask, {"advantages": adv}, logp, log_sum_sq)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.2])
+def test_hook_omega_is_minus_the_gradient_of_trls_loss(tmp_path, monkeypatch, loss_type, beta):
+    """TRL's own _compute_loss on a micro-batch whose log-probs are a leaf: its gradient w.r.t. each token's log-prob
+    is -c * omega on the kept tokens and -c * (the KL part of omega) on the dropped ones, one constant c for the
+    whole micro-batch (TRL's normaliser up to what the ranking cannot see). Rows of different lengths make
+    grpo's 1 / |o_i| visible; old log-probs put some tokens under the clip."""
+    import trl
+    tr = make_trainer(tmp_path, "gmts", rho=0.4, loss_type=loss_type)
+    tr.beta = beta  # set after construction: TRL would load a reference model by name for beta > 0
+    tr.current_gradient_accumulation_steps = 1  # what TRL's training loop sets before a loss
+    ent, logp, log_sum_sq, gn, mask, adv = stats(seed=2)
+    B, T = mask.shape
+    g = torch.Generator().manual_seed(4)
+    old = logp + 0.4 * torch.randn(logp.shape, generator=g)
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum(),
+              "gmts_group": torch.tensor([0, 0, 1, 1])}
+    if beta:
+        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    x = logp.clone().requires_grad_()
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", lambda *a, **k: (x, ent, None))
+    grad, = torch.autograd.grad(tr._compute_loss(tr.model, inputs), x)
+    sel = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
+    om = tr.omega(inputs, logp, mask)
+    kl = om - tr.omega(dict(inputs, ref_per_token_logps=logp), logp, mask)  # the KL part alone
+    want = torch.where(sel, om, kl)
+    i = int((want.abs() * mask).flatten().argmax())
+    c = float(-grad.flatten()[i] / want.flatten()[i])
+    assert c > 0 and torch.allclose(-grad[mask], c * want[mask], rtol=1e-4, atol=1e-9)
+    assert (kl[mask & ~sel] != 0).any() == (beta > 0)
+    assert gmts.clip_active(adv[:, None], torch.exp(logp - old), tr.epsilon_low, tr.epsilon_high)[mask].any()
+    assert tr.args.use_bias_correction_kl  # TRL's default: its KL gradient carries the ratio
 
 
 def test_grad_norm_from_head_outputs_matches_gmts():
@@ -188,6 +237,23 @@ def test_selection_is_global_across_processes():
     assert int(out[0][0].sum()) != math.ceil(0.3 * int(m0.sum()))  # not a per-process top-rho
 
 
+def test_group_selection_across_processes_ranks_each_group_over_its_rows_everywhere():
+    """Group 1's rows sit on both processes: its tokens are ranked together (the union of the slices equals
+    gmts.select_tokens over both micro-batches with the labels), not per process."""
+    g = torch.Generator().manual_seed(5)
+    s0, s1 = torch.rand(3, 5, generator=g), torch.rand(3, 8, generator=g)
+    m0, m1 = torch.rand(3, 5, generator=g) > 0.2, torch.rand(3, 8, generator=g) > 0.2
+    g0, g1 = torch.tensor([0, 1, 0]), torch.tensor([1, 2, 1])
+    out = run_processes(lambda rank, acc, s, m, lab: gmts_trl.select_global("gmts", s, m, 0.3, acc, lab),
+                        (s0, m0, g0), (s1, m1, g1))
+    pad = lambda x: torch.cat([x, x.new_zeros(3, 3)], 1)  # noqa: E731  (3, 5) -> (3, 8)
+    labels = torch.cat([g0, g1])[:, None].expand(6, 8)
+    want = gmts.select_tokens(torch.cat([pad(s0), s1]), torch.cat([pad(m0), m1]), 0.3, nonzero=True, groups=labels)
+    assert torch.equal(torch.cat([pad(out[0][0]), out[1][0]]), want)
+    per_process = gmts.select_tokens(s1, m1, 0.3, nonzero=True, groups=g1[:, None].expand(3, 8))
+    assert not torch.equal(out[1][0], per_process)  # group 1 ranked with its rows on process 0 too
+
+
 def test_a_failing_process_fails_fast():
     """One process raises before its gather: the test gets that error within seconds, not a hang on the barrier."""
     def fn(rank, acc, s, m):
@@ -210,7 +276,8 @@ def loss_inputs(tok, B=4, P=5, T=9):
     comp_mask = (torch.arange(T)[None, :] < torch.tensor([9, 4, 7, 2])[:, None]).int()
     return dict(prompt_ids=torch.randint(256, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.int),
                 completion_ids=torch.randint(256, (B, T), generator=g), completion_mask=comp_mask,
-                advantages=torch.tensor([1.2, -0.7, 0.0, 0.4]), num_items_in_batch=comp_mask.sum())
+                advantages=torch.tensor([1.2, -0.7, 0.0, 0.4]), num_items_in_batch=comp_mask.sum(),
+                gmts_group=torch.tensor([0, 1, 1, 0]))  # as _generate_and_score_completions labels the rows
 
 
 @pytest.mark.parametrize("select", ["gmts", "entropy", "random", "gradnorm", "all"])

@@ -29,6 +29,10 @@ RUNS = {  # name -> flags after `python gmts.py`
                                            "gradnorm", "--sampler-dtype", "bf16", "--fast-generate"],
     "countdown_kl": SMOKE + ["--kl-beta", "0.1", "--lr", "1e-3"],
     "countdown_4_steps": SMOKE + ["--steps", "4", "--save-every", "2"],
+    # issue 35: the batch scope is the gmts of before (compare with an older fingerprint's countdown_gmts); the
+    # authors' objective with its KL
+    "countdown_gmts_batch": SMOKE + ["--select", "gmts", "--scope", "batch"],
+    "countdown_gmts_seq_kl": SMOKE + ["--select", "gmts", "--loss-norm", "seq", "--kl-beta", "0.001"],
 }
 
 

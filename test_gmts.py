@@ -891,7 +891,9 @@ def test_group_budget_and_scope_hand_computed():
 def test_scope_flag_and_each_methods_default():
     """--scope auto: group for gmts (its authors), batch for entropy (their ETS baseline), random and gradnorm;
     'all' keeps everything over the batch; --scope overrides either way; --loss-norm seq exists."""
-    rule = {m: gmts.selection_rule(gmts.parse_args(["--select", m, "--group-size", "6"])) for m in gmts.CHOICES["select"]}
+    rule = {}
+    for m in gmts.CHOICES["select"]:
+        rule[m] = gmts.selection_rule(gmts.parse_args(["--select", m, "--group-size", "6"]))
     assert rule == {"all": (1.0, 0), "random": (0.2, 0), "entropy": (0.2, 0), "gmts": (0.2, 6), "gradnorm": (0.2, 0)}
     assert gmts.selection_rule(gmts.parse_args(["--scope", "batch"])) == (0.2, 0)
     assert gmts.selection_rule(gmts.parse_args(["--select", "entropy", "--scope", "group"])) == (0.2, 8)
@@ -1097,7 +1099,8 @@ def test_loss_weights_hand_computed():
     (--overlong-filter) gets a finite weight and counts in N."""
     valid = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     seq = gmts.loss_weights("seq", valid, 2)
-    assert seq["w"][:, 0].tolist() == pytest.approx([1 / 3, 1.0, 1.0], rel=1e-7) and seq["denom"] == seq["kl_denom"] == 3.0
+    assert seq["w"][:, 0].tolist() == pytest.approx([1 / 3, 1.0, 1.0], rel=1e-7)
+    assert seq["denom"] == seq["kl_denom"] == 3.0
     assert (gmts.loss_weights("all", valid, 2)["denom"], gmts.loss_weights("all", valid, 2)["kl_denom"]) == (4., 4.)
     sel = gmts.loss_weights("selected", valid, 2)
     assert (sel["denom"], sel["kl_denom"]) == (2.0, 4.0) and sel["w"].eq(1).all()

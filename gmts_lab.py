@@ -9,7 +9,8 @@ gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never impo
   python gmts_lab.py decoy --model out/cpu        held-out accuracy with the real and with another problem's target
   python gmts_lab.py report math=out/math --png docs/math.png     tables and learning curves of compare folders
 
-Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos) goes to gmts.parse_args:
+Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos, --arms) goes to
+gmts.parse_args:
 --preset, --model, --out, --seed, --no-filter-groups, --steps ...
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by supervision to
@@ -28,11 +29,13 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
            that ignores the prompt gets (one sign pattern, operation or role pattern for all). Runs from them:
            python gmts.py --preset cpu --task math --model warm/math (data easy, filter off, as the preset).
   compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes; a table of
-           final held-out accuracy and a plot.
+           final held-out accuracy and a plot. A method may name its scope (gmts.py's --scope): gmts@batch is
+           this project's whole-batch GMTS, gmts (= gmts@group) the authors' per-group one; so may analyze's --arms.
   analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio, per method,
            with and without dynamic sampling), and how each score ranks tokens by their true gradient norm.
-           With --rhos R1,R2,...: the kept-gradient curve instead, the same cosine and ratio at each rho on the
-           raw batches (filter off), written to OUT/retention.json; `retention` draws it, a panel per folder.
+           With --rhos R1,R2,...: the kept-gradient curve instead, the same cosine and ratio and the share of
+           kept tokens in low-|A| groups at each rho on the raw batches (filter off), written to
+           OUT/retention.json; `retention` draws it, a panel per folder.
   report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per compare folder,
            the final accuracy table and the paired differences by seed (gmts - entropy, gmts - all, gradnorm -
            gmts); one figure, a learning-curve panel per folder.
@@ -262,13 +265,45 @@ def _train_quietly(job: tuple) -> str:
     torch.set_num_threads(threads)
     return gmts.train(cfg, log=lambda *a: None)
 
+def parse_arm(arm: str, flag: str = "--methods") -> tuple:
+    """An arm is a --select method, or METHOD@SCOPE with a --scope (gmts@batch: this project's whole-batch GMTS)
+    -> (method, scope or None); ValueError (one line) otherwise."""
+    method, _, scope = arm.partition("@")
+    if method not in gmts.CHOICES["select"] or (scope and scope not in gmts.CHOICES["scope"]):
+        raise ValueError(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
+                         f"{', '.join(gmts.CHOICES['select'])}; scopes: {', '.join(gmts.CHOICES['scope'])})")
+    return method, scope or None
+
+def is_arm(name: str) -> bool:
+    try:
+        parse_arm(name)
+    except ValueError:
+        return False
+    return True
+
+def arm_fields(arm: str, cfg: gmts.Config) -> dict:
+    """The Config fields an arm sets: select, and scope (cfg's own when the arm names none)."""
+    method, scope = parse_arm(arm)
+    return dict(select=method, scope=scope or cfg.scope)
+
+def arm_group_size(arm: str, cfg: gmts.Config) -> int:
+    """The scope an arm ranks in on cfg's batches, as gmts.selection_rule says: G (per group) or 0 (batch)."""
+    return gmts.selection_rule(dataclasses.replace(cfg, **arm_fields(arm, cfg)))[1]
+
+def arm_style(arm: str) -> dict:
+    """Plot style: a colour per method, a solid line for the group scope, dashed for the batch."""
+    method = parse_arm(arm)[0]
+    per_group = arm_group_size(arm, gmts.Config())
+    return dict(color=f"C{gmts.CHOICES['select'].index(method)}", linestyle="-" if per_group else "--")
+
 def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=print) -> dict:
     """Each method with seeds cfg.seed, cfg.seed + 1, ... into OUT/<method>-s<seed>, all from cfg.model, in `workers`
     processes (0: one per CPU core on a CPU, 1 on a GPU); two 1-thread processes beat one 2-thread one on 2 cores.
     Writes OUT/compare.md and OUT/compare.png -> {method: [(eval_acc at step 0, final eval_acc) per seed]}."""
-    bad = [m for m in methods if m not in gmts.CHOICES["select"]]
-    if bad or not methods:
-        raise ValueError(f"--methods {','.join(methods)!r}: methods must be from {', '.join(gmts.CHOICES['select'])}")
+    for m in methods:
+        parse_arm(m, "--methods")
+    if not methods:
+        raise ValueError("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     if len(set(methods)) < len(methods):  # two runs would write one folder
@@ -276,7 +311,7 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
     threads = max(1, torch.get_num_threads() // workers)
     threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
-    runs = [dataclasses.replace(cfg, select=m, seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
+    runs = [dataclasses.replace(cfg, **arm_fields(m, cfg), seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
     for c in runs:
         gmts.check_out(c.out, "gmts", c.model, cfg.overwrite)
@@ -292,8 +327,9 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
         for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):  # a worker's error: raised
             c = by_out[out]
             evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out) if "eval_acc" in r]
-            log(f"{c.select} seed {c.seed}: eval_acc {evals[c.out][0][1]:.3f} -> {evals[c.out][-1][1]:.3f}")
-    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if c.select == m] for m in methods}
+            log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> {evals[c.out][-1][1]:.3f}")
+    arm_of = {c.out: os.path.basename(c.out).rpartition("-s")[0] for c in runs}
+    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m] for m in methods}
     lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) | standard error of one "
              f"accuracy (eval_size {cfg.eval_size}) | per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
              "|---|---|---|---|---|"]
@@ -304,12 +340,13 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
                      f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | " + ", ".join(f"{b:.3f}" for _, b in v) + " |")
     with open(os.path.join(cfg.out, "compare.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot_runs({m: [c.out for c in runs if c.select == m] for m in methods}, os.path.join(cfg.out, "compare.png"))
+    plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods}, os.path.join(cfg.out, "compare.png"))
     log("\n".join(lines))
     return table
 
 
-PAIRS = (("gmts", "entropy"), ("gradnorm", "entropy"), ("gmts", "gradnorm"), ("gmts", "all"))
+PAIRS = (("gmts", "entropy"), ("gmts@batch", "entropy"), ("gmts", "gmts@batch"), ("gradnorm", "entropy"),
+         ("gmts", "gradnorm"), ("gmts", "all"))
 # Student's t, 0.975 quantile, by degrees of freedom (standard table values); above 30, the normal 1.960
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
@@ -330,7 +367,7 @@ def finished_runs(folder: str) -> dict:
         method, _, seed = name.rpartition("-s")
         path = os.path.join(folder, name)
         has_config = os.path.isfile(os.path.join(path, "run_config.json"))
-        if method in gmts.CHOICES["select"] and seed.isdigit() and has_config:
+        if is_arm(method) and seed.isdigit() and has_config:
             steps = gmts.read_run_config(path).get("steps")
             curve = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(path) if "eval_acc" in r]
             if curve and curve[-1][0] == steps:
@@ -400,7 +437,7 @@ def plot_curves(ax, runs: dict, title: str, fixed: float = math.nan):
         acc = torch.tensor([[dict(c)[t] for t in steps] for c in by_seed.values()], dtype=torch.float64)  # (seeds, T)
         mean, std = acc.mean(0), acc.std(0, unbiased=False)
         line, = ax.plot(steps, mean.tolist(), marker=".", label=f"{m} ({len(by_seed)} seeds)",
-                        color=f"C{gmts.CHOICES['select'].index(m)}")  # one colour per method in every panel
+                        **arm_style(m))  # one colour per method in every panel, a line style per scope
         ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(), alpha=0.15)
     if not math.isnan(fixed):
         ax.axhline(fixed, color="gray", linestyle="--", linewidth=1, label=f"best fixed content ({fixed:.3f})")
@@ -432,7 +469,7 @@ def report(panels: dict, png: str, log=print) -> dict:
 # Analysis [paper: the claim] what does the kept tokens' gradient keep of the whole batch's, and does |H * omega|
 # rank tokens by their true gradient norm better than H does?
 # ---------------------------------------------------------------------------------------------------------------
-ANALYZED = ("random", "entropy", "gmts", "gradnorm")
+ANALYZED = ("random", "entropy", "gmts", "gradnorm")  # each at its default scope (gmts.selection_rule)
 
 def flat_grad(model) -> torch.Tensor:
     """Every parameter's .grad (zeros where None) as one fp64 vector, (P,)."""
@@ -441,42 +478,60 @@ def flat_grad(model) -> torch.Tensor:
 
 def gradient_retention(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, methods=ANALYZED,
                        seed: int = 0) -> dict:
-    """{method: (cos(g_S, g_all), |g_S| / |g_all|)} on one batch at cfg.rho, on-policy (ratio = 1, omega = A).
+    """{arm: (cos(g_S, g_all), |g_S| / |g_all|, low-|A| share)} on one batch at cfg.rho, on-policy (ratio = 1).
+    An arm is a method at its default scope or METHOD@SCOPE (parse_arm).
 
-    g_S is the parameter gradient of the kept tokens' loss, g_all that of every valid token's, both divided by the
-    number of valid tokens (--loss-norm all: selection is then a pure masking of one sum). Tokens add and cancel,
-    so this is what an update keeps, not a per-token ranking. NaN where g_all is 0 (every A = 0)."""
+    g_S is the parameter gradient of the kept tokens' loss, g_all that of every valid token's, both with
+    --loss-norm's weights of the full batch (selected: the valid count), so that selection is a pure masking of one
+    sum; omega is that loss's (gmts.omega). Tokens add and cancel, so this is what an update keeps, not a per-token
+    ranking. The low-|A| share: of the kept tokens, those in groups whose mean |A| is below the median over the
+    batch's informative groups (a group whose A is 0 everywhere is below it). NaN where g_all is 0 (every A = 0)."""
     return retention_at(model, batch, adv, cfg, (cfg.rho,), methods, seed)[cfg.rho]
+
+def low_adv_rows(adv: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) bool: the answers of the groups whose mean |A| is below the median over the informative groups."""
+    group_abs = adv.abs().view(-1, group_size).mean(1)  # (B,)
+    live = group_abs > 0
+    if not live.any():
+        return torch.ones_like(adv, dtype=torch.bool)
+    median = torch.quantile(group_abs[live].double(), 0.5).float()
+    return (group_abs < median).repeat_interleave(group_size)
 
 def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, methods=ANALYZED,
                  seed: int = 0) -> dict:
-    """gradient_retention at each rho of rhos -> {rho: {method: (cos, ratio)}}. The token statistics and g_all are
+    """gradient_retention at each rho of rhos -> {rho: {arm: (cos, ratio, low)}}. The token statistics and g_all are
     computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
     logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
-    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high)  # (N, T)
+    norm = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
+    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **norm)  # (N, T)
+    low = low_adv_rows(adv, cfg.group_size)[:, None] & mask  # (N, T)
 
     def grad(sel):
         model.zero_grad(set_to_none=True)
-        gmts.loss_backward(model, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
-                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=cfg.micro_batch,
-                           chunk=cfg.stats_chunk)
+        gmts.loss_backward(model, batch, adv, sel, logp, temperature=cfg.temperature, clip_low=cfg.clip_low,
+                           clip_high=cfg.clip_high, micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk, **norm)
         return flat_grad(model)
     g_all = grad(mask)
     n_all = float(g_all.norm())
-    scores = {m: gmts.token_scores(m, entropy, grad_norm, om, torch.Generator().manual_seed(seed)) for m in methods}
+    scores = {}
+    for arm in methods:
+        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, grad_norm, om, torch.Generator().manual_seed(seed))
     res = {}
     for rho in rhos:
         res[rho] = {}
-        for m in methods:
+        for arm in methods:
             if n_all == 0:  # every A = 0: no gradient to retain
-                res[rho][m] = (math.nan, math.nan)
+                res[rho][arm] = (math.nan, math.nan, math.nan)
                 continue
-            keep = 1.0 if m == "all" else rho
-            g = grad(gmts.select_tokens(scores[m], mask, keep, nonzero=m in ("gmts", "gradnorm")))
+            method = parse_arm(arm)[0]
+            keep, group_size = gmts.selection_rule(dataclasses.replace(cfg, rho=rho, **arm_fields(arm, cfg)))
+            sel = gmts.select_tokens(scores[arm], mask, keep, nonzero=method in ("gmts", "gradnorm"),
+                                     group_size=group_size)
+            g = grad(sel)
             n_s = float(g.norm())
             cos = float(g @ g_all) / (n_s * n_all) if n_s > 0 else 0.0
-            res[rho][m] = (cos, n_s / n_all)
+            res[rho][arm] = (cos, n_s / n_all, float((sel & low).sum()) / max(int(sel.sum()), 1))
     model.zero_grad(set_to_none=True)
     return res
 
@@ -577,10 +632,11 @@ def _nothing_to_analyse(cfg: gmts.Config, batches: int):
     return gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers earn one reward "
                          f"(A = 0 everywhere); {cfg.model} earns no signal on these problems")
 
-def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
-    """Roll out `batches` batches from cfg.model and print one table: per method, cos(g_S, g_all) and |g_S|/|g_all|
+def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
+    """Roll out `batches` batches from cfg.model and print one table: per arm, cos(g_S, g_all) and |g_S|/|g_all|
     (mean +- std over batches) on the raw batch (filter off) and on its dynamic-sampling version (filter on:
-    informative groups only, more drawn as in train), and the ranking study on the raw batch. OUT/analysis.json."""
+    informative groups only, more drawn as in train), and the ranking study of its method on the raw batch.
+    OUT/analysis.json."""
     model, tok, task, draw, chat = _analysis_start(cfg, batches)
     acc = collections.defaultdict(list)
     for b in range(batches):
@@ -594,7 +650,7 @@ def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
         if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks
             continue
         for name, (batch, _, adv) in (("off", raw), ("on", on)):
-            for m, (cos, ratio) in gradient_retention(model, batch, adv, cfg, seed=cfg.seed + b).items():
+            for m, (cos, ratio, _) in gradient_retention(model, batch, adv, cfg, arms, seed=cfg.seed + b).items():
                 acc[f"{m}/cos_{name}"].append(cos)
                 acc[f"{m}/ratio_{name}"].append(ratio)
         for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature, seed=cfg.seed + b).items():
@@ -602,7 +658,7 @@ def analyze(cfg: gmts.Config, batches: int, log=print) -> dict:
     if not acc:
         raise _nothing_to_analyse(cfg, batches)
     res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
-    log(analysis_table(res))
+    log(analysis_table(res, arms))
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "analysis.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -618,13 +674,14 @@ def parse_rhos(text: str) -> list:
         raise ValueError(f"--rhos {text!r}: a comma list of values in (0, 1], e.g. 0.01,0.05,0.2")
     return sorted(set(rhos))
 
-def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print) -> dict:
+def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=ANALYZED) -> dict:
     """The kept-gradient curve: on `batches` raw rollout batches of cfg.model (filter off, as the comparison grid;
-    the batches of analyze), cos(g_S, g_all) and |g_S|/|g_all| per rho and method -> {rho: {method: {"cos": [...],
-    "ratio": [...]}}}, one value per batch. Prints the table and writes OUT/retention.json."""
+    the batches of analyze), cos(g_S, g_all), |g_S|/|g_all| and the low-|A| share (gradient_retention) per rho and
+    arm -> {rho: {arm: {"cos": [...], "ratio": [...], "low": [...]}}}, one value per batch. Prints the tables and
+    writes OUT/retention.json."""
     model, tok, task, draw, chat = _analysis_start(cfg, batches, more=("retention.json",))
     one = dataclasses.replace(cfg, max_resample=1)  # the raw batch only
-    res = {r: {m: {"cos": [], "ratio": []} for m in ANALYZED} for r in rhos}
+    res = {r: {m: {"cos": [], "ratio": [], "low": []} for m in arms} for r in rhos}
     for b in range(batches):
         gmts.set_seed(cfg.seed * 1_000_003 + b)
         batch, rewards, adv = sample_parts(model, tok, task, draw, chat, one, ("analyze", b))[0]
@@ -632,31 +689,37 @@ def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print) -> di
             f"with A = 0")
         if not (adv != 0).any():  # no gradient to compare
             continue
-        for r, by_method in retention_at(model, batch, adv, cfg, rhos, seed=cfg.seed + b).items():
-            for m, (cos, ratio) in by_method.items():
+        for r, by_arm in retention_at(model, batch, adv, cfg, rhos, arms, seed=cfg.seed + b).items():
+            for m, (cos, ratio, low) in by_arm.items():
                 res[r][m]["cos"].append(cos)
                 res[r][m]["ratio"].append(ratio)
-    if not res[rhos[0]][ANALYZED[0]]["cos"]:
+                res[r][m]["low"].append(low)
+    if not res[rhos[0]][arms[0]]["cos"]:
         raise _nothing_to_analyse(cfg, batches)
     log(retention_table(res))
     os.makedirs(cfg.out, exist_ok=True)
     gmts.write_file(os.path.join(cfg.out, "retention.json"), json.dumps({str(r): v for r, v in res.items()}, indent=1))
     return res
 
+RETAINED = {"cos": "cos(g_S, g_all)", "ratio": "\\|g_S\\|/\\|g_all\\|", "low": "share of kept tokens in low-\\|A\\| groups"}
+
 def retention_table(res: dict) -> str:
-    """Markdown: a row per rho, cos(g_S, g_all) and |g_S|/|g_all| per method (mean +- population std over batches)."""
-    methods = list(next(iter(res.values())))
-    head = ["rho"] + [f"{m} cos" for m in methods] + [f"{m} \\|g_S\\|/\\|g_all\\|" for m in methods]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for r, by_method in res.items():
-        cells = [f"{float(r):g}"]
-        for key in ("cos", "ratio"):
-            cells += ["{:.3f} +- {:.3f}".format(*_mean(by_method[m][key])) for m in methods]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """Markdown: per quantity of RETAINED that res holds, a table with a row per rho and a column per arm (mean +-
+    population std over batches)."""
+    arms = list(next(iter(res.values())))
+    tables = []
+    for key, title in RETAINED.items():
+        if key not in res[next(iter(res))][arms[0]]:  # a curve of an earlier version: no low-|A| share
+            continue
+        lines = [f"| rho: {title} | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
+        for r, by_arm in res.items():
+            cells = ["{:.3f} +- {:.3f}".format(*_mean(by_arm[m][key])) for m in arms]
+            lines.append(f"| {float(r):g} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 def read_retention(folder: str) -> dict:
-    """retention_curve's result from OUT/retention.json -> {rho (float): {method: {"cos": [...], "ratio": [...]}}}."""
+    """retention_curve's result from OUT/retention.json -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}."""
     path = os.path.join(folder, "retention.json")
     try:
         with open(path) as f:
@@ -667,7 +730,8 @@ def read_retention(folder: str) -> dict:
 
 def retention(panels: dict, png: str, log=print) -> dict:
     """panels: title -> an analyze --rhos folder. Prints each folder's table; one figure, a panel per folder:
-    cos(g_S, g_all) vs rho (log axis), a line per method with a +- std bar over batches."""
+    cos(g_S, g_all) vs rho (log axis), a line per arm with a +- std bar over batches (arm_style: a colour per method,
+    solid for the group scope, dashed for the batch)."""
     from matplotlib.figure import Figure
 
     curves = {title: read_retention(folder) for title, folder in panels.items()}
@@ -678,7 +742,7 @@ def retention(panels: dict, png: str, log=print) -> dict:
         for m in next(iter(res.values())):
             stats = [_mean(res[r][m]["cos"]) for r in rhos]
             ax.errorbar(rhos, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=".", capsize=2, label=m,
-                        color=f"C{gmts.CHOICES['select'].index(m)}")  # the colours of report's panels
+                        **arm_style(m))  # the styles of report's panels
         ax.set_xscale("log")
         ax.set(title=title, xlabel="rho (share of tokens kept)", ylabel="cos(g_S, g_all)")
         ax.legend(fontsize=8)
@@ -692,19 +756,20 @@ def _mean(v: list) -> tuple:
     x = torch.tensor([a for a in v if not math.isnan(a)], dtype=torch.float64)
     return (float(x.mean()), float(x.std(unbiased=False))) if len(x) else (math.nan, math.nan)
 
-def analysis_table(res: dict) -> str:
-    """The markdown table of analyze's result. gradnorm's score IS the logit-gradient norm: those cells are 1 by
-    construction, labelled as the identity, not a finding."""
+def analysis_table(res: dict, arms=ANALYZED) -> str:
+    """The markdown table of analyze's result, a row per arm (its method's Spearman cells). gradnorm's score IS the
+    logit-gradient norm: those cells are 1 by construction, labelled as the identity, not a finding."""
     head = ("| score | cos(g_S, g_all) filter off | \\|g_S\\|/\\|g_all\\| filter off | cos(g_S, g_all) filter on | "
             "\\|g_S\\|/\\|g_all\\| filter on | Spearman vs logit-grad norm, within answers | same, batch (A != 0) | "
             "Spearman vs param-grad norm, within answers | same, batch (A != 0) |")
     lines = [head, "|---" * 9 + "|"]
-    for m in ANALYZED:
-        cells = ["{:.3f} +- {:.3f}".format(*_mean(res[f"{m}/{k}_{f}"])) for f in ("off", "on")
+    for arm in arms:
+        m = parse_arm(arm)[0]
+        cells = ["{:.3f} +- {:.3f}".format(*_mean(res[f"{arm}/{k}_{f}"])) for f in ("off", "on")
                  for k in ("cos", "ratio")]
         cells += ["1 (identity)" if m == "gradnorm" and c.startswith("logit") else f"{res[f'{m}/{c}']:.3f}"
                   for c in SPEARMAN_COLS]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -718,12 +783,15 @@ def main(argv=None):
                                 allow_abbrev=False)  # else --seed would be read as an abbreviation of --seeds
     p.error = gmts.die
     p.add_argument("command", choices=["warm", "compare", "analyze", "decoy", "report", "retention"])
-    p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods")
+    p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods, each "
+                   "maybe METHOD@SCOPE (gmts@batch)")
     p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
     p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
     p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
     p.add_argument("--rhos", default="", help="analyze: a comma list of rho values: the kept-gradient curve "
                    "(OUT/retention.json) instead of the one-rho table")
+    p.add_argument("--arms", default=",".join(ANALYZED), help="analyze: comma list of METHOD or METHOD@SCOPE "
+                   "(gmts@batch: the whole-batch variant); a method alone ranks at its default scope")
     with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
         return _main(*p.parse_known_args(argv))
 
@@ -774,9 +842,12 @@ def _main(lab, rest):
         gmts.check_config(cfg, writes=lab.command != "decoy")  # decoy writes nothing
         if lab.command == "compare":
             return compare(cfg, [m.strip() for m in lab.methods.split(",") if m.strip()], lab.seeds, lab.workers)
+        arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
+        for arm in arms:
+            parse_arm(arm, "--arms")
         if lab.command == "analyze" and lab.rhos:
-            return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos))
-        return analyze(cfg, lab.batches) if lab.command == "analyze" else decoy_main(cfg)
+            return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), arms=arms)
+        return analyze(cfg, lab.batches, arms=arms) if lab.command == "analyze" else decoy_main(cfg)
     except ValueError as e:  # bad input
         gmts.die(str(e), 2)
     except (OSError, gmts.RunError) as e:  # a model that cannot be loaded, a full disk, nothing to analyse

@@ -262,27 +262,31 @@ def test_decoy_separates_reading_the_target_from_guessing(monkeypatch):
 def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     out, lines = tmp_path / "cmp", []
     cfg = gmts.parse_args(["--preset", "smoke", "--out", str(out)])
-    table = lab.compare(cfg, ["all", "gmts"], seeds=2, workers=2, log=lines.append)
+    table = lab.compare(cfg, ["all", "gmts@batch"], seeds=2, workers=2, log=lines.append)
     assert lines[0].startswith("4 runs (2 seed(s) x 2 method(s)) in 2 process(es), 1 thread(s) each")
-    assert set(table) == {"all", "gmts"} and all(len(v) == 2 for v in table.values())
+    assert set(table) == {"all", "gmts@batch"} and all(len(v) == 2 for v in table.values())
     table = (out / "compare.md").read_text().splitlines()
     assert table[0].startswith("| method") and "standard error" in table[0]
-    assert [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts"]
+    assert [x.split("|")[1].strip() for x in table[2:]] == ["all", "gmts@batch"]
     for row in table[2:]:  # mean +- std, and sqrt(p (1 - p) / eval_size) of that mean
         p = float(row.split("|")[3].split("+-")[0])
         assert float(row.split("|")[4]) == pytest.approx(math.sqrt(p * (1 - p) / 4), abs=1e-3)
     assert (out / "compare.png").stat().st_size > 1000
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["all-s0", "all-s1", "gmts-s0", "gmts-s1"]
-    for run in ("all-s0", "gmts-s1"):  # every run starts from the same model
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["all-s0", "all-s1", "gmts@batch-s0",
+                                                                    "gmts@batch-s1"]
+    for run in ("all-s0", "gmts@batch-s1"):  # every run starts from the same model
         assert json.loads((out / run / "run_config.json").read_text())["model"] == gmts.WARM_CPU
+    saved = json.loads((out / "gmts@batch-s1" / "run_config.json").read_text())
+    assert (saved["select"], saved["scope"]) == ("gmts", "batch")  # the arm's scope reached the run
     for args, needle in ((["--methods", "all,best", "--out", str(tmp_path / "x")], "--methods"),
+                         (["--methods", "gmts@everywhere", "--out", str(tmp_path / "x")], "METHOD@SCOPE"),
                          (["--methods", "all,gmts", "--seeds", "2", "--out", str(out)], "--overwrite"),
                          (["--methods", "all", "--seed", "1", "--seeds", "1", "--out", str(out)], "all-s1 holds")):
         with pytest.raises(SystemExit) as e:  # 2nd: finished runs stay; 3rd: --seed is gmts.py's, not short for --seeds
             lab.main(["compare", "--preset", "smoke", *args])
         err = capsys.readouterr().err
         assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1
-    ev = lab.main(["decoy", "--model", str(out / "gmts-s1")])  # the run's own held-out rows (seed 1, 4 problems)
+    ev = lab.main(["decoy", "--model", str(out / "gmts@batch-s1")])  # the run's own held-out rows (seed 1, 4 problems)
     assert "seed 1, 4 problems" in capsys.readouterr().out and set(ev) == {"real_acc", "decoy_acc", "real_valid",
                                                                           "decoy_valid"}
 
@@ -299,7 +303,8 @@ def test_ci95_by_hand():
 def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     """Hand-made compare folders: the table's means, SEs and paired differences are the hand-computed ones; a run
     that has not reached its last step is left out; the figure is written."""
-    finals = {"all": [0.5, 0.6, 0.7], "entropy": [0.4, 0.6, 0.5], "gmts": [0.6, 0.6, 0.5], "gradnorm": [0.7, 0.5]}
+    finals = {"all": [0.5, 0.6, 0.7], "entropy": [0.4, 0.6, 0.5], "gmts": [0.6, 0.6, 0.5], "gradnorm": [0.7, 0.5],
+              "gmts@batch": [0.5, 0.7, 0.5]}
     for m, fin in finals.items():
         for s, acc in enumerate(fin):
             run = tmp_path / "cmp" / f"{m}-s{s}"
@@ -332,6 +337,8 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     # the 95% t interval, 2 degrees of freedom: 1/15 -+ 4.303 / 15; it holds 0
     assert row("gmts - entropy")[4].strip() == "[-0.220, +0.354]" and row("gmts - entropy")[5].strip() == "no"
     assert row("gmts - gradnorm")[2].strip() == "2" and row("gmts - gradnorm")[6].strip() == "-0.100, +0.100"
+    assert row("gmts - gmts@batch")[3].strip() == "+0.000 +- 0.058"  # the two scopes: 0.1, -0.1, 0; SE 0.1 / sqrt(3)
+    assert row("gmts@batch - entropy")[6].strip() == "+0.100, +0.100, +0.000"
     assert "(trunc nan)" in row("all")[6]  # these hand-made runs log no truncated_frac
     for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs")):
         with pytest.raises(SystemExit) as e:
@@ -408,7 +415,9 @@ def test_all_tokens_retain_the_whole_gradient(tiny):
     b, adv = _batch_from(model, tok, seed=3, n_prompts=4)
     cfg = gmts.Config(micro_batch=5, stats_chunk=11)
     res = lab.gradient_retention(model, b, adv, cfg, methods=("all",))
-    assert res["all"] == (pytest.approx(1.0, abs=1e-9), pytest.approx(1.0, abs=1e-9))
+    assert res["all"][:2] == (pytest.approx(1.0, abs=1e-9), pytest.approx(1.0, abs=1e-9))
+    low = lab.low_adv_rows(adv, cfg.group_size)[:, None] & b["resp_mask"]  # every token kept: the low share is theirs
+    assert res["all"][2] == pytest.approx(float(low.sum() / b["resp_mask"].sum()), abs=1e-12)
     res = lab.gradient_retention(model, b, torch.zeros_like(adv), cfg, methods=("all", "gmts"))
     assert all(math.isnan(x) for v in res.values() for x in v)  # every A = 0: there is no gradient to retain
     assert all(p.grad is None for p in model.parameters())
@@ -425,7 +434,7 @@ def test_gmts_retains_more_of_the_gradient_than_random(tiny):
     cfg = gmts.Config(rho=0.2)
     cos = {m: [] for m in ("random", "gmts")}
     for seed in range(4):
-        for m, (c, _) in lab.gradient_retention(model, b, adv, cfg, methods=tuple(cos), seed=seed).items():
+        for m, (c, *_) in lab.gradient_retention(model, b, adv, cfg, methods=tuple(cos), seed=seed).items():
             cos[m].append(c)
     assert min(cos["gmts"]) >= max(cos["random"]), cos
 
@@ -447,8 +456,9 @@ def test_analyze_cli_prints_the_table(tmp_path, capsys, monkeypatch):
 
 def test_the_kept_gradient_curve_matches_one_rho_at_a_time(tiny):
     """retention_at computes the statistics and g_all once for all rhos: each rho's entry equals gradient_retention run
-    alone at that rho (random included: the same draw at every rho). At rho = 1 every method keeps every token with a
-    gradient (gmts and gradnorm drop only A = 0 tokens, whose gradient is 0): cos 1 and ratio 1. Fewer tokens keep
+    alone at that rho (random included: the same draw at every rho). At rho = 1 every batch-scope method keeps every
+    token with a gradient (gradnorm drops only A = 0 tokens, whose gradient is 0): cos 1 and ratio 1; gmts, per
+    group, still drops each group's lowest token (its authors' rule). Fewer tokens keep
     no more of the norm (the kept sets are nested) for entropy, which adds only tokens of one sign of A here."""
     model, tok = tiny
     b, adv = _batch_from(model, tok, seed=4, n_prompts=4)
@@ -459,9 +469,29 @@ def test_the_kept_gradient_curve_matches_one_rho_at_a_time(tiny):
     for r in rhos:
         alone = lab.gradient_retention(model, b, adv, gmts.Config(micro_batch=5, stats_chunk=11, rho=r), seed=3)
         assert curve[r] == alone, r  # the same operations on the same tensors: the same bits
-    for m, (cos, ratio) in curve[1.0].items():
+    for m, (cos, ratio, _) in curve[1.0].items():
+        if lab.arm_group_size(m, cfg):  # the authors' rule drops each group's lowest token even at rho = 1
+            assert 0.99 < cos < 1 - 1e-9, m
+            continue
         assert cos == pytest.approx(1.0, abs=1e-9) and ratio == pytest.approx(1.0, abs=1e-9), m
     assert curve[0.05]["gmts"] != curve[0.3]["gmts"]  # the rho reaches the selection
+
+
+def test_low_adv_share_and_scope_arms_by_hand(tiny):
+    """Groups of 4 with k = 2, 1, 0 (dead) and 3 right answers: mean |A| 1, 0.866, 0, 0.866; the informative groups'
+    median is 0.866, so only the dead group is below it; with k = 2, 2, 1, 3 the median is 0.933. An arm's scope reaches its selection: gmts@batch and
+    gmts@group keep different tokens at a small rho, and gmts alone is gmts@group."""
+    adv = gmts.group_advantages(torch.tensor([1., 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]), 4)
+    assert adv.abs().view(4, 4).mean(1).tolist() == pytest.approx([1.0, 0.866, 0.0, 0.866], abs=1e-3)
+    assert lab.low_adv_rows(adv, 4).tolist() == [False] * 8 + [True] * 4 + [False] * 4
+    adv4 = gmts.group_advantages(torch.tensor([1., 1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 1, 0]), 4)  # 1, 1, .87, .87
+    assert lab.low_adv_rows(adv4, 4).tolist() == [False] * 8 + [True] * 8  # below the median 0.933
+    model, tok = tiny
+    b, _ = _batch_from(model, tok, seed=4, n_prompts=4)
+    cfg = gmts.Config(micro_batch=5, stats_chunk=11, rho=0.1, group_size=4)
+    res = lab.gradient_retention(model, b, adv, cfg, methods=("gmts", "gmts@group", "gmts@batch", "all"), seed=0)
+    assert res["gmts"] == res["gmts@group"] and res["gmts"] != res["gmts@batch"]
+    assert res["gmts@batch"][2] == 0.0 == res["gmts"][2]  # gmts keeps nothing of the dead group either way
 
 
 def test_retention_cli_writes_the_curve_and_its_figure(tmp_path, capsys, monkeypatch):
@@ -469,10 +499,10 @@ def test_retention_cli_writes_the_curve_and_its_figure(tmp_path, capsys, monkeyp
     out = tmp_path / "ret"
     lab.main(["analyze", "--preset", "smoke", "--batches", "2", "--rhos", "0.5,0.1,0.5", "--out", str(out)])
     table = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| 0")]
-    assert [x.split("|")[1].strip() for x in table] == ["0.1", "0.5"]  # sorted, each once
+    assert [x.split("|")[1].strip() for x in table] == ["0.1", "0.5"] * 3  # sorted, each once: cos, ratio, low-|A|
     res = json.loads((out / "retention.json").read_text())
     assert set(res) == {"0.1", "0.5"} and set(res["0.1"]) == set(lab.ANALYZED)
-    assert all(len(v["cos"]) == len(v["ratio"]) >= 1 for v in res["0.5"].values())
+    assert all(len(v["cos"]) == len(v["ratio"]) == len(v["low"]) >= 1 for v in res["0.5"].values())
     lab.main(["retention", f"countdown={out}", f"again={out}", "--png", str(tmp_path / "r.png")])
     assert (tmp_path / "r.png").stat().st_size > 0 and capsys.readouterr().out.count("## ") == 2
     for argv, code, words in ((["analyze", "--preset", "smoke", "--rhos", "0.1,2", "--out", str(tmp_path / "x")], 2,

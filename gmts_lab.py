@@ -701,7 +701,8 @@ def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=
     gmts.write_file(os.path.join(cfg.out, "retention.json"), json.dumps({str(r): v for r, v in res.items()}, indent=1))
     return res
 
-RETAINED = {"cos": "cos(g_S, g_all)", "ratio": "\\|g_S\\|/\\|g_all\\|", "low": "share of kept tokens in low-\\|A\\| groups"}
+RETAINED = {"cos": "cos(g_S, g_all)", "ratio": "\\|g_S\\|/\\|g_all\\|",
+            "low": "share of kept tokens in low-\\|A\\| groups"}
 
 def retention_table(res: dict) -> str:
     """Markdown: per quantity of RETAINED that res holds, a table with a row per rho and a column per arm (mean +-

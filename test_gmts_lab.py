@@ -479,8 +479,9 @@ def test_the_kept_gradient_curve_matches_one_rho_at_a_time(tiny):
 
 def test_low_adv_share_and_scope_arms_by_hand(tiny):
     """Groups of 4 with k = 2, 1, 0 (dead) and 3 right answers: mean |A| 1, 0.866, 0, 0.866; the informative groups'
-    median is 0.866, so only the dead group is below it; with k = 2, 2, 1, 3 the median is 0.933. An arm's scope reaches its selection: gmts@batch and
-    gmts@group keep different tokens at a small rho, and gmts alone is gmts@group."""
+    median is 0.866, so only the dead group is below it; with k = 2, 2, 1, 3 the median is 0.933. An arm's scope
+    reaches its selection: gmts@batch and gmts@group keep different tokens at a small rho, and gmts alone is
+    gmts@group."""
     adv = gmts.group_advantages(torch.tensor([1., 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]), 4)
     assert adv.abs().view(4, 4).mean(1).tolist() == pytest.approx([1.0, 0.866, 0.0, 0.866], abs=1e-3)
     assert lab.low_adv_rows(adv, 4).tolist() == [False] * 8 + [True] * 4 + [False] * 4

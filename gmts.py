@@ -1,8 +1,8 @@
 """
 gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file. Read it beside the papers:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
-         Reasoning", arXiv 2608.30632: train on the top 20% of tokens by (an approximation of) the
-         size of their gradient; here |H_t * omega_t| (see "Provenance").
+         Reasoning", arXiv 2608.30632: train on about the top 20% of each prompt's tokens by H_t *
+         |omega_t|, an approximation of the size of their gradient, as the authors' code does it.
   80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for
          LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
@@ -13,32 +13,38 @@ One training step, as train() numbers it; the file follows this order:
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
   5. per response token: log pi(y_t) and entropy H_t                  [paper: token statistics]
      and the logit-gradient norm (for gradnorm)                       [ours]
-  6. score tokens, keep the top rho of the WHOLE batch (deviation 1)  [paper: selection]
-       entropy   H_t                                                  [80/20]
-       gmts      |H_t * omega_t|, omega = ratio * A (0 where clipped) [GMTS, second-hand]
-       gradnorm  |omega_t| * the exact logit-gradient norm            [ours: an ablation]
+  6. score tokens, keep the top rho of each group or of the batch     [paper: selection]
+       entropy   H_t, over the whole batch                            [80/20, GMTS's ETS baseline]
+       gmts      H_t * |omega_t|, omega = -dL/dlogp_t, per group      [GMTS]
+       gradnorm  |omega_t| * the exact logit-gradient norm, batch     [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
 
-Provenance. We could not read the GMTS full text, only its abstract (OpenReview). The exact score
-|H_t * omega_t| is a third-party replication's reading of the paper's equation 4 (the whileai
-"gmts-token-select" recipe); the abstract says only that GMTS ranks tokens by an approximation of
-their gradient magnitude. Selecting over the whole batch is our choice, not known to be GMTS's
-(deviation 1), and gradnorm is this project's ablation, not a method of either paper.
+Provenance. GMTS is read from its authors' code, github.com/outongyiLv/GMTS, GMTS-Framework1 (a one-GPU
+PyTorch loop like this file): grpo_tools/grpo.py, whose GMTS() holds the score and the per-group budget,
+normalize_rewards_per_group the GRPO normaliser inside omega, approx_kl_divergence the KL term, update_policy
+the entropy baseline (ETS). Their Framework2 (verl, Qwen3-8B: verl/workers/actor/dp_actor.py) differs: omega
+= r * I * A without normaliser or KL, ties at the threshold dropped, and as released its group loop reaches
+only the first of every four groups of a GPU's mini-batch. Our choices: --scope batch for gmts (this
+project's earlier variant, kept), gradnorm, the defaults --loss-norm all and no KL (the authors' objective
+is --loss-norm seq --kl-beta 0.001), and the entropy baseline's tie rule (deviation 1).
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
 column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Selection is over the whole rollout batch (N*T tokens): our choice of scope. The 80/20 code
-     selects per micro-batch and GPU; what GMTS does is not known.
-  2. omega = ratio * A, 0 where the clip is active (= A on the first inner update), rescored before
-     each inner update.
+  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; entropy, random and
+     gradnorm over the whole rollout batch (N*T tokens), keeping exactly ceil(rho * n) with ties to the
+     earlier token, where the authors' ETS keeps every tie at its threshold (NOTES); the 80/20 code
+     selects per micro-batch and GPU.
+  2. omega = -dL/dlogp of the configured loss (derivation step 1): ratio, clip, A, normaliser and KL
+     weight; rescored before each inner update.
   3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
      selection is a pure mask of one sum, so every method runs at one lr; 'selected' divides by the
-     kept tokens (80/20 code).
+     kept budget (80/20 code); 'seq' is GRPO's per-answer mean, averaged over the answers, where
+     GMTS's authors sum over prompts (NOTES).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
@@ -46,10 +52,11 @@ Deviations from the papers and choices they leave open:
      A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's), so
      a batch with A = 0 everywhere and the policy at its reference moves nothing. The lr follows GRPO
      steps regardless.
-  7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model
+  7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the model
      --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
-  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0): maybe < rho.
+  9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0; for gmts also a
+     token of zero entropy, as its authors): maybe fewer than rho.
  10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic
      mirrors countdown.
 
@@ -216,32 +223,6 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     first_end = torch.where(has_end, is_end.int().argmax(dim=1), no_end)  # (N,)
     resp_mask = torch.arange(T, device=device)[None, :] <= first_end[:, None]  # (N, T)
     return resp_mask, ~has_end
-
-class SamplerLogp:
-    """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
-    generate() calls it once per new token, BEFORE that token is drawn, with the ids drawn so far:
-      call 1   sees the prompt only; keeps the distribution of draw 1
-      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2
-      ...
-      finish() reads the last draw from the last kept distribution (no call comes after it)."""
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.read = []  # one (N, 1) column per draw already seen
-        self.pending = None  # (N, V): the distribution of the draw not yet seen
-
-    def __call__(self, drawn: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        if self.pending is not None:
-            self.read.append(self.pending.gather(1, drawn[:, -1:]))
-        self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # (N, V)
-        return logits
-
-    def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end; the last draw is read here (unless
-        generate ran steps past the end and cut them)."""
-        if self.pending is not None and len(self.read) < comp.shape[1]:
-            self.read.append(self.pending.gather(1, comp[:, -1:]))
-        return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
 
 @torch.no_grad()
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
@@ -552,30 +533,6 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(B,) bool: the groups whose rewards are not all equal (A != 0 somewhere: a gradient)."""
     r = rewards.view(-1, group_size)  # (B, G)
     return r.max(dim=1).values != r.min(dim=1).values
-
-# How rollout batches of different widths join: prompts are left padded (generate appends on the
-# right), responses right padded; token ids pad with the pad id, masks and log-probs with 0.
-LEFT_PADDED = ("prompt_ids", "prompt_mask")
-PAD_ID_FILLED = ("prompt_ids", "comp_ids")
-
-def _join_rows(xs: list, key: str, pad_id: int):
-    """One per-answer entry `key` of several rollout batches, joined along the answers: lists
-    concatenated, (N, W) tensors first padded to one width by the rule above."""
-    if isinstance(xs[0], list):
-        return [x for part in xs for x in part]
-    if xs[0].dim() == 2:
-        width = max(x.shape[1] for x in xs)
-        fill = 0
-        if key in PAD_ID_FILLED:
-            fill = pad_id
-        padded = []
-        for x in xs:
-            side = (0, width - x.shape[1])  # (left, right)
-            if key in LEFT_PADDED:
-                side = (width - x.shape[1], 0)
-            padded.append(F.pad(x, side, value=fill))
-        xs = padded
-    return torch.cat(xs)
 
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
     """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
@@ -1611,6 +1568,56 @@ def check_positions(model, prompt_tokens: int, max_new_tokens: int):
     if limit and prompt_tokens + max_new_tokens > limit:
         raise ValueError(f"--max-new-tokens {max_new_tokens} + a {prompt_tokens}-token prompt exceed the "
                          f"model's {limit} positions")
+
+class SamplerLogp:
+    """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
+    generate() calls it once per new token, BEFORE that token is drawn, with the ids drawn so far:
+      call 1   sees the prompt only; keeps the distribution of draw 1
+      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2
+      ...
+      finish() reads the last draw from the last kept distribution (no call comes after it)."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.read = []  # one (N, 1) column per draw already seen
+        self.pending = None  # (N, V): the distribution of the draw not yet seen
+
+    def __call__(self, drawn: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.read.append(self.pending.gather(1, drawn[:, -1:]))
+        self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # (N, V)
+        return logits
+
+    def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
+        """(N, T) log-probs of comp's tokens, 0 after the end; the last draw is read here (unless
+        generate ran steps past the end and cut them)."""
+        if self.pending is not None and len(self.read) < comp.shape[1]:
+            self.read.append(self.pending.gather(1, comp[:, -1:]))
+        return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
+
+# How rollout batches of different widths join: prompts are left padded (generate appends on the
+# right), responses right padded; token ids pad with the pad id, masks and log-probs with 0.
+LEFT_PADDED = ("prompt_ids", "prompt_mask")
+PAD_ID_FILLED = ("prompt_ids", "comp_ids")
+
+def _join_rows(xs: list, key: str, pad_id: int):
+    """One per-answer entry `key` of several rollout batches, joined along the answers: lists
+    concatenated, (N, W) tensors first padded to one width by the rule above."""
+    if isinstance(xs[0], list):
+        return [x for part in xs for x in part]
+    if xs[0].dim() == 2:
+        width = max(x.shape[1] for x in xs)
+        fill = 0
+        if key in PAD_ID_FILLED:
+            fill = pad_id
+        padded = []
+        for x in xs:
+            side = (0, width - x.shape[1])  # (left, right)
+            if key in LEFT_PADDED:
+                side = (width - x.shape[1], 0)
+            padded.append(F.pad(x, side, value=fill))
+        xs = padded
+    return torch.cat(xs)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
     """Step 2 of train(): rollout() of G answers per prompt on run.sampler, with the sampler's

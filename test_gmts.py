@@ -1430,6 +1430,27 @@ def test_kl_run_loads_a_reference_and_logs_kl(tmp_path, monkeypatch, parity):
     assert loaded == ["tiny"]  # beta = 0: no reference model
 
 
+def test_train_scores_with_the_kl_weight(tmp_path, monkeypatch, parity):
+    """Step 6 as train() runs it with --kl-beta and --loss-norm seq: the omega handed to the selection is the loss's
+    own (loss_weights, and the KL weight from the reference's log-probs), recomputed from the tensors train passes
+    to policy_update; at step 2 the policy has left its reference, so the KL weight is not 0."""
+    seen = []
+    real_select, real_update = gmts.step_selection, gmts.policy_update
+    monkeypatch.setattr(gmts, "step_selection", lambda cfg, logp, H, gn, om, mask, fn=None: seen.append(
+        dict(logp=logp, om=om, mask=mask)) or real_select(cfg, logp, H, gn, om, mask, fn))
+    monkeypatch.setattr(gmts, "policy_update", lambda model, opt, batch, adv, sel, old, **k: seen[-1].update(
+        adv=adv, old=old, ref=k["ref_logp"], denom=k["denom"]) or real_update(model, opt, batch, adv, sel, old, **k))
+    train_main(*SMALL, "--steps", "2", "--kl-beta", "0.1", "--loss-norm", "seq", "--lr", "1e-2",
+               "--warmup-steps", "0", "--out", tmp_path / "kl")
+    last = seen[-1]
+    rho, g = gmts.selection_rule(gmts.parse_args(["--group-size", "4"]))
+    norm = gmts.loss_weights("seq", last["mask"], gmts.keep_budget(last["mask"], rho, g))
+    ratio = torch.exp(last["logp"] - last["old"])
+    want = omega(last["adv"], ratio, 0.2, 0.28, 0.1, torch.exp(last["ref"] - last["logp"]), **norm)
+    assert torch.equal(last["om"], want) and norm["denom"] == last["denom"] == 8.0
+    assert not torch.allclose(last["om"], omega(last["adv"], ratio, 0.2, 0.28, **norm), atol=1e-9)
+
+
 def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch, parity):
     """--inner-updates 2: the statistics and scores are recomputed before the second update, whose ratio
     pi_theta / pi_old has moved off 1 (the first is exactly 1)."""

@@ -9,7 +9,7 @@ does not match test_*.py) and CI does not run it.
     python dev/mutants.py --only a,b --list  some mutants; --list prints them and runs nothing
 
 The mutants are applied to a copy of this checkout in a temporary folder, never to the checkout itself. Every
-anchor must occur exactly once in gmts.py's reading part, or the driver stops before running anything (a refactor
+anchor must occur exactly once in gmts.py, or the driver stops before running anything (a refactor
 that moves the text must move the mutant too); so does a mutant that does not compile (it would count as killed).
 Each mutant's failure line (pytest -rf) is printed, to check that the test fails for the right reason.
 """
@@ -205,13 +205,13 @@ MUTANTS = {
         "an A = 0 token below 1 - eps_l counts as clipped (clip_frac)",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "omega_ignores_clip": (
-        "return torch.where(dead, torch.zeros_like(ratio), ratio * a)",
-        "return ratio * a",
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's",
+        "om = ratio * a * w / denom  # the policy term's",
         "omega is ratio * A where the clip is active too",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "omega_without_ratio": (
-        "return torch.where(dead, torch.zeros_like(ratio), ratio * a)",
-        "return torch.where(dead, torch.zeros_like(ratio), a.expand_as(ratio))",
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's",
+        "om = torch.where(dead, torch.zeros_like(ratio), a.expand_as(ratio)) * w / denom  # the policy term's",
         "omega = A, not ratio * A, off the first inner update",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "gmts_score_signed": (
@@ -225,8 +225,8 @@ MUTANTS = {
         "gradnorm scores by the logit-gradient norm alone, without |omega|",
         T + "test_scores_definitions"),
     "select_k_float_product": (
-        "k = math.ceil(Fraction(str(float(rho))) * n)",
-        "k = math.ceil(rho * n)",
+        "return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))",
+        "return min(n, max(1, math.ceil(rho * n)))",
         "select_tokens rounds rho * n in floats (0.07 * 100 keeps 8)",
         T + "test_select_tokens_edges"),
     "select_nan_first": (
@@ -245,8 +245,8 @@ MUTANTS = {
         "nonzero=True keeps score-0 tokens (gmts spends budget on A = 0)",
         T + "test_gmts_spends_nothing_on_zero_advantage_groups"),
     "step_selection_no_nonzero": (
-        'return select_tokens(scores, mask, cfg.rho, nonzero=cfg.select in ("gmts", "gradnorm"))',
-        "return select_tokens(scores, mask, cfg.rho)",
+        'return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)',
+        "return select_tokens(scores, mask, rho, group_size=group_size)",
         "train's gmts/gradnorm fill rho with score-0 tokens (deviation 9)",
         T + "test_constant_reward_every_method_ends_identical_and_unchanged"),
     # ---- loss and update
@@ -266,8 +266,8 @@ MUTANTS = {
         "k3 estimates the reverse KL",
         T + "test_k3_kl"),
     "kl_normalised_by_denom": (
-        "loss = loss + kl_beta * kl.sum() / n_valid  # its normaliser ignores the selection",
-        "loss = loss + kl_beta * kl.sum() / denom  # its normaliser ignores the selection",
+        "loss = loss + kl_beta * (kl * w).sum() / kl_denom  # its normaliser ignores the selection",
+        "loss = loss + kl_beta * (kl * w).sum() / denom  # its normaliser ignores the selection",
         "the KL term is divided by the kept-token count under --loss-norm selected",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "kl_only_kept_tokens": (
@@ -322,8 +322,8 @@ MUTANTS = {
         "the second inner update reuses the first one's statistics",
         T + "test_inner_updates_recompute_scores_and_move_the_ratio"),
     "loss_temperature_one": (
-        "stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, temperature=cfg.temperature,",
-        "stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, denom, temperature=1.0,",
+        "stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=cfg.temperature,",
+        "stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=1.0,",
         "the loss's log-probs at T = 1 while the sampler and the statistics use --temperature",
         T + "test_training_at_a_temperature_is_on_policy"),
     "stats_temperature_one": (
@@ -334,8 +334,8 @@ MUTANTS = {
         "pi_old's statistics at T = 1 while the sampler and the loss use --temperature",
         T + "test_training_at_a_temperature_is_on_policy"),
     "loss_norm_selected_ignored": (
-        "denom = max(float(sel_mask.sum()), 1.0)",
-        "denom = float(valid.sum())",
+        "return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)",
+        "return dict(w=w, denom=n_valid, kl_denom=n_valid)",
         "--loss-norm selected divides by the valid tokens, as 'all' does",
         T + "test_every_method_honours_select_and_loss_norm"),
     "ref_logp_other_path": (
@@ -348,28 +348,69 @@ MUTANTS = {
         "sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, mask, score_fn)  # (N, T) bool",
         "--overlong-filter: truncated answers can still be kept",
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
+    # ---- issue 35: the authors' scope, budget and omega
+    "scope_group_ranks_batch": (
+        "        return cfg.rho, cfg.group_size\n",
+        "        return cfg.rho, 0\n",
+        "--scope group (gmts's default) ranks over the whole batch",
+        T + "test_scope_flag_and_each_methods_default"),
+    "groups_pooled_into_one": (
+        "keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)",
+        "keep = keep_in_groups(vals, torch.zeros_like(vals, dtype=torch.long), rho)",
+        "select_tokens' group scope pools every group into one (the authors' rule over the batch)",
+        T + "test_select_tokens_per_group_matches_the_literal_reference"),
+    "group_budget_no_minimum_drop": (
+        "return (counts - drop.clamp_min(1)).clamp_min(0)",
+        "return (counts - drop).clamp_min(0)",
+        "a group drops nothing at rho = 1 (the authors drop at least one)",
+        T + "test_select_tokens_per_group_matches_the_literal_reference"),
+    "group_ties_to_the_earlier": (
+        "order = torch.sort(vals, stable=True).indices  # by score",
+        "order = torch.sort(vals, stable=True, descending=True).indices.flip(0)  # by score",
+        "of equal scores in a group the earlier is kept (the authors' stable ascending sort keeps the later)",
+        T + "test_select_tokens_per_group_matches_the_literal_reference"),
+    "omega_without_normaliser": (
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's",
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a)  # the policy term's",
+        "omega leaves out the loss's normaliser (w / D)",
+        T + "test_omega_is_minus_the_gradient_of_the_loss"),
+    "omega_without_kl_weight": (
+        "om = om + kl_beta * w * (ref_ratio - 1) / kl_denom  # the KL term's",
+        "om = om  # the KL term's",
+        "omega leaves out the KL term's weight",
+        T + "test_omega_is_minus_the_gradient_of_the_loss"),
+    "omega_kl_without_w": (
+        "om = om + kl_beta * w * (ref_ratio - 1) / kl_denom  # the KL term's",
+        "om = om + kl_beta * (ref_ratio - 1) / kl_denom  # the KL term's",
+        "omega's KL weight leaves out seq's 1 / |o_i|",
+        T + "test_omega_is_minus_the_gradient_of_the_loss"),
+    "seq_without_length": (
+        "return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)",
+        "return dict(w=w, denom=n, kl_denom=n)",
+        "--loss-norm seq without GRPO's 1 / |o_i|",
+        T + "test_loss_weights_hand_computed"),
+    "train_omega_without_kl": (
+        "            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,",
+        "            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, 0.0, ref_ratio,",
+        "train's omega leaves out the KL weight",
+        T + "test_train_scores_with_the_kl_weight"),
     "overlong_denom_all_tokens": (
-        "denom = float(valid.sum())  # --loss-norm all (deviation 3)",
-        "denom = float(mask.sum())  # --loss-norm all (deviation 3)",
+        "norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl",
+        "norm = loss_weights(cfg.loss_norm, mask, keep_budget(valid, rho, group_size))  # w, D, D_kl",
         "--overlong-filter: the loss is divided by the valid tokens of the truncated answers too",
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
 }
 
 
 def check_anchors(src: str, names: list):
-    """Every anchor occurs exactly once, in the reading part (above the "Supporting code" banner); every mutant
-    changes the text and compiles."""
+    """Every anchor occurs exactly once in gmts.py (the reading part, and the rollout plumbing it relies on:
+    SamplerLogp, _join_rows); every mutant changes the text and compiles."""
     bad = []
-    banner = src.find("\n# Supporting code")
-    if banner < 0:
-        sys.exit("dev/mutants.py: gmts.py has no '# Supporting code' banner")
     for name in names:
         anchor, repl, _, _ = MUTANTS[name]
         n = src.count(anchor)
         if n != 1:
             bad.append(f"{name}: anchor found {n} times: {anchor[:70]!r}")
-        elif src.index(anchor) > banner:
-            bad.append(f"{name}: anchor below the reading part: {anchor[:70]!r}")
         elif anchor == repl:
             bad.append(f"{name}: the replacement is the anchor")
         else:

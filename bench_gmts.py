@@ -11,11 +11,13 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
   b. loss head forward + backward (d hidden and d lm_head): gmts.head_logp (chunk 1024) on all tokens vs on the
      rho share of rows gathered from the hidden states first, as policy_update does.
   c. gmts.select_tokens on 1M and 32M random scores with a mask, beside torch.quantile (TRL's threshold; it
-     refuses inputs above 2^24 elements: "fails").
+     refuses inputs above 2^24 elements: "fails"); and per group on one batch of the GMTS authors' shape (64 x 16
+     answers, up to 2,048 tokens): select_tokens(group_size=16) against the literal token loop of their code
+     (one .item() per token), the same kept tokens, the ratio of the times.
   d. one training step of a random-init tiny model of warm/cpu's shape (gmts.build_tiny(96, 3), PRESETS["cpu"]
      batch sizes): rollout (gmts.rollout on
-     countdown prompts) + the update of train() steps 5-7 (batch_token_stats, token_scores, select_tokens,
-     policy_update and the two selections train() logs) for --select all, random and gmts on one fixed
+     countdown prompts) + the update of train() steps 5-7 (batch_token_stats, loss_weights, omega, token_scores,
+     select_tokens at each method's scope, policy_update) for --select all, random and gmts on one fixed
      batch. A random model earns no reward, so rewards are random 0/1 with one right and one wrong answer per
      group (no answer has A = 0). Its entropy is nearly flat, so gmts keeps whole answers of the largest |A| and
      the update runs few answers; random spreads the kept tokens over every answer: gmts' worst case.
@@ -64,6 +66,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import argparse
 import copy
 import ctypes
+import dataclasses
 import functools
 import gc
 import itertools
@@ -253,7 +256,43 @@ def sec_select(args, meter, dev) -> dict:
         for k, r in interleave(meter, variants, args.repeats).items():
             del r["out"]
             out[f"{n}/{k}"] = r
+    out.update(per_group(args, meter, dev))
     return out
+
+
+def literal_group_select(scores: torch.Tensor, mask: torch.Tensor, rho: float, G: int) -> torch.Tensor:
+    """The GMTS authors' per-group selection written token by token, as their Framework1 runs it (one .item() per
+    token): per group, a list of (score, row, position), sorted ascending, the lowest max(1, ceil((1 - rho) n))
+    dropped, a score of 0 never kept. The reference select_tokens(group_size=G, nonzero=True) is timed against."""
+    keep = torch.zeros(mask.shape, dtype=torch.bool)
+    for g in range(mask.shape[0] // G):
+        entries = []
+        for i in range(g * G, (g + 1) * G):
+            for t in range(int(mask[i].sum())):  # the valid tokens are a prefix of each row
+                entries.append((scores[i, t].item(), i, t))
+        entries.sort(key=lambda e: e[0])
+        for v, i, t in entries[max(1, math.ceil((1 - rho) * len(entries))):]:
+            keep[i, t] = v != 0
+    return keep
+
+
+def per_group(args, meter, dev) -> dict:
+    """Per-group selection on one batch of the authors' shape (64 prompts x 16 answers, up to 2,048 tokens, as
+    their Framework1 yaml; --quick: 4 x 4 x 64): the literal token loop (once: tens of seconds) beside the
+    vectorised select_tokens (--repeats runs), the same kept tokens, and the ratio of their times."""
+    B, G, T = (4, 4, 64) if args.quick else (64, 16, 2048)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.rand(B * G, T, generator=g)
+    scores[torch.rand(B * G, T, generator=g) < 0.05] = 0.0  # zero entropy, A = 0: never kept
+    lengths = torch.randint(T // 8, T + 1, (B * G, 1), generator=g)
+    mask = torch.arange(T)[None, :] < lengths  # (N, T)
+    fast = interleave(meter, {"fast": lambda: gmts.select_tokens(scores.to(dev), mask.to(dev), args.rho, nonzero=True,
+                                                                 group_size=G)}, args.repeats)["fast"]
+    slow = interleave(meter, {"loop": lambda: literal_group_select(scores, mask, args.rho, G)}, 1)["loop"]
+    same = torch.equal(fast.pop("out").cpu(), slow.pop("out"))
+    shape = f"{B}x{G}x{T}"
+    return {f"group {shape}/literal_loop": slow, f"group {shape}/select_tokens": dict(
+        fast, tokens=int(mask.sum()), same_kept_tokens=same, loop_over_vectorised=slow["ms"] / fast["ms"])}
 
 
 def qwen_batch(model, B: int, G: int, P: int, T: int, seed: int) -> dict:
@@ -295,19 +334,16 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         t0 = clock()  # the extra no-grad forward of the statistics (deviation 8 in gmts.py): its share of a step
         logp, ent, gn = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
         stats_ms[method].append((clock() - t0) * 1e3)
-        om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high)  # inner update 0: old = logp
-        scores = gmts.token_scores(method, ent, gn, om)
+        rho, group_size = gmts.selection_rule(dataclasses.replace(cfg, select=method))  # as train() selects
         t = clock()
-        sel = gmts.select_tokens(scores, mask, 1.0 if method == "all" else cfg.rho,  # as train() selects
-                                 nonzero=method in ("gmts", "gradnorm"))
-        dt = clock() - t
-        gmts.policy_update(model, opt, batch, adv, sel, logp, float(mask.sum()), temperature=cfg.temperature,
-                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=cfg.micro_batch,
-                           chunk=cfg.stats_chunk, max_grad_norm=cfg.max_grad_norm)
-        t = clock()  # train() step 7 logs two more selections every step (entropy top-rho, gmts top-rho)
-        gmts.select_tokens(ent, mask, cfg.rho)
-        gmts.select_tokens(gmts.token_scores("gmts", ent, gn, om), mask, cfg.rho, nonzero=True)
-        sel_ms[method].append((dt + clock() - t) * 1e3)
+        norm = gmts.loss_weights(cfg.loss_norm, mask, gmts.keep_budget(mask, rho, group_size))
+        om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high, **norm)  # inner update 0
+        scores = gmts.token_scores(method, ent, gn, om)
+        sel = gmts.select_tokens(scores, mask, rho, nonzero=method in ("gmts", "gradnorm"), group_size=group_size)
+        sel_ms[method].append((clock() - t) * 1e3)
+        gmts.policy_update(model, opt, batch, adv, sel, logp, temperature=cfg.temperature, clip_low=cfg.clip_low,
+                           clip_high=cfg.clip_high, micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk,
+                           max_grad_norm=cfg.max_grad_norm, **norm)
         return dict(kept_frac=int(sel.sum()) / int(mask.sum()), active_frac=float(sel.any(1).float().mean()))
 
     for m in methods:  # warm-up: Adam state, kernels
@@ -320,7 +356,7 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
     roll = res.pop("rollout")
     del roll["out"]
     out = dict(rollout=dict(roll, tokens_per_s=N * T / (roll["ms"] / 1e3)), N=N, T=T, valid_tokens=int(mask.sum()))
-    for m in methods:  # a step = the median rollout + this update; select_ms = the 3 select_tokens calls
+    for m in methods:  # a step = the median rollout + this update; select_ms = step 6 (omega, scores, selection)
         r = res[m]
         r.update(r.pop("out"), step_ms=roll["ms"] + r["ms"], select_ms=statistics.median(sel_ms[m]))
         r["select_share"] = r["select_ms"] / r["step_ms"]
@@ -569,9 +605,12 @@ def targets(R: dict, C: int) -> list:
         add("loss head time: selected / all", b["ms"] / a["ms"], 0.35)
         if a["peak_mb"]:
             add("loss head peak: selected / all", b["peak_mb"] / a["peak_mb"], 0.35)
+    for key, r in R.get("select", {}).items():
+        if "loop_over_vectorised" in r and not R["meta"]["quick"]:  # the authors' shape; --quick's is tiny
+            add(f"per-group select: vectorised / loop ({key.split('/')[0]})", 1 / r["loop_over_vectorised"], 0.1)
     for key in ("step_tiny", "step_model"):
         if key in R:
-            add(f"{key}: select_tokens share of a gmts step", R[key]["gmts"]["select_share"], 0.01)
+            add(f"{key}: step 6's share of a gmts step", R[key]["gmts"]["select_share"], 0.01)
             add(f"{key}: step time gmts / all", R[key]["step_ratio_gmts_all"], 1.05)
     S = R.get("step_model", {})
     if "rollout_paths" in S and R["meta"]["device"] != "cpu":  # issue 16's GPU targets (a CPU run has none)
@@ -591,6 +630,9 @@ def table(R: dict) -> str:
             note = ("fails: " + r["error"]) if "error" in r else \
                 (f"max|d logp| {r['max_abs_diff_logp']:.1e}, max|d H| {r['max_abs_diff_entropy']:.1e} vs naive"
                  if "max_abs_diff_logp" in r else "")
+            if "loop_over_vectorised" in r:
+                note = (f"{r['tokens']} tokens; same kept tokens as the loop: {r['same_kept_tokens']}; loop / "
+                        f"select_tokens {r['loop_over_vectorised']:.0f}x")
             lines.append(f"{sec:<12} {k:<26} {fmt(r['ms'], '10.1f')} {fmt(r['peak_mb'], '9.0f')}  {note}")
     for key, sec in (("step_tiny", "d step"), ("step_model", "e step")):
         if key in R:

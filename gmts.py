@@ -1006,12 +1006,8 @@ def selection_rule(cfg: Config) -> tuple:
     gmts, as its authors) ranks within each prompt's G answers, batch (auto: the others) over the whole batch (0)."""
     if cfg.select == "all":
         return 1.0, 0
-    scope = cfg.scope
-    if scope == "auto":
-        scope = "group" if cfg.select == "gmts" else "batch"
-    if scope == "group":
-        return cfg.rho, cfg.group_size
-    return cfg.rho, 0
+    per_group = cfg.scope == "group" or (cfg.scope == "auto" and cfg.select == "gmts")
+    return cfg.rho, cfg.group_size if per_group else 0
 
 def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
     """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select) with selection_rule's rho

@@ -350,8 +350,8 @@ MUTANTS = {
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
     # ---- issue 35: the authors' scope, budget and omega
     "scope_group_ranks_batch": (
-        "        return cfg.rho, cfg.group_size\n",
-        "        return cfg.rho, 0\n",
+        "return cfg.rho, cfg.group_size if per_group else 0",
+        "return cfg.rho, 0",
         "--scope group (gmts's default) ranks over the whole batch",
         T + "test_scope_flag_and_each_methods_default"),
     "groups_pooled_into_one": (

@@ -139,7 +139,8 @@ class Config:
     loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens; seq: GRPO's "
                                 "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
-    select: str = arg("gmts", "all, random, entropy, gmts or gradnorm")
+    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code: per group; with --scope batch "
+                              "this project's whole-batch variant) or gradnorm")
     rho: float = arg(0.2, "share of the response tokens kept")
     scope: str = arg("auto", "where the top rho is taken: group (within each prompt's G answers: GMTS's authors) or "
                              "batch (the whole batch: 80/20, ETS; with gmts, this project's variant); auto: group for "

@@ -12,11 +12,11 @@ One training step, as train() numbers it; the file follows this order:
   3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
   5. per response token: log pi(y_t) and entropy H_t                  [paper: token statistics]
-     and the logit-gradient norm (for gradnorm)                       [ours]
+     and grad_norm = ||d log p_y / d logits|| (for gradnorm)          [ours]
   6. score tokens, keep the top rho of the WHOLE batch (deviation 1)  [paper: selection]
        entropy   H_t                                                  [80/20]
        gmts      |H_t * omega_t|, omega = ratio * A (0 where clipped) [GMTS, second-hand]
-       gradnorm  |omega_t| * the exact logit-gradient norm            [ours: an ablation]
+       gradnorm  |omega_t| * grad_norm = ||dl/dz|| of the loss        [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
@@ -43,9 +43,9 @@ Deviations from the papers and choices they leave open:
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
   6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
-     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's), so
-     a batch with A = 0 everywhere and the policy at its reference moves nothing. The lr follows GRPO
-     steps regardless.
+     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's) and
+     the loss and the gradient norm are finite, so a batch with A = 0 everywhere and the policy at its
+     reference moves nothing. The lr follows GRPO steps regardless.
   7. KL (k3, beta > 0) covers all valid tokens, divided by their count; its reference is the model
      --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
@@ -232,8 +232,8 @@ class SamplerLogp:
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end; the last draw is read here (unless
-        generate ran steps past the end and cut them)."""
+        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw (no call comes after it) is
+        read here from `pending`, unless `read` already covers comp's T columns; [:T] keeps the first T."""
         if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
@@ -294,7 +294,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     return batch
 
 # ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
-# Each task: a prompt and a verifier, collected in TASKS; train()'s step 3 calls TASKS[task]["reward"].
+# Each task: a prompt and a verifier, collected in TASKS; sample_groups (train's steps 1-4) calls both.
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs
 # a reward, not a run). The problem generators and data loaders are in the supporting code.
 def _never_raise(fn, fallback=0.0):
@@ -516,7 +516,7 @@ def logic_prompt(row: dict, short=False) -> str:
             f"who always lies. You meet {len(row['names'])} inhabitants: "
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
-TASKS = {  # train() calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
+TASKS = {  # sample_groups calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
     "countdown": {"prompt": countdown_prompt,
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"])},
@@ -624,8 +624,8 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    tokens whose gradient is small or exactly 0.
 # 6. GMTS scores a token by |H_t * omega_t| (entropy standing in for the per-token norm of step 3;
 #    this exact form is a replication's reading of the paper's equation 4: module docstring,
-#    "Provenance") and keeps the top rho. 'gradnorm' uses the exact logit-gradient norm
-#    |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
+#    "Provenance") and keeps the top rho. 'gradnorm' uses the loss's exact logit-gradient norm
+#    ||dl/dz|| = |omega| * grad_norm instead (our ablation; it costs the same vocabulary reduction as H).
 # Where the paper is silent this code: uses the rollout temperature T for p, H and log p; selects
 # over the whole batch; recomputes omega (with the current ratio and clip) before every inner
 # update; computes all of it in fp32.
@@ -643,9 +643,9 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     y = tokens.unsqueeze(-1)  # (..., 1)
     logp = logp_all.gather(-1, y).squeeze(-1)  # log p_y, (...)
     p_y = logp.exp()  # (...)
-    # Every sum below runs over j != y, with y's term added back: p_rest is p with p_y set to 0.
+    # p_rest is p with p_y set to 0: its sums run over j != y, and y's own term is added back to them.
     p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
-    # H = -sum_j p_j log p_j
+    # H = -sum_j p_j log p_j = -(sum_{j != y} p_j log p_j + p_y log p_y)
     entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
     # ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2. Unlike 1 - 2 p_y + sum_j p_j^2 it does
     # not cancel catastrophically when p_y ~ 1 (1 - p_y = -expm1(log p_y)).
@@ -680,7 +680,7 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, 
         parts = []
         for hc, yc in zip(h.split(chunk), y.split(chunk)):
             parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
-        for o, values in zip(out, zip(*parts)):
+        for o, values in zip(out, zip(*parts)):  # zip(*parts): each statistic's chunks, in order
             block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
             block[m] = torch.cat(values)
     return tuple(out)
@@ -745,7 +745,7 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return entropy
     if method == "gmts":  # |H_t * omega_t| (GMTS, as a replication reads its equation 4)
         return (entropy * om).abs()
-    if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3; our ablation)
+    if method == "gradnorm":  # the loss's exact logit-gradient norm ||dl/dz|| (derivation step 3; our ablation)
         return om.abs() * grad_norm
     raise ValueError(f"unknown selection method {method!r}; "
                      f"choose one of: {', '.join(CHOICES['select'])}")
@@ -782,7 +782,8 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
                     clip_low: float, clip_high: float) -> tuple:
     """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
     r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
-    On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
+    On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp comes from token_stats'
+    code path, not head_logp's, so on a first inner update r is 1 only up to float rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -884,9 +885,9 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 
 # ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
-    then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
-    schedule is also linear). A slot is one inner update of one GRPO step, stepped or not."""
+    """lr multiplier at update slot i (0-based) of `total`: min(1, (i + 1) / warmup, (total - i) / (total - warmup)),
+    a linear warm-up over `warmup` slots, then a linear decay to 1 / (total - warmup) at the last slot (decay=False
+    drops the last term; TRL's default is also linear). A slot is one inner update of a GRPO step, stepped or not."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -1009,8 +1010,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
             valid = mask & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
-        # 5. token statistics of the policy that sampled the batch (pi_old): log pi(y_t), H_t and
-        # the logit-gradient norm, each (N, T); the KL reference's log-probs on the loss's path
+        # 5. statistics of pi_old, the fp32 policy before this update (--sampler-dtype bf16, CUDA's default: a bf16
+        # copy of it sampled): log pi(y_t), H_t and grad_norm, each (N, T); the KL reference's log-probs (loss's path)
         logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
         old_logp = logp
         ref_logp = None

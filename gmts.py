@@ -69,8 +69,8 @@ if __name__ == "__main__":  # a stop signal while torch imports (seconds): one l
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, glob, hashlib, importlib
-import itertools, json, logging, math, random, re, shutil, sys, time
+import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, hashlib, importlib
+import itertools, json, logging, math, random, re, shutil, sys, tempfile, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -914,6 +914,7 @@ class Run:
     fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
     start: int  # the first step to run (1 for a new run)
     skipped: int  # updates skipped so far for a non-finite loss or gradient
+    report: object = None  # report(rec) sends a metrics record to --report-to's tracker (record_start opens it)
 
 def start_run(cfg: Config, log=print) -> Run:
     """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
@@ -997,7 +998,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
-    report = open_tracker(cfg, run.start)  # --report-to: tensorboard, wandb or nothing
+    report = run.report  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
     model.train()
     for step in range(run.start, cfg.steps + 1):
@@ -1049,8 +1050,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             save_checkpoint(cfg.out, step, model, run.tok, opt, run.skipped)
     show(None, False)
     report(None)
-    save_final(cfg.out, model, run.tok)
     plot_metrics(cfg.out)
+    save_final(cfg.out, model, run.tok)  # last: its config.json marks the run finished
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
@@ -1337,7 +1338,7 @@ def _read_jsonl(path: str, task: str) -> tuple:
                 try:  # one net per line
                     row = _parse_row(raw, task)
                 except (ValueError, RecursionError, TypeError) as e:
-                    why = _WHY.get(type(e), str(e)[:200])
+                    why = _WHY.get(type(e)) or error_line(e, 200)
                     raise ValueError(f"{path} line {i}: {why}") from None
                 if row is not None:
                     rows.append(row)
@@ -1360,7 +1361,7 @@ def _load_hf(task: str, split: str) -> list:
     except ImportError:
         raise ValueError("--data hf needs the `datasets` package; use --data gen") from None
     except OSError as e:  # ConnectionError (offline mode, no network) and missing files are OSErrors
-        raise ValueError(f"could not load {name} from the hub (no network?): {str(e).splitlines()[0][:200]}; "
+        raise ValueError(f"could not load {name} from the hub (no network?): {error_line(e, 200)}; "
                          "use --data gen") from None
     rows = [{"nums": list(x), "target": int(t)} for x, t in zip(ds["nums"], ds["target"])]
     return rows[:327_680] if split == "train" else rows[327_680:328_704]
@@ -1440,17 +1441,26 @@ def read_data(cfg: Config) -> Data:
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
-def check_prompts(cfg: Config, run, data: Data):
-    """ValueError naming the first row whose prompt and answer would pass the model's positions: every
-    row read is checked before step 0 (a row found at step 1 would fail every resume again)."""
-    limit = getattr(run.model.config, "max_position_embeddings", None)
-    if not limit:
-        return
-    prompts = build_prompts(run.tok, run.task, data.rows, run.chat, cfg.short_prompt)
-    for where, ids in zip(data.where, run.tok(prompts, add_special_tokens=False)["input_ids"]):
-        if len(ids) + cfg.max_new_tokens > limit:
-            raise ValueError(f"{where}: its {len(ids)}-token prompt and --max-new-tokens {cfg.max_new_tokens} "
-                             f"exceed the model's {limit} positions")
+def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
+    """ValueError naming the first row whose prompt does not render or whose prompt and answer would pass the model's
+    positions: every row read is checked before step 0 (a row found at step 1 would fail every resume again), `chunk`
+    rows at a time (memory independent of the number of rows)."""
+    for i in range(0, len(data.rows), chunk):
+        prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk], use_chat(tok, cfg.chat_template),
+                                  cfg.short_prompt)
+        for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
+            check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
+
+def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
+    """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
+    try:
+        return build_prompts(tok, task, rows, chat, short)
+    except Exception as e:
+        if memory_fault(e):
+            raise
+        raise ValueError(f"the model's chat template fails on this run's prompts ({type(e).__name__}: "
+                         f"{error_line(e, 200)}); try --short-prompt (no system line), or gmts.py's --chat-template "
+                         "no") from None
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
 def pick_device(name: str = "auto") -> torch.device:
@@ -1509,9 +1519,13 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
             check_tokenizer(tok)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config, tokenizer)
+            if memory_fault(e):  # not the model's fault
+                raise
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access, a misspelled name or bad files"
-            raise OSError(f"cannot load model '{path}': {why}: {str(e).splitlines()[0][:200]}; "
+            if os.path.isdir(path):  # a local folder: its files, whatever the hub
+                why = "its files are missing or damaged"
+            raise OSError(f"cannot load model '{path}': {why}: {error_line(e, 200)}; "
                           f"try --model tiny for an offline run") from None
     tok.padding_side = "left"  # generate() appends to the right end of every row
     if tok.pad_token is None:
@@ -1523,11 +1537,11 @@ def check_tokenizer(tok):
     if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
         raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
-def check_positions(model, prompt_tokens: int, max_new_tokens: int):
-    """ValueError (one line) if such a prompt and answer pass the model's positions."""
+def check_positions(model, prompt_tokens: int, max_new_tokens: int, what: str = "a"):
+    """ValueError (one line, `what` names the prompt) if such a prompt and answer pass the model's positions."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and prompt_tokens + max_new_tokens > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {prompt_tokens}-token prompt exceed the "
+        raise ValueError(f"{what} {prompt_tokens}-token prompt and --max-new-tokens {max_new_tokens} exceed the "
                          f"model's {limit} positions")
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
@@ -1539,12 +1553,12 @@ def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
     if run.fast:
         try:
             return rollout(run.sampler, run.tok, prompts, fast=True, **knobs)
-        except (ValueError, torch.OutOfMemoryError):  # too long a prompt, or memory: the plain path would fail too
-            raise
         except Exception as e:
+            if isinstance(e, ValueError) or memory_fault(e):  # too long a prompt, or memory: the plain path fails too
+                raise
             run.fast = False
-            log(f"fast generation failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                "sampling on the plain path from now on")
+            log(f"fast generation failed ({type(e).__name__}: {error_line(e, 120)}); sampling on the plain path from "
+                "now on")
     return rollout(run.sampler, run.tok, prompts, fast=False, **knobs)
 
 @torch.no_grad()
@@ -1570,11 +1584,11 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
-    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its
-    only writer), read the data (a resume: the file it started with), load the model -> (model, tok, state,
-    data). A new run loads --model and only then deletes an old run's files there; --resume loads the newest
-    checkpoint that passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value,
-    so a resume or a rerun starts it afresh. state: step, skipped, resumed (and opt on a resume)."""
+    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its only
+    writer), read the data (a resume: the file it started with), load the model (a resume: the newest checkpoint
+    that passes load_checkpoint's checks), check every row's prompt -> (model, tok, state, data). Only then does a
+    new run delete an old run's files there. A folder without a checkpoint holds nothing of value, so a resume or a
+    rerun starts it afresh. state: step, skipped, resumed (and opt on a resume)."""
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
@@ -1582,33 +1596,40 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     if want and not cfg.allow_change and data.fingerprint != want:
         raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or sha256 differ); "
                          "pass --allow-change to train on it")
+    state = dict(step=0, skipped=0, resumed=False)
     if checkpoints(cfg.out) and cfg.resume:
         want = saved.get("fingerprint", {}).get("prompt")
         model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-        return model, tok, dict(state, resumed=True), data
-    model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
-        if not _own(os.path.join(cfg.out, n)):
-            continue
-        if n.startswith("ckpt-"):
-            shutil.rmtree(os.path.join(cfg.out, n))
-        else:
-            os.remove(os.path.join(cfg.out, n))
-    return model, tok, dict(step=0, skipped=0, resumed=False), data
+        state["resumed"] = True
+    else:
+        model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
+    if state["resumed"]:
+        return model, tok, state, data
+    for n in run_files(cfg.out):  # the old run's files go only now
+        if _own(os.path.join(cfg.out, n)):
+            remove(os.path.join(cfg.out, n))
+    return model, tok, state, data
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
-    """The run folder's side of start_run once the optimiser exists: metrics.jsonl (a resume keeps the
-    records up to its checkpoint's step), run_config.json (the config and what a resume must find again:
-    data file, prompt format; written only once model and data have loaded and every row fits the
-    positions), and for a new run step 0 (the starting model's held-out accuracy) and ckpt-000000."""
-    check_prompts(cfg, run, data)
+    """The run folder's side of start_run once the optimiser exists. Before anything is written: a resume's KL
+    reference must be the weights the run started from; the tracker opens (run.report). Then metrics.jsonl (a resume
+    keeps the records up to its checkpoint's step), run_config.json (the config and what a resume must find again:
+    data file, prompt format, KL reference), and for a new run step 0 (the starting model's held-out accuracy, also
+    sent to the tracker) and ckpt-000000."""
+    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),  # what a resume checks
+                  reference=weights_print(run.ref))
+    want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
+    if want and want != prints["reference"] and not cfg.allow_change:
+        raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
+                         "differs); pass --allow-change to train against it")
+    run.report = open_tracker(cfg)  # a tracker that cannot start (wandb without a login): one line, nothing written
     kept = ""
     if resumed:  # the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
-    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template))  # what a resume checks
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
@@ -1621,6 +1642,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     rec = dict(step=0, **evaluate(run.model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
                                   cfg.max_new_tokens))
     log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+    run.report(rec)
     log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
 
@@ -1648,8 +1670,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
 
 def run_files(out: str) -> list:
     """What in `out` belongs to a run: its metrics, config and checkpoints."""
-    names = os.listdir(out) if os.path.isdir(out) else []
-    return sorted(n for n in names if n in ("metrics.jsonl", "run_config.json") or n.startswith("ckpt-"))
+    return _names(out, ("metrics.jsonl", "run_config.json", "ckpt-*")) if os.path.isdir(out) else []
 
 def read_run_config(out: str) -> dict:
     """The saved config of the run in `out` (--resume), or ValueError with one line."""
@@ -1686,8 +1707,8 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
 def checkpoints(out: str) -> list:
     """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
     one that holds an output of this program of its own is not a checkpoint)."""
-    found = glob.glob(os.path.join(out, "ckpt-*"))
-    return sorted(d for d in found if re.fullmatch(r"ckpt-\d+", os.path.basename(d)) and _own(d))
+    names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a folder's name may hold [ ] * ?
+    return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
     """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
@@ -1709,10 +1730,9 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
 def check_loaded(model, tok, chat_template: str = "auto", want=None):
     """ValueError if a loaded checkpoint cannot continue the run: non-finite weights, a chat template that does not
     render, or another prompt format than the run started with (prompt_print != want)."""
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # (load_model has checked the tokenizer)
         if not torch.isfinite(p).all():
             raise ValueError(f"non-finite weights in {name}")
-    check_tokenizer(tok)
     if tok.chat_template:
         render_prompt(tok, "2 + 2?", True)
     if want is not None and prompt_print(tok, chat_template) != want:
@@ -1732,8 +1752,9 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
             log(f"resuming from {ck}")
             return model, tok, state
         except Exception as e:  # truncated, empty or foreign files: fall back to the previous checkpoint
-            log(f"{ck} does not load ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                "trying the previous checkpoint")
+            if memory_fault(e):  # not the files' fault: every checkpoint stays as it is
+                raise
+            log(f"{ck} does not load ({type(e).__name__}: {error_line(e, 120)}); trying the previous checkpoint")
     raise OSError(f"--resume {out}: no loadable checkpoint (ckpt-*) in that folder; --overwrite starts it afresh")
 
 @torch.no_grad()
@@ -1811,6 +1832,14 @@ def _run_above(out: str):
         parent = os.path.dirname(parent)
     return None
 
+def _run_below(out: str):
+    """(folder, kind) of a folder below `out` that holds an output of this program, or None."""
+    for parent, folders, _ in os.walk(out):
+        for d in folders:
+            if run_kind(os.path.join(parent, d)) is not None:
+                return os.path.join(parent, d), run_kind(os.path.join(parent, d))
+    return None
+
 def _names(out: str, patterns) -> list:
     return [n for n in sorted(os.listdir(out)) if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
@@ -1852,6 +1881,9 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
                          "choose a folder outside it")
     if not os.path.isdir(out):
         return
+    below = None if kind == "compare" else _run_below(out)  # a compare folder holds its runs by design
+    if below:  # a run around it would stop it resuming (it would lie inside a run)
+        raise ValueError(f"--out {out} holds {below[0]}, a {below[1]} output of this program; choose another --out")
     if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
         os.close(_lock(out, exclusive=False))  # a probe: ValueError while another process writes there
     found = run_kind(out)
@@ -1870,9 +1902,11 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
 
 def claim_out(out: str, kind: str):
     """Make `out` this process's: create it and its marker and hold flock on the marker until the process ends (the
-    OS drops it if the process is killed); then clear a killed run's .tmp and .old leftovers."""
+    OS drops it if the process is killed); then, in a folder that held a gmts run, clear a killed run's .tmp and .old
+    leftovers (elsewhere such names are not this program's: check_out let them be)."""
     if _held(out) is not None:
         return
+    leftovers = kind == "gmts" and run_kind(out) == "gmts"
     os.makedirs(out, exist_ok=True)
     fd = _lock(out, exclusive=True)
     mark = (json.dumps({"kind": kind}) + "\n").encode()
@@ -1881,11 +1915,9 @@ def claim_out(out: str, kind: str):
         os.pwrite(fd, mark, 0)
     _HELD[os.path.realpath(out)] = fd
     for n in _names(out, ("ckpt-*.tmp", "ckpt-*.old", "final.tmp", "metrics.jsonl.tmp", "run_config.json.tmp")):
-        if not _own(os.path.join(out, n)):
-            continue
-        shutil.rmtree(os.path.join(out, n), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(out, n))
+        if leftovers and _own(os.path.join(out, n)):
+            with contextlib.suppress(OSError):
+                remove(os.path.join(out, n))
 
 def release_all():
     for fd in _HELD.values():
@@ -1908,6 +1940,16 @@ def claim_run(cfg: Config) -> dict:
 def data_file(data: str) -> bool:
     return data not in ("gen", "easy") and data.split(":")[0] != "hf"
 
+def weights_print(model):
+    """The sha256 of a model's weights, every parameter's bytes in order (None for no model): the KL reference's
+    fingerprint."""
+    if model is None:
+        return None
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().float().cpu().numpy())
+    return digest.hexdigest()
+
 def prompt_print(tok, chat_template: str) -> dict:
     """The prompt format: chat template or not, and the template's sha256."""
     return {"chat": use_chat(tok, chat_template), "template_sha256": hashlib.sha256(str(tok.chat_template).encode())
@@ -1915,18 +1957,23 @@ def prompt_print(tok, chat_template: str) -> dict:
 
 @contextlib.contextmanager
 def writing(path: str):
-    """A failed write (a full disk: OSError, safetensors' SafetensorError, torch.save's RuntimeError) -> OSError
-    with one line, and the half-written `path` removed."""
+    """A failed write removes the half-written `path`; a full disk (OSError, safetensors' SafetensorError, torch.save's
+    RuntimeError) -> OSError with one line, memory raised as it is."""
     try:
         yield
-    except torch.OutOfMemoryError:
-        raise
     except Exception as e:
-        shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
-            os.remove(path)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise OSError(f"cannot write {path}: {first}") from None
+            remove(path)
+        if memory_fault(e):
+            raise
+        raise OSError(f"cannot write {path}: {error_line(e, 200)}") from None
+
+def remove(path: str):
+    """Delete the file or folder at `path` (OSError if it cannot be deleted)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 def write_file(path: str, text: str):
     """A small file written whole: a .tmp beside it, then an atomic rename."""
@@ -1986,45 +2033,41 @@ def _numbers(rec: dict) -> dict:
     """The record's numbers, without the step (a tracker's x axis)."""
     return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
 
-def open_tracker(cfg: Config, start: int = 1):
-    """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
-    report(None) closes it. A new run (start 1) sends its step-0 record (the starting model's held-out
-    accuracy) at once."""
-    report = _tracker(cfg)
-    if start == 1:
-        report(read_metrics(cfg.out)[0])
+def open_tracker(cfg: Config):
+    """report(rec) sends a metrics record's numbers to --report-to's tracker (tensorboard or wandb, writing under
+    --out), report(None) closes it. ValueError (one line) if the tracker cannot start: wandb without a login."""
+    if cfg.report_to == "none":
+        return lambda rec: None
+    try:
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            tracker = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
+        else:
+            import wandb
+            tracker = wandb.init(project="gmts", name=os.path.basename(os.path.abspath(cfg.out)), dir=cfg.out,
+                                 config=dataclasses.asdict(cfg))
+    except Exception as e:
+        if memory_fault(e):
+            raise
+        raise ValueError(f"--report-to {cfg.report_to} cannot start: {error_line(e, 200)}") from None
+
+    def report(rec):
+        if rec is None and cfg.report_to == "wandb":
+            tracker.finish()
+        elif rec is None:
+            tracker.close()
+        elif cfg.report_to == "wandb":
+            tracker.log(_numbers(rec), step=rec["step"])
+        else:
+            for key, value in _numbers(rec).items():
+                tracker.add_scalar(key, value, rec["step"])
     return report
 
-def _tracker(cfg: Config):
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
-
-        def report(rec):
-            if rec is None:
-                writer.close()
-                return
-            for key, value in _numbers(rec).items():
-                writer.add_scalar(key, value, rec["step"])
-        return report
-    if cfg.report_to == "wandb":
-        import wandb
-        name = os.path.basename(os.path.abspath(cfg.out))
-        wandb_run = wandb.init(project="gmts", name=name, dir=cfg.out,
-                               config=dataclasses.asdict(cfg))
-
-        def report(rec):
-            if rec is None:
-                wandb_run.finish()
-                return
-            wandb_run.log(_numbers(rec), step=rec["step"])
-        return report
-    return lambda rec: None
-
 # ==== Config checks [plumbing]: every value a run cannot use is refused before any work ===========
-def die(msg: str, code: int = 2):
-    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
-    print(f"gmts: error: {msg}", file=sys.stderr)
+def die(msg, code: int = 2):
+    """Bad input: one line on stderr (error_line of msg, a message or an exception) and a non-zero exit, never a
+    traceback."""
+    print(f"gmts: error: {error_line(msg)}", file=sys.stderr)
     sys.exit(code)
 
 RULES = [  # (fields, test, what their values must be); NaN fails every test
@@ -2036,7 +2079,8 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
     (["kl_beta", "weight_decay"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
     (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size",
       "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
-    (["save_every", "eval_every", "warmup_steps", "top_k", "threads"], lambda v: v >= 0, ">= 0"),
+    (["save_every", "eval_every", "warmup_steps", "top_k"], lambda v: v >= 0, ">= 0"),
+    (["threads"], lambda v: 0 <= v <= 1024, "in [0, 1024] (0: torch's own choice)"),
     (["group_size"], lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
     (["seed"], lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
     (["tiny_hidden"], lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
@@ -2075,8 +2119,12 @@ def check_out_path(out: str):
         if os.path.islink(parent):
             raise ValueError(f"--out {out!r}: {parent} is a symbolic link to nothing (dangling, or a loop)")
         parent = os.path.dirname(parent)
-    if not out or os.path.isfile(out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {out!r} is not a folder that can be written")
+    try:  # a real write: os.access says yes to root where nobody can write (/proc)
+        if not out or os.path.isfile(out) or not os.path.isdir(parent):
+            raise OSError
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError:
+        raise ValueError(f"--out {out!r} is not a folder that can be written") from None
 
 # ==== CLI and signals [plumbing] ==================================================================
 
@@ -2098,7 +2146,10 @@ def parse_args(argv=None) -> Config:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             p.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_)
+    p.set_defaults(resume=None)  # None: not given; "" (an unset shell variable) names no folder
     pre, _ = p.parse_known_args(argv)
+    if pre.resume == "":
+        raise ValueError("--resume names no folder (an unset shell variable?); give the run folder to continue")
     if pre.resume and pre.preset:
         raise ValueError(f"--resume {pre.resume} continues that run with its saved config; --preset cannot apply to "
                          "it (give each field to change as a flag)")
@@ -2109,7 +2160,7 @@ def parse_args(argv=None) -> Config:
         saved = read_run_config(pre.resume)
         check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
-    p.set_defaults(out=pre.resume or p.get_default("out"))  # a run continues in its own folder
+    p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run continues in its own folder
     cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
     for k in sorted(names - FREE):
         if cfg.resume and not same_value(k, getattr(cfg, k), saved[k]) and not cfg.allow_change:
@@ -2144,26 +2195,35 @@ def check_saved_keys(out: str, saved: dict, names: set):
     if unknown:
         raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
 
-OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
-
-def memory_fault(e: BaseException):
-    """The one line for an allocation that failed (CUDA, or the CPU's: a RuntimeError from torch's allocator, a
-    MemoryError), or None for any other error."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return OOM_HINT
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
-        return ("out of CPU memory: lower --micro-batch, --group-size or --max-new-tokens, or use a smaller model "
-                "(the last checkpoint is kept)")
+def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens"):
+    """The one line for an allocation that failed (the GPU's: torch.OutOfMemoryError or a RuntimeError that says
+    "out of memory"; the CPU's: a RuntimeError from torch's allocator, a MemoryError), or None for any other error.
+    lower: the flags that take less memory."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    if isinstance(e, MemoryError) or "can't allocate memory" in text:
+        return f"out of CPU memory: lower {lower}, or use a smaller model"
+    if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text:
+        return f"out of GPU memory: lower {lower}"
     return None
 
-def error_line(e: BaseException, cap: int = 200) -> str:
-    """The one line that stands for any exception: memory first (memory_fault), else the first non-blank line of
-    its message, else the name of its type (an empty OSError() has no message)."""
+def error_line(e, cap: int = 1000) -> str:
+    """The one line that stands for an exception (or a message): memory first (memory_fault), else its message with
+    each line break written as \\n (a path may hold one; a library's message may run over lines), cut at `cap`
+    characters, else the name of its type (an empty OSError() has no message). Every error this program prints goes
+    through it."""
     why = memory_fault(e)
     if why:
         return why
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0][:cap] if lines else type(e).__name__
+    return "\\n".join(str(e).strip().splitlines())[:cap] or type(e).__name__
+
+def fail(e: Exception, kept: str = ""):
+    """The exit of a command that an exception ends: memory (exit 1; `kept` says what the run keeps), bad input
+    (ValueError: 2), a fault (OSError, RunError: 1), each in one line. Any other exception is a bug: raised again."""
+    if memory_fault(e):
+        die(memory_fault(e) + kept, 1)
+    if not isinstance(e, (ValueError, OSError, RunError)):
+        raise e
+    die(e, 2 if isinstance(e, ValueError) else 1)
 
 STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
@@ -2172,8 +2232,7 @@ def _on_signal(signum, frame):
     """The first stop signal raises KeyboardInterrupt, later ones are ignored (one message, however often pressed).
     Python swallows an exception raised inside a __del__ ('Exception ignored in: <function Group.__del__>', then
     the run went on and exited 0): _STOPPED remembers it and say() raises it again at the next line."""
-    for sig in STOP:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stops()
     _STOPPED.append(signum)
     raise KeyboardInterrupt
 
@@ -2186,9 +2245,20 @@ def say(*parts, **kwargs):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to print goes nowhere
 
+def ignore_stops():
+    """From here on a stop signal changes nothing (after the first one, after a run, in the teardown)."""
+    for sig in STOP:
+        signal.signal(sig, signal.SIG_IGN)
+
 @contextlib.contextmanager
 def handling_signals():
-    """_on_signal for the stop signals (main thread only); the old handlers come back unless a signal came."""
+    """The command line's streams and signals: a closed stdout (>&-) becomes /dev/null (and its fd), a character
+    stdout cannot encode (PYTHONIOENCODING=ascii) is written as an escape, not an error; _on_signal for the stop
+    signals (main thread only), the old handlers back unless a signal came."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    with contextlib.suppress(AttributeError, ValueError):  # a notebook's stream has no reconfigure
+        sys.stdout.reconfigure(errors="backslashreplace")
     _STOPPED.clear()
     old = {}
     with contextlib.suppress(ValueError):  # not the main thread
@@ -2202,8 +2272,6 @@ def handling_signals():
                 signal.signal(sig, old[sig])
 
 def main(argv=None):
-    if sys.stdout is None:  # started with stdout closed (>&-): /dev/null takes its place, and its fd
-        sys.stdout = open(os.devnull, "w")
     with handling_signals():
         _main(argv)
 
@@ -2214,38 +2282,29 @@ def _main(argv):
     try:
         cfg = parse_args(argv)
         check_config(cfg)
-        check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
         out = cfg.out
         steps = cfg.steps
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg, log=say)
         say("", end="")  # an interrupt swallowed at the very end still counts
-        for sig in STOP:  # done: every file is saved, and a stop signal from here on changes nothing
-            signal.signal(sig, signal.SIG_IGN)
-    except ValueError as e:  # bad input: flags, data files, a folder that holds a run
-        die(str(e), 2)
-    except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
-        die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        why = memory_fault(e)
-        if why is None:
-            raise
-        die(why, 1)
+        ignore_stops()  # done: every file is saved
     except KeyboardInterrupt:
-        if finished(out, steps, started):  # the signal came after `done:`: every file is saved
+        if finished(out, steps, started):  # the signal came after the final model was saved
             return
         die(f"interrupted; {interrupted_state(out)}", 130)
+    except Exception as e:  # memory; bad input (flags, data, a folder that holds a run); a model that cannot load
+        fail(e, f"; {interrupted_state(out)}")
     finally:
         release_all()
 
 def finished(out, steps: int, since: float) -> bool:
-    """Whether this process ended the run in `out`: its last step logged after `since` and its final model saved
-    (save_final moves config.json in last)."""
+    """Whether this process ended the run in `out`: its last step logged and its final model saved after `since`
+    (train plots first; save_final moves config.json in last)."""
     recs = read_metrics(out) if out else []
     if not recs or recs[-1]["step"] != steps or not os.path.isfile(os.path.join(out, "config.json")):
         return False
-    return os.path.getmtime(os.path.join(out, "metrics.jsonl")) >= since
+    return os.path.getmtime(os.path.join(out, "config.json")) >= since
 
 def interrupted_state(out) -> str:
     """What an interrupted run leaves in `out`, truthfully, and how to go on."""
@@ -2257,6 +2316,5 @@ def interrupted_state(out) -> str:
     return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
-    for _sig in STOP:  # torch has imported: handling_signals takes over, and the teardown after it ignores them
-        signal.signal(_sig, signal.SIG_IGN)
+    ignore_stops()  # torch has imported: handling_signals takes over, and the teardown after it ignores them
     main()

@@ -1442,9 +1442,8 @@ def read_data(cfg: Config) -> Data:
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
-    """ValueError naming the first row whose prompt does not render or whose prompt and answer would pass the model's
-    positions: every row read is checked before step 0 (a row found at step 1 would fail every resume again), `chunk`
-    rows at a time (memory independent of the number of rows)."""
+    """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
+    every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
     for i in range(0, len(data.rows), chunk):
         prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk], use_chat(tok, cfg.chat_template),
                                   cfg.short_prompt)
@@ -1459,8 +1458,7 @@ def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False
         if memory_fault(e):
             raise
         raise ValueError(f"the model's chat template fails on this run's prompts ({type(e).__name__}: "
-                         f"{error_line(e, 200)}); try --short-prompt (no system line), or gmts.py's --chat-template "
-                         "no") from None
+                         f"{error_line(e, 200)}); try --short-prompt, or gmts.py's --chat-template no") from None
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
 def pick_device(name: str = "auto") -> torch.device:
@@ -1557,8 +1555,7 @@ def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
             if isinstance(e, ValueError) or memory_fault(e):  # too long a prompt, or memory: the plain path fails too
                 raise
             run.fast = False
-            log(f"fast generation failed ({type(e).__name__}: {error_line(e, 120)}); sampling on the plain path from "
-                "now on")
+            log(f"fast generation failed ({type(e).__name__}: {error_line(e, 120)}); on the plain path from now on")
     return rollout(run.sampler, run.tok, prompts, fast=False, **knobs)
 
 @torch.no_grad()
@@ -1585,10 +1582,9 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its only
-    writer), read the data (a resume: the file it started with), load the model (a resume: the newest checkpoint
-    that passes load_checkpoint's checks), check every row's prompt -> (model, tok, state, data). Only then does a
-    new run delete an old run's files there. A folder without a checkpoint holds nothing of value, so a resume or a
-    rerun starts it afresh. state: step, skipped, resumed (and opt on a resume)."""
+    writer), read the data (a resume: the file it started with), load the model (a resume: its newest loadable
+    checkpoint), check every row's prompt, only then delete an old run's files -> (model, tok, state, data). A folder
+    without a checkpoint holds nothing of value: a resume or a rerun starts it afresh. state: step, skipped, resumed."""
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
@@ -1615,12 +1611,11 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
     """The run folder's side of start_run once the optimiser exists. Before anything is written: a resume's KL
-    reference must be the weights the run started from; the tracker opens (run.report). Then metrics.jsonl (a resume
-    keeps the records up to its checkpoint's step), run_config.json (the config and what a resume must find again:
-    data file, prompt format, KL reference), and for a new run step 0 (the starting model's held-out accuracy, also
-    sent to the tracker) and ckpt-000000."""
+    reference must be the weights it started from; the tracker opens (run.report). Then metrics.jsonl (a resume keeps
+    the records up to its checkpoint's step), run_config.json (the config and what a resume must find again: data
+    file, prompt format, KL reference), and for a new run step 0 (held-out accuracy, also sent on) and ckpt-000000."""
     prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),  # what a resume checks
-                  reference=weights_print(run.ref))
+                  reference=weights_print(run.ref) if run.ref else None)
     want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
     if want and want != prints["reference"] and not cfg.allow_change:
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
@@ -1727,25 +1722,20 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         os.replace(old, old + ".old")
         shutil.rmtree(old + ".old", ignore_errors=True)
 
-def check_loaded(model, tok, chat_template: str = "auto", want=None):
-    """ValueError if a loaded checkpoint cannot continue the run: non-finite weights, a chat template that does not
-    render, or another prompt format than the run started with (prompt_print != want)."""
-    for name, p in model.named_parameters():  # (load_model has checked the tokenizer)
-        if not torch.isfinite(p).all():
-            raise ValueError(f"non-finite weights in {name}")
-    if tok.chat_template:
-        render_prompt(tok, "2 + 2?", True)
-    if want is not None and prompt_print(tok, chat_template) != want:
-        raise ValueError(f"its prompt format {prompt_print(tok, chat_template)} is not the run's {want}")
-
 def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads and passes check_loaded; a damaged one is reported
-    in one line and the previous one tried. Nothing is unpickled: state.pt is read with weights_only=True. OSError
-    if none loads."""
+    """(model, tok, state) from the newest checkpoint that loads (load_model checks its tokenizer) and can continue the
+    run: finite weights, a chat template that renders, the run's prompt format (prompt_print == want); a damaged one
+    is reported in one line and the previous one tried. state.pt is read with weights_only=True. OSError if none."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
-            check_loaded(model, tok, chat_template, want)
+            for name, p in model.named_parameters():
+                if not torch.isfinite(p).all():
+                    raise ValueError(f"non-finite weights in {name}")
+            if tok.chat_template:
+                render_prompt(tok, "2 + 2?", True)
+            if want is not None and prompt_print(tok, chat_template) != want:
+                raise ValueError(f"its prompt format {prompt_print(tok, chat_template)} is not the run's {want}")
             state = torch.load(os.path.join(ck, "state.pt"), map_location="cpu", weights_only=True)
             if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "opt" in state):
                 raise ValueError("state.pt holds no step and optimiser")
@@ -1800,7 +1790,7 @@ class RunError(RuntimeError):
 RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes; its live writer holds flock on it
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
                "vocab.json", "merges.txt", "chat_template.*", "README.md")
-WRITES = {"gmts": ("metrics.*", "run_config.json", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
+WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
           "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
           "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
@@ -1821,23 +1811,19 @@ def _own(path: str) -> bool:
     """Whether a run may delete `path` as its own file: anything but a folder with an output of its own."""
     return not os.path.isdir(path) or run_kind(path) is None
 
-def _run_above(out: str):
-    """(folder, kind) of the nearest folder above `out` that holds an output of this program, or None. Compare
-    folders are passed over: they hold their runs by design."""
+def _run_around(out: str, below: bool = True):
+    """(where, folder, kind) of the nearest folder above `out` with an output of this program ("lies inside"; compare
+    folders hold their runs by design), else of one below it ("holds"), or None. Either way one would stop the other:
+    the outer's clean-up or rotation could delete the inner, whose resume the outer's marker refuses."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
-        kind = run_kind(parent)
-        if kind not in (None, "compare"):
-            return parent, kind
+        if run_kind(parent) not in (None, "compare"):
+            return "lies inside", parent, run_kind(parent)
         parent = os.path.dirname(parent)
-    return None
-
-def _run_below(out: str):
-    """(folder, kind) of a folder below `out` that holds an output of this program, or None."""
-    for parent, folders, _ in os.walk(out):
-        for d in folders:
-            if run_kind(os.path.join(parent, d)) is not None:
-                return os.path.join(parent, d), run_kind(os.path.join(parent, d))
+    for folder, subfolders, _ in os.walk(out) if below else []:
+        for d in subfolders:
+            if run_kind(os.path.join(folder, d)) is not None:
+                return "holds", os.path.join(folder, d), run_kind(os.path.join(folder, d))
     return None
 
 def _names(out: str, patterns) -> list:
@@ -1875,15 +1861,12 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is an existing file, not a folder")
-    above = _run_above(out)
-    if above:  # its clean-up or checkpoint rotation could delete this one
-        raise ValueError(f"--out {out} lies inside {above[0]}, which holds a {above[1]} output of this program; "
-                         "choose a folder outside it")
+    near = _run_around(out, below=kind != "compare")  # a compare folder holds its runs by design
+    if near:
+        raise ValueError(f"--out {out} {near[0]} {near[1]}, which holds a {near[2]} output of this program; choose "
+                         "another --out")
     if not os.path.isdir(out):
         return
-    below = None if kind == "compare" else _run_below(out)  # a compare folder holds its runs by design
-    if below:  # a run around it would stop it resuming (it would lie inside a run)
-        raise ValueError(f"--out {out} holds {below[0]}, a {below[1]} output of this program; choose another --out")
     if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
         os.close(_lock(out, exclusive=False))  # a probe: ValueError while another process writes there
     found = run_kind(out)
@@ -1901,9 +1884,8 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
 
 def claim_out(out: str, kind: str):
-    """Make `out` this process's: create it and its marker and hold flock on the marker until the process ends (the
-    OS drops it if the process is killed); then, in a folder that held a gmts run, clear a killed run's .tmp and .old
-    leftovers (elsewhere such names are not this program's: check_out let them be)."""
+    """Make `out` this process's: create it and its marker and hold flock on it until the process ends (the OS drops
+    it if the process is killed); then, only where a gmts run was, clear a killed run's .tmp and .old leftovers."""
     if _held(out) is not None:
         return
     leftovers = kind == "gmts" and run_kind(out) == "gmts"
@@ -1940,11 +1922,8 @@ def claim_run(cfg: Config) -> dict:
 def data_file(data: str) -> bool:
     return data not in ("gen", "easy") and data.split(":")[0] != "hf"
 
-def weights_print(model):
-    """The sha256 of a model's weights, every parameter's bytes in order (None for no model): the KL reference's
-    fingerprint."""
-    if model is None:
-        return None
+def weights_print(model) -> str:
+    """The sha256 of a model's weights, every parameter's bytes in order: the KL reference's fingerprint."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().float().cpu().numpy())
@@ -2017,21 +1996,14 @@ def step_printer(total: int, start: int, log=print):
             bar.write(line)
     return show
 
-TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to: its module
-
 def check_tracker(name: str):
     """ValueError (one line) before any work if --report-to's package is not installed."""
     if name == "none":
         return
     try:
-        importlib.import_module(TRACKERS[name])
+        importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
     except ImportError:
-        raise ValueError(f"--report-to {name} needs the {name} package "
-                         f"(pip install {name})") from None
-
-def _numbers(rec: dict) -> dict:
-    """The record's numbers, without the step (a tracker's x axis)."""
-    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
+        raise ValueError(f"--report-to {name} needs the {name} package (pip install {name})") from None
 
 def open_tracker(cfg: Config):
     """report(rec) sends a metrics record's numbers to --report-to's tracker (tensorboard or wandb, writing under
@@ -2052,21 +2024,19 @@ def open_tracker(cfg: Config):
         raise ValueError(f"--report-to {cfg.report_to} cannot start: {error_line(e, 200)}") from None
 
     def report(rec):
-        if rec is None and cfg.report_to == "wandb":
-            tracker.finish()
-        elif rec is None:
-            tracker.close()
+        numbers = {k: v for k, v in (rec or {}).items() if k != "step" and type(v) in (int, float)}  # step: x axis
+        if rec is None:
+            getattr(tracker, "finish" if cfg.report_to == "wandb" else "close")()
         elif cfg.report_to == "wandb":
-            tracker.log(_numbers(rec), step=rec["step"])
+            tracker.log(numbers, step=rec["step"])
         else:
-            for key, value in _numbers(rec).items():
+            for key, value in numbers.items():
                 tracker.add_scalar(key, value, rec["step"])
     return report
 
 # ==== Config checks [plumbing]: every value a run cannot use is refused before any work ===========
 def die(msg, code: int = 2):
-    """Bad input: one line on stderr (error_line of msg, a message or an exception) and a non-zero exit, never a
-    traceback."""
+    """Bad input: one line on stderr (error_line of a message or an exception), a non-zero exit, never a traceback."""
     print(f"gmts: error: {error_line(msg)}", file=sys.stderr)
     sys.exit(code)
 
@@ -2119,12 +2089,11 @@ def check_out_path(out: str):
         if os.path.islink(parent):
             raise ValueError(f"--out {out!r}: {parent} is a symbolic link to nothing (dangling, or a loop)")
         parent = os.path.dirname(parent)
-    try:  # a real write: os.access says yes to root where nobody can write (/proc)
-        if not out or os.path.isfile(out) or not os.path.isdir(parent):
-            raise OSError
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError:
-        raise ValueError(f"--out {out!r} is not a folder that can be written") from None
+    with contextlib.suppress(OSError):  # a real write: os.access says yes to root where nobody can write (/proc)
+        if out:  # (a file is no folder: NotADirectoryError)
+            tempfile.TemporaryFile(dir=parent).close()
+            return
+    raise ValueError(f"--out {out!r} is not a folder that can be written")
 
 # ==== CLI and signals [plumbing] ==================================================================
 
@@ -2196,9 +2165,8 @@ def check_saved_keys(out: str, saved: dict, names: set):
         raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
 
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens"):
-    """The one line for an allocation that failed (the GPU's: torch.OutOfMemoryError or a RuntimeError that says
-    "out of memory"; the CPU's: a RuntimeError from torch's allocator, a MemoryError), or None for any other error.
-    lower: the flags that take less memory."""
+    """The one line, naming the flags to `lower`, for an allocation that failed (the GPU's: torch.OutOfMemoryError or a
+    RuntimeError saying "out of memory"; the CPU's: MemoryError, torch's allocator), or None for any other error."""
     text = str(e) if isinstance(e, RuntimeError) else ""
     if isinstance(e, MemoryError) or "can't allocate memory" in text:
         return f"out of CPU memory: lower {lower}, or use a smaller model"
@@ -2207,14 +2175,9 @@ def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-token
     return None
 
 def error_line(e, cap: int = 1000) -> str:
-    """The one line that stands for an exception (or a message): memory first (memory_fault), else its message with
-    each line break written as \\n (a path may hold one; a library's message may run over lines), cut at `cap`
-    characters, else the name of its type (an empty OSError() has no message). Every error this program prints goes
-    through it."""
-    why = memory_fault(e)
-    if why:
-        return why
-    return "\\n".join(str(e).strip().splitlines())[:cap] or type(e).__name__
+    """The one line for an exception or a message, which every printed error goes through: memory first (memory_fault),
+    else its message with line breaks written as \\n (a path may hold one) cut at `cap`, else its type's name."""
+    return memory_fault(e) or "\\n".join(str(e).strip().splitlines())[:cap] or type(e).__name__
 
 def fail(e: Exception, kept: str = ""):
     """The exit of a command that an exception ends: memory (exit 1; `kept` says what the run keeps), bad input
@@ -2252,11 +2215,9 @@ def ignore_stops():
 
 @contextlib.contextmanager
 def handling_signals():
-    """The command line's streams and signals: a closed stdout (>&-) becomes /dev/null (and its fd), a character
-    stdout cannot encode (PYTHONIOENCODING=ascii) is written as an escape, not an error; _on_signal for the stop
-    signals (main thread only), the old handlers back unless a signal came."""
-    if sys.stdout is None:
-        sys.stdout = open(os.devnull, "w")
+    """The command line's streams and signals: a closed stdout (>&-) is /dev/null, a character stdout cannot encode
+    is written as an escape; _on_signal for the stop signals (main thread only), the old ones back unless one came."""
+    sys.stdout = sys.stdout or open(os.devnull, "w")
     with contextlib.suppress(AttributeError, ValueError):  # a notebook's stream has no reconfigure
         sys.stdout.reconfigure(errors="backslashreplace")
     _STOPPED.clear()
@@ -2302,9 +2263,8 @@ def finished(out, steps: int, since: float) -> bool:
     """Whether this process ended the run in `out`: its last step logged and its final model saved after `since`
     (train plots first; save_final moves config.json in last)."""
     recs = read_metrics(out) if out else []
-    if not recs or recs[-1]["step"] != steps or not os.path.isfile(os.path.join(out, "config.json")):
-        return False
-    return os.path.getmtime(os.path.join(out, "config.json")) >= since
+    config = os.path.join(out or "", "config.json")
+    return bool(recs) and recs[-1]["step"] == steps and os.path.isfile(config) and os.path.getmtime(config) >= since
 
 def interrupted_state(out) -> str:
     """What an interrupted run leaves in `out`, truthfully, and how to go on."""

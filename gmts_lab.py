@@ -717,6 +717,8 @@ def analysis_table(res: dict) -> str:
 # CLI [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
+OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare", "batches": "analyze", "rhos": "analyze"}
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gmts_lab.py", description="The experiments around gmts.py (see the module "
                                 "docstring); flags not listed here go to gmts.py's parser.",
@@ -735,8 +737,6 @@ def main(argv=None):
             if getattr(lab, flag) != p.get_default(flag) and lab.command != command:
                 p.error(f"--{flag} is {command}'s flag; {lab.command} does not read it")
         return _main(lab, rest)
-
-OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare", "batches": "analyze", "rhos": "analyze"}
 
 def _main(lab, rest):
     try:
@@ -759,14 +759,15 @@ def _main(lab, rest):
                 ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                                 cfg.max_new_tokens)
                 gmts.say(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f} ({chance}), "
-                      f"well-formed {ev['real_valid']:.3f}; another problem's target shown: acc {ev['decoy_acc']:.3f}")
+                         f"well-formed {ev['real_valid']:.3f}; another problem's target shown: acc "
+                         f"{ev['decoy_acc']:.3f}")
                 return
             t = gmts.get_task(a.task)
             texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                                  cfg.max_new_tokens)
             acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
-            gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} ({chance}); "
-                  f"sample: {texts[0][:100]!r}")
+            gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} "
+                     f"({chance}); sample: {texts[0][:100]!r}")
             return
         if lab.command in ("report", "retention"):
             what = "a compare --out" if lab.command == "report" else "an analyze --rhos --out"
@@ -814,8 +815,8 @@ def decoy_main(cfg: gmts.Config):
     rows = gmts.read_data(cfg).held
     ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt, cfg.max_new_tokens)
     gmts.say(f"| model | held-out greedy acc | same, other targets shown | read from the target | well-formed |\n"
-          f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
-          f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | {ev['real_valid']:.3f} |")
+             f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
+             f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | {ev['real_valid']:.3f} |")
     return ev
 
 

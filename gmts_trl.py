@@ -427,9 +427,10 @@ def _main(argv):
         gmts.claim_out(args.out, "trl")  # this process is the folder's one writer until it ends
     except KeyboardInterrupt:
         die("interrupted before training; nothing was written", 130)
-    except (ValueError, OSError, RuntimeError, ImportError, MemoryError) as e:  # ValueError: flags TRL rejects
-        fail(e, 2 if isinstance(e, ValueError) else 1, "; nothing was written")  # (a batch not divisible by G),
-        # data files, lengths, a failing chat template; else a model that can't be loaded, an unsupported TRL, no vLLM
+    except (ValueError, OSError, RuntimeError, ImportError, MemoryError) as e:
+        # ValueError (exit 2): flags TRL rejects (a batch not divisible by G), data files, lengths, a chat template
+        # that fails; else (1): memory, a model that can't be loaded, an unsupported TRL, no vLLM
+        fail(e, 2 if isinstance(e, ValueError) else 1, "; nothing was written")
     try:
         trainer.train()
         if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
@@ -437,8 +438,8 @@ def _main(argv):
         trainer.save_model(args.out)
     except KeyboardInterrupt:
         die(f"interrupted; {kept(args.out)}", 130)
-    except (OSError, RuntimeError, ValueError, MemoryError) as e:  # memory, a full disk, a tokenizer that fails at
-        fail(e, 1, f"; {kept(args.out)}")  # the first batch
+    except (OSError, RuntimeError, ValueError, MemoryError) as e:  # memory, a full disk, a tokenizer failing at once
+        fail(e, 1, f"; {kept(args.out)}")
     finally:
         gmts.release_all()
 

@@ -1344,7 +1344,7 @@ def _read_jsonl(path: str, task: str) -> tuple:
                     rows.append(row)
                     lines.append(i)
     except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}

@@ -303,7 +303,7 @@ def check_out(out: str, overwrite: bool = False, model: str = ""):
         with tempfile.TemporaryFile(dir=parent):  # a real write (os.access says yes to root on a read-only mount)
             pass
     except OSError as e:
-        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from None
+        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or gmts.error_line(e, 200)})") from None
     gmts.check_out(out, "trl", model, overwrite)  # its own earlier run needs --overwrite; any other output refused
 
 

@@ -54,7 +54,7 @@ Deviations from the papers and choices they leave open:
      mirrors countdown.
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
-      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown              (one GPU)
+      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown --out out/qwen   (one GPU)
 """
 import os
 import signal

@@ -12,11 +12,11 @@ One training step, as train() numbers it; the file follows this order:
   3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
   5. per response token: log pi(y_t) and entropy H_t                  [paper: token statistics]
-     and the logit-gradient norm (for gradnorm)                       [ours]
+     and grad_norm = ||d log p_y / d logits|| (for gradnorm)          [ours]
   6. score tokens, keep the top rho of each group or of the batch     [paper: selection]
        entropy   H_t, over the whole batch                            [80/20, GMTS's ETS baseline]
        gmts      H_t * |omega_t|, omega = -dL/dlogp_t, per group      [GMTS]
-       gradnorm  |omega_t| * the exact logit-gradient norm, batch     [ours: an ablation]
+       gradnorm  |omega_t| * grad_norm = ||dL/dz||, over the batch    [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
@@ -49,9 +49,9 @@ Deviations from the papers and choices they leave open:
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
   6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
-     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's), so
-     a batch with A = 0 everywhere and the policy at its reference moves nothing. The lr follows GRPO
-     steps regardless.
+     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's) and
+     the loss and the gradient norm are finite, so a batch with A = 0 everywhere and the policy at its
+     reference moves nothing. The lr follows GRPO steps regardless.
   7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the model
      --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
@@ -61,7 +61,7 @@ Deviations from the papers and choices they leave open:
      mirrors countdown.
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
-      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown              (one GPU)
+      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown --out out/qwen   (one GPU)
 """
 import os
 import signal
@@ -76,8 +76,8 @@ if __name__ == "__main__":  # a stop signal while torch imports (seconds): one l
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, glob, hashlib, importlib
-import itertools, json, logging, math, random, re, shutil, sys, time
+import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, hashlib, importlib
+import itertools, json, logging, math, random, re, shutil, sys, tempfile, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -281,7 +281,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     return batch
 
 # ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
-# Each task: a prompt and a verifier, collected in TASKS; train()'s step 3 calls TASKS[task]["reward"].
+# Each task: a prompt and a verifier, collected in TASKS; sample_groups (train's steps 1-4) calls both.
 # Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs
 # a reward, not a run). The problem generators and data loaders are in the supporting code.
 def _never_raise(fn, fallback=0.0):
@@ -503,7 +503,7 @@ def logic_prompt(row: dict, short=False) -> str:
             f"who always lies. You meet {len(row['names'])} inhabitants: "
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
-TASKS = {  # train() calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
+TASKS = {  # sample_groups calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
     "countdown": {"prompt": countdown_prompt,
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"])},
@@ -595,8 +595,8 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    and keeps about the top rho of each prompt's group: of a group's n valid tokens, sorted by score
 #    ascending, the lowest max(1, ceil((1 - rho) n)) are dropped, and a score of 0 (H_t = 0
 #    included) is never kept (the authors' code: module docstring, "Provenance"). 'gradnorm' uses
-#    the exact logit-gradient norm |omega| * grad_norm instead (our ablation; it costs the same
-#    vocabulary reduction as H).
+#    the loss's exact logit-gradient norm ||dL/dz|| = |omega| * grad_norm instead (our ablation; it
+#    costs the same vocabulary reduction as H).
 # Where the authors leave it open this code: uses the rollout temperature T for p, H and log p;
 # recomputes omega (with the current ratio and clip) before every inner update; computes in fp32.
 
@@ -613,9 +613,9 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     y = tokens.unsqueeze(-1)  # (..., 1)
     logp = logp_all.gather(-1, y).squeeze(-1)  # log p_y, (...)
     p_y = logp.exp()  # (...)
-    # Every sum below runs over j != y, with y's term added back: p_rest is p with p_y set to 0.
+    # p_rest is p with p_y set to 0: its sums run over j != y, and y's own term is added back to them.
     p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
-    # H = -sum_j p_j log p_j
+    # H = -sum_j p_j log p_j = -(sum_{j != y} p_j log p_j + p_y log p_y)
     entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
     # ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2. Unlike 1 - 2 p_y + sum_j p_j^2 it does
     # not cancel catastrophically when p_y ~ 1 (1 - p_y = -expm1(log p_y)).
@@ -650,7 +650,7 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, 
         parts = []
         for hc, yc in zip(h.split(chunk), y.split(chunk)):
             parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
-        for o, values in zip(out, zip(*parts)):
+        for o, values in zip(out, zip(*parts)):  # zip(*parts): each statistic's chunks, in order
             block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
             block[m] = torch.cat(values)
     return tuple(out)
@@ -732,7 +732,7 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return entropy
     if method == "gmts":  # H_t * |omega_t| (GMTS; H >= 0)
         return (entropy * om).abs()
-    if method == "gradnorm":  # the exact logit-gradient norm (derivation step 3; our ablation)
+    if method == "gradnorm":  # the loss's exact logit-gradient norm ||dl/dz|| (derivation step 3; our ablation)
         return om.abs() * grad_norm
     raise ValueError(f"unknown selection method {method!r}; "
                      f"choose one of: {', '.join(CHOICES['select'])}")
@@ -803,7 +803,8 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
                     clip_low: float, clip_high: float) -> tuple:
     """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
     r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
-    On-policy (old_logp = logp.detach()) r == 1: REINFORCE."""
+    On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp comes from token_stats'
+    code path, not head_logp's, so on a first inner update r is 1 only up to float rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -910,9 +911,9 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 
 # ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total`: linear warm-up over `warmup` slots,
-    then (decay) a linear decay that reaches 1 / (total - warmup) at the last slot (TRL's default
-    schedule is also linear). A slot is one inner update of one GRPO step, stepped or not."""
+    """lr multiplier at update slot i (0-based) of `total`: min(1, (i + 1) / warmup, (total - i) / (total - warmup)),
+    a linear warm-up over `warmup` slots, then a linear decay to 1 / (total - warmup) at the last slot (decay=False
+    drops the last term; TRL's default is also linear). A slot is one inner update of a GRPO step, stepped or not."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -939,6 +940,7 @@ class Run:
     fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
     start: int  # the first step to run (1 for a new run)
     skipped: int  # updates skipped so far for a non-finite loss or gradient
+    report: object = None  # report(rec) sends a metrics record to --report-to's tracker (record_start opens it)
 
 def start_run(cfg: Config, log=print) -> Run:
     """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
@@ -1029,7 +1031,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
-    report = open_tracker(cfg, run.start)  # --report-to: tensorboard, wandb or nothing
+    report = run.report  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
     model.train()
     for step in range(run.start, cfg.steps + 1):
@@ -1042,8 +1044,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
             valid = mask & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
-        # 5. token statistics of the policy that sampled the batch (pi_old): log pi(y_t), H_t and
-        # the logit-gradient norm, each (N, T); the KL reference's log-probs on the loss's path
+        # 5. statistics of pi_old, the fp32 policy before this update (--sampler-dtype bf16, CUDA's default: a bf16
+        # copy of it sampled): log pi(y_t), H_t and grad_norm, each (N, T); the KL reference's log-probs (loss's path)
         logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
         old_logp = logp
         ref_logp = None
@@ -1085,8 +1087,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             save_checkpoint(cfg.out, step, model, run.tok, opt, run.skipped)
     show(None, False)
     report(None)
-    save_final(cfg.out, model, run.tok)
     plot_metrics(cfg.out)
+    save_final(cfg.out, model, run.tok)  # last: its config.json marks the run finished
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
@@ -1373,13 +1375,13 @@ def _read_jsonl(path: str, task: str) -> tuple:
                 try:  # one net per line
                     row = _parse_row(raw, task)
                 except (ValueError, RecursionError, TypeError) as e:
-                    why = _WHY.get(type(e), str(e)[:200])
+                    why = _WHY.get(type(e)) or error_line(e, 200)
                     raise ValueError(f"{path} line {i}: {why}") from None
                 if row is not None:
                     rows.append(row)
                     lines.append(i)
     except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
@@ -1396,7 +1398,7 @@ def _load_hf(task: str, split: str) -> list:
     except ImportError:
         raise ValueError("--data hf needs the `datasets` package; use --data gen") from None
     except OSError as e:  # ConnectionError (offline mode, no network) and missing files are OSErrors
-        raise ValueError(f"could not load {name} from the hub (no network?): {str(e).splitlines()[0][:200]}; "
+        raise ValueError(f"could not load {name} from the hub (no network?): {error_line(e, 200)}; "
                          "use --data gen") from None
     rows = [{"nums": list(x), "target": int(t)} for x, t in zip(ds["nums"], ds["target"])]
     return rows[:327_680] if split == "train" else rows[327_680:328_704]
@@ -1476,17 +1478,24 @@ def read_data(cfg: Config) -> Data:
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
-def check_prompts(cfg: Config, run, data: Data):
-    """ValueError naming the first row whose prompt and answer would pass the model's positions: every
-    row read is checked before step 0 (a row found at step 1 would fail every resume again)."""
-    limit = getattr(run.model.config, "max_position_embeddings", None)
-    if not limit:
-        return
-    prompts = build_prompts(run.tok, run.task, data.rows, run.chat, cfg.short_prompt)
-    for where, ids in zip(data.where, run.tok(prompts, add_special_tokens=False)["input_ids"]):
-        if len(ids) + cfg.max_new_tokens > limit:
-            raise ValueError(f"{where}: its {len(ids)}-token prompt and --max-new-tokens {cfg.max_new_tokens} "
-                             f"exceed the model's {limit} positions")
+def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
+    """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
+    every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
+    for i in range(0, len(data.rows), chunk):
+        prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk], use_chat(tok, cfg.chat_template),
+                                  cfg.short_prompt)
+        for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
+            check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
+
+def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
+    """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
+    try:
+        return build_prompts(tok, task, rows, chat, short)
+    except Exception as e:
+        if memory_fault(e):
+            raise
+        raise ValueError(f"the model's chat template fails on this run's prompts ({type(e).__name__}: "
+                         f"{error_line(e, 200)}); try --short-prompt, or gmts.py's --chat-template no") from None
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
 def pick_device(name: str = "auto") -> torch.device:
@@ -1545,9 +1554,13 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
             check_tokenizer(tok)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config, tokenizer)
+            if memory_fault(e):  # not the model's fault
+                raise
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access, a misspelled name or bad files"
-            raise OSError(f"cannot load model '{path}': {why}: {str(e).splitlines()[0][:200]}; "
+            if os.path.isdir(path):  # a local folder: its files, whatever the hub
+                why = "its files are missing or damaged"
+            raise OSError(f"cannot load model '{path}': {why}: {error_line(e, 200)}; "
                           f"try --model tiny for an offline run") from None
     tok.padding_side = "left"  # generate() appends to the right end of every row
     if tok.pad_token is None:
@@ -1559,11 +1572,11 @@ def check_tokenizer(tok):
     if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
         raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
-def check_positions(model, prompt_tokens: int, max_new_tokens: int):
-    """ValueError (one line) if such a prompt and answer pass the model's positions."""
+def check_positions(model, prompt_tokens: int, max_new_tokens: int, what: str = "a"):
+    """ValueError (one line, `what` names the prompt) if such a prompt and answer pass the model's positions."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and prompt_tokens + max_new_tokens > limit:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + a {prompt_tokens}-token prompt exceed the "
+        raise ValueError(f"{what} {prompt_tokens}-token prompt and --max-new-tokens {max_new_tokens} exceed the "
                          f"model's {limit} positions")
 
 class SamplerLogp:
@@ -1586,8 +1599,8 @@ class SamplerLogp:
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end; the last draw is read here (unless
-        generate ran steps past the end and cut them)."""
+        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw (no call comes after it) is
+        read here from `pending`, unless `read` already covers comp's T columns; [:T] keeps the first T."""
         if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
@@ -1625,12 +1638,11 @@ def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
     if run.fast:
         try:
             return rollout(run.sampler, run.tok, prompts, fast=True, **knobs)
-        except (ValueError, torch.OutOfMemoryError):  # too long a prompt, or memory: the plain path would fail too
-            raise
         except Exception as e:
+            if isinstance(e, ValueError) or memory_fault(e):  # too long a prompt, or memory: the plain path fails too
+                raise
             run.fast = False
-            log(f"fast generation failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                "sampling on the plain path from now on")
+            log(f"fast generation failed ({type(e).__name__}: {error_line(e, 120)}); on the plain path from now on")
     return rollout(run.sampler, run.tok, prompts, fast=False, **knobs)
 
 @torch.no_grad()
@@ -1656,11 +1668,10 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
-    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its
-    only writer), read the data (a resume: the file it started with), load the model -> (model, tok, state,
-    data). A new run loads --model and only then deletes an old run's files there; --resume loads the newest
-    checkpoint that passes load_checkpoint's checks. A folder without a checkpoint holds nothing of value,
-    so a resume or a rerun starts it afresh. state: step, skipped, resumed (and opt on a resume)."""
+    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its only
+    writer), read the data (a resume: the file it started with), load the model (a resume: its newest loadable
+    checkpoint), check every row's prompt, only then delete an old run's files -> (model, tok, state, data). A folder
+    without a checkpoint holds nothing of value: a resume or a rerun starts it afresh. state: step, skipped, resumed."""
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
@@ -1668,33 +1679,39 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     if want and not cfg.allow_change and data.fingerprint != want:
         raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or sha256 differ); "
                          "pass --allow-change to train on it")
+    state = dict(step=0, skipped=0, resumed=False)
     if checkpoints(cfg.out) and cfg.resume:
         want = saved.get("fingerprint", {}).get("prompt")
         model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
-        return model, tok, dict(state, resumed=True), data
-    model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    for n in run_files(cfg.out):  # the old run's files go only now that the new model has loaded
-        if not _own(os.path.join(cfg.out, n)):
-            continue
-        if n.startswith("ckpt-"):
-            shutil.rmtree(os.path.join(cfg.out, n))
-        else:
-            os.remove(os.path.join(cfg.out, n))
-    return model, tok, dict(step=0, skipped=0, resumed=False), data
+        state["resumed"] = True
+    else:
+        model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
+    if state["resumed"]:
+        return model, tok, state, data
+    for n in run_files(cfg.out):  # the old run's files go only now
+        if _own(os.path.join(cfg.out, n)):
+            remove(os.path.join(cfg.out, n))
+    return model, tok, state, data
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
-    """The run folder's side of start_run once the optimiser exists: metrics.jsonl (a resume keeps the
-    records up to its checkpoint's step), run_config.json (the config and what a resume must find again:
-    data file, prompt format; written only once model and data have loaded and every row fits the
-    positions), and for a new run step 0 (the starting model's held-out accuracy) and ckpt-000000."""
-    check_prompts(cfg, run, data)
+    """The run folder's side of start_run once the optimiser exists. Before anything is written: a resume's KL
+    reference must be the weights it started from; the tracker opens (run.report). Then metrics.jsonl (a resume keeps
+    the records up to its checkpoint's step), run_config.json (the config and what a resume must find again: data
+    file, prompt format, KL reference), and for a new run step 0 (held-out accuracy, also sent on) and ckpt-000000."""
+    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),  # what a resume checks
+                  reference=weights_print(run.ref) if run.ref else None)
+    want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
+    if want and want != prints["reference"] and not cfg.allow_change:
+        raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
+                         "differs); pass --allow-change to train against it")
+    run.report = open_tracker(cfg)  # a tracker that cannot start (wandb without a login): one line, nothing written
     kept = ""
     if resumed:  # the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
-    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template))  # what a resume checks
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
@@ -1707,6 +1724,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     rec = dict(step=0, **evaluate(run.model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
                                   cfg.max_new_tokens))
     log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+    run.report(rec)
     log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
 
@@ -1734,8 +1752,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
 
 def run_files(out: str) -> list:
     """What in `out` belongs to a run: its metrics, config and checkpoints."""
-    names = os.listdir(out) if os.path.isdir(out) else []
-    return sorted(n for n in names if n in ("metrics.jsonl", "run_config.json") or n.startswith("ckpt-"))
+    return _names(out, ("metrics.jsonl", "run_config.json", "ckpt-*")) if os.path.isdir(out) else []
 
 def read_run_config(out: str) -> dict:
     """The saved config of the run in `out` (--resume), or ValueError with one line."""
@@ -1772,8 +1789,8 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
 def checkpoints(out: str) -> list:
     """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
     one that holds an output of this program of its own is not a checkpoint)."""
-    found = glob.glob(os.path.join(out, "ckpt-*"))
-    return sorted(d for d in found if re.fullmatch(r"ckpt-\d+", os.path.basename(d)) and _own(d))
+    names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a folder's name may hold [ ] * ?
+    return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
     """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
@@ -1792,34 +1809,29 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         os.replace(old, old + ".old")
         shutil.rmtree(old + ".old", ignore_errors=True)
 
-def check_loaded(model, tok, chat_template: str = "auto", want=None):
-    """ValueError if a loaded checkpoint cannot continue the run: non-finite weights, a chat template that does not
-    render, or another prompt format than the run started with (prompt_print != want)."""
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            raise ValueError(f"non-finite weights in {name}")
-    check_tokenizer(tok)
-    if tok.chat_template:
-        render_prompt(tok, "2 + 2?", True)
-    if want is not None and prompt_print(tok, chat_template) != want:
-        raise ValueError(f"its prompt format {prompt_print(tok, chat_template)} is not the run's {want}")
-
 def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads and passes check_loaded; a damaged one is reported
-    in one line and the previous one tried. Nothing is unpickled: state.pt is read with weights_only=True. OSError
-    if none loads."""
+    """(model, tok, state) from the newest checkpoint that loads (load_model checks its tokenizer) and can continue the
+    run: finite weights, a chat template that renders, the run's prompt format (prompt_print == want); a damaged one
+    is reported in one line and the previous one tried. state.pt is read with weights_only=True. OSError if none."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
-            check_loaded(model, tok, chat_template, want)
+            for name, p in model.named_parameters():
+                if not torch.isfinite(p).all():
+                    raise ValueError(f"non-finite weights in {name}")
+            if tok.chat_template:
+                render_prompt(tok, "2 + 2?", True)
+            if want is not None and prompt_print(tok, chat_template) != want:
+                raise ValueError(f"its prompt format {prompt_print(tok, chat_template)} is not the run's {want}")
             state = torch.load(os.path.join(ck, "state.pt"), map_location="cpu", weights_only=True)
             if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "opt" in state):
                 raise ValueError("state.pt holds no step and optimiser")
             log(f"resuming from {ck}")
             return model, tok, state
         except Exception as e:  # truncated, empty or foreign files: fall back to the previous checkpoint
-            log(f"{ck} does not load ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                "trying the previous checkpoint")
+            if memory_fault(e):  # not the files' fault: every checkpoint stays as it is
+                raise
+            log(f"{ck} does not load ({type(e).__name__}: {error_line(e, 120)}); trying the previous checkpoint")
     raise OSError(f"--resume {out}: no loadable checkpoint (ckpt-*) in that folder; --overwrite starts it afresh")
 
 @torch.no_grad()
@@ -1865,7 +1877,7 @@ class RunError(RuntimeError):
 RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes; its live writer holds flock on it
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
                "vocab.json", "merges.txt", "chat_template.*", "README.md")
-WRITES = {"gmts": ("metrics.*", "run_config.json", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
+WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
           "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
           "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
@@ -1886,15 +1898,19 @@ def _own(path: str) -> bool:
     """Whether a run may delete `path` as its own file: anything but a folder with an output of its own."""
     return not os.path.isdir(path) or run_kind(path) is None
 
-def _run_above(out: str):
-    """(folder, kind) of the nearest folder above `out` that holds an output of this program, or None. Compare
-    folders are passed over: they hold their runs by design."""
+def _run_around(out: str, below: bool = True):
+    """(where, folder, kind) of the nearest folder above `out` with an output of this program ("lies inside"; compare
+    folders hold their runs by design), else of one below it ("holds"), or None. Either way one would stop the other:
+    the outer's clean-up or rotation could delete the inner, whose resume the outer's marker refuses."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
-        kind = run_kind(parent)
-        if kind not in (None, "compare"):
-            return parent, kind
+        if run_kind(parent) not in (None, "compare"):
+            return "lies inside", parent, run_kind(parent)
         parent = os.path.dirname(parent)
+    for folder, subfolders, _ in os.walk(out) if below else []:
+        for d in subfolders:
+            if run_kind(os.path.join(folder, d)) is not None:
+                return "holds", os.path.join(folder, d), run_kind(os.path.join(folder, d))
     return None
 
 def _names(out: str, patterns) -> list:
@@ -1932,10 +1948,10 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is an existing file, not a folder")
-    above = _run_above(out)
-    if above:  # its clean-up or checkpoint rotation could delete this one
-        raise ValueError(f"--out {out} lies inside {above[0]}, which holds a {above[1]} output of this program; "
-                         "choose a folder outside it")
+    near = _run_around(out, below=kind != "compare")  # a compare folder holds its runs by design
+    if near:
+        raise ValueError(f"--out {out} {near[0]} {near[1]}, which holds a {near[2]} output of this program; choose "
+                         "another --out")
     if not os.path.isdir(out):
         return
     if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
@@ -1955,10 +1971,11 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
 
 def claim_out(out: str, kind: str):
-    """Make `out` this process's: create it and its marker and hold flock on the marker until the process ends (the
-    OS drops it if the process is killed); then clear a killed run's .tmp and .old leftovers."""
+    """Make `out` this process's: create it and its marker and hold flock on it until the process ends (the OS drops
+    it if the process is killed); then, only where a gmts run was, clear a killed run's .tmp and .old leftovers."""
     if _held(out) is not None:
         return
+    leftovers = kind == "gmts" and run_kind(out) == "gmts"
     os.makedirs(out, exist_ok=True)
     fd = _lock(out, exclusive=True)
     mark = (json.dumps({"kind": kind}) + "\n").encode()
@@ -1967,11 +1984,9 @@ def claim_out(out: str, kind: str):
         os.pwrite(fd, mark, 0)
     _HELD[os.path.realpath(out)] = fd
     for n in _names(out, ("ckpt-*.tmp", "ckpt-*.old", "final.tmp", "metrics.jsonl.tmp", "run_config.json.tmp")):
-        if not _own(os.path.join(out, n)):
-            continue
-        shutil.rmtree(os.path.join(out, n), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(out, n))
+        if leftovers and _own(os.path.join(out, n)):
+            with contextlib.suppress(OSError):
+                remove(os.path.join(out, n))
 
 def release_all():
     for fd in _HELD.values():
@@ -1994,6 +2009,13 @@ def claim_run(cfg: Config) -> dict:
 def data_file(data: str) -> bool:
     return data not in ("gen", "easy") and data.split(":")[0] != "hf"
 
+def weights_print(model) -> str:
+    """The sha256 of a model's weights, every parameter's bytes in order: the KL reference's fingerprint."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().float().cpu().numpy())
+    return digest.hexdigest()
+
 def prompt_print(tok, chat_template: str) -> dict:
     """The prompt format: chat template or not, and the template's sha256."""
     return {"chat": use_chat(tok, chat_template), "template_sha256": hashlib.sha256(str(tok.chat_template).encode())
@@ -2001,18 +2023,23 @@ def prompt_print(tok, chat_template: str) -> dict:
 
 @contextlib.contextmanager
 def writing(path: str):
-    """A failed write (a full disk: OSError, safetensors' SafetensorError, torch.save's RuntimeError) -> OSError
-    with one line, and the half-written `path` removed."""
+    """A failed write removes the half-written `path`; a full disk (OSError, safetensors' SafetensorError, torch.save's
+    RuntimeError) -> OSError with one line, memory raised as it is."""
     try:
         yield
-    except torch.OutOfMemoryError:
-        raise
     except Exception as e:
-        shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
-            os.remove(path)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise OSError(f"cannot write {path}: {first}") from None
+            remove(path)
+        if memory_fault(e):
+            raise
+        raise OSError(f"cannot write {path}: {error_line(e, 200)}") from None
+
+def remove(path: str):
+    """Delete the file or folder at `path` (OSError if it cannot be deleted)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 def write_file(path: str, text: str):
     """A small file written whole: a .tmp beside it, then an atomic rename."""
@@ -2056,61 +2083,48 @@ def step_printer(total: int, start: int, log=print):
             bar.write(line)
     return show
 
-TRACKERS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to: its module
-
 def check_tracker(name: str):
     """ValueError (one line) before any work if --report-to's package is not installed."""
     if name == "none":
         return
     try:
-        importlib.import_module(TRACKERS[name])
+        importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
     except ImportError:
-        raise ValueError(f"--report-to {name} needs the {name} package "
-                         f"(pip install {name})") from None
+        raise ValueError(f"--report-to {name} needs the {name} package (pip install {name})") from None
 
-def _numbers(rec: dict) -> dict:
-    """The record's numbers, without the step (a tracker's x axis)."""
-    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
+def open_tracker(cfg: Config):
+    """report(rec) sends a metrics record's numbers to --report-to's tracker (tensorboard or wandb, writing under
+    --out), report(None) closes it. ValueError (one line) if the tracker cannot start: wandb without a login."""
+    if cfg.report_to == "none":
+        return lambda rec: None
+    try:
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            tracker = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
+        else:
+            import wandb
+            tracker = wandb.init(project="gmts", name=os.path.basename(os.path.abspath(cfg.out)), dir=cfg.out,
+                                 config=dataclasses.asdict(cfg))
+    except Exception as e:
+        if memory_fault(e):
+            raise
+        raise ValueError(f"--report-to {cfg.report_to} cannot start: {error_line(e, 200)}") from None
 
-def open_tracker(cfg: Config, start: int = 1):
-    """report(rec) sends a metrics record's numbers to --report-to's tracker, writing under --out;
-    report(None) closes it. A new run (start 1) sends its step-0 record (the starting model's held-out
-    accuracy) at once."""
-    report = _tracker(cfg)
-    if start == 1:
-        report(read_metrics(cfg.out)[0])
+    def report(rec):
+        numbers = {k: v for k, v in (rec or {}).items() if k != "step" and type(v) in (int, float)}  # step: x axis
+        if rec is None:
+            getattr(tracker, "finish" if cfg.report_to == "wandb" else "close")()
+        elif cfg.report_to == "wandb":
+            tracker.log(numbers, step=rec["step"])
+        else:
+            for key, value in numbers.items():
+                tracker.add_scalar(key, value, rec["step"])
     return report
 
-def _tracker(cfg: Config):
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(cfg.out, "tensorboard"))
-
-        def report(rec):
-            if rec is None:
-                writer.close()
-                return
-            for key, value in _numbers(rec).items():
-                writer.add_scalar(key, value, rec["step"])
-        return report
-    if cfg.report_to == "wandb":
-        import wandb
-        name = os.path.basename(os.path.abspath(cfg.out))
-        wandb_run = wandb.init(project="gmts", name=name, dir=cfg.out,
-                               config=dataclasses.asdict(cfg))
-
-        def report(rec):
-            if rec is None:
-                wandb_run.finish()
-                return
-            wandb_run.log(_numbers(rec), step=rec["step"])
-        return report
-    return lambda rec: None
-
 # ==== Config checks [plumbing]: every value a run cannot use is refused before any work ===========
-def die(msg: str, code: int = 2):
-    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
-    print(f"gmts: error: {msg}", file=sys.stderr)
+def die(msg, code: int = 2):
+    """Bad input: one line on stderr (error_line of a message or an exception), a non-zero exit, never a traceback."""
+    print(f"gmts: error: {error_line(msg)}", file=sys.stderr)
     sys.exit(code)
 
 RULES = [  # (fields, test, what their values must be); NaN fails every test
@@ -2122,7 +2136,8 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
     (["kl_beta", "weight_decay"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
     (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size",
       "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
-    (["save_every", "eval_every", "warmup_steps", "top_k", "threads"], lambda v: v >= 0, ">= 0"),
+    (["save_every", "eval_every", "warmup_steps", "top_k"], lambda v: v >= 0, ">= 0"),
+    (["threads"], lambda v: 0 <= v <= 1024, "in [0, 1024] (0: torch's own choice)"),
     (["group_size"], lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
     (["seed"], lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
     (["tiny_hidden"], lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
@@ -2161,8 +2176,11 @@ def check_out_path(out: str):
         if os.path.islink(parent):
             raise ValueError(f"--out {out!r}: {parent} is a symbolic link to nothing (dangling, or a loop)")
         parent = os.path.dirname(parent)
-    if not out or os.path.isfile(out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {out!r} is not a folder that can be written")
+    with contextlib.suppress(OSError):  # a real write: os.access says yes to root where nobody can write (/proc)
+        if out:  # (a file is no folder: NotADirectoryError)
+            tempfile.TemporaryFile(dir=parent).close()
+            return
+    raise ValueError(f"--out {out!r} is not a folder that can be written")
 
 # ==== CLI and signals [plumbing] ==================================================================
 
@@ -2184,7 +2202,10 @@ def parse_args(argv=None) -> Config:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
             p.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_)
+    p.set_defaults(resume=None)  # None: not given; "" (an unset shell variable) names no folder
     pre, _ = p.parse_known_args(argv)
+    if pre.resume == "":
+        raise ValueError("--resume names no folder (an unset shell variable?); give the run folder to continue")
     if pre.resume and pre.preset:
         raise ValueError(f"--resume {pre.resume} continues that run with its saved config; --preset cannot apply to "
                          "it (give each field to change as a flag)")
@@ -2195,7 +2216,7 @@ def parse_args(argv=None) -> Config:
         saved = read_run_config(pre.resume)
         check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
-    p.set_defaults(out=pre.resume or p.get_default("out"))  # a run continues in its own folder
+    p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run continues in its own folder
     cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
     for k in sorted(names - FREE):
         if cfg.resume and not same_value(k, getattr(cfg, k), saved[k]) and not cfg.allow_change:
@@ -2230,26 +2251,29 @@ def check_saved_keys(out: str, saved: dict, names: set):
     if unknown:
         raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
 
-OOM_HINT = "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens (the last checkpoint is kept)"
-
-def memory_fault(e: BaseException):
-    """The one line for an allocation that failed (CUDA, or the CPU's: a RuntimeError from torch's allocator, a
-    MemoryError), or None for any other error."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return OOM_HINT
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
-        return ("out of CPU memory: lower --micro-batch, --group-size or --max-new-tokens, or use a smaller model "
-                "(the last checkpoint is kept)")
+def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens"):
+    """The one line, naming the flags to `lower`, for an allocation that failed (the GPU's: torch.OutOfMemoryError or a
+    RuntimeError saying "out of memory"; the CPU's: MemoryError, torch's allocator), or None for any other error."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    if isinstance(e, MemoryError) or "can't allocate memory" in text:
+        return f"out of CPU memory: lower {lower}, or use a smaller model"
+    if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text:
+        return f"out of GPU memory: lower {lower}"
     return None
 
-def error_line(e: BaseException, cap: int = 200) -> str:
-    """The one line that stands for any exception: memory first (memory_fault), else the first non-blank line of
-    its message, else the name of its type (an empty OSError() has no message)."""
-    why = memory_fault(e)
-    if why:
-        return why
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0][:cap] if lines else type(e).__name__
+def error_line(e, cap: int = 1000) -> str:
+    """The one line for an exception or a message, which every printed error goes through: memory first (memory_fault),
+    else its message with line breaks written as \\n (a path may hold one) cut at `cap`, else its type's name."""
+    return memory_fault(e) or "\\n".join(str(e).strip().splitlines())[:cap] or type(e).__name__
+
+def fail(e: Exception, kept: str = ""):
+    """The exit of a command that an exception ends: memory (exit 1; `kept` says what the run keeps), bad input
+    (ValueError: 2), a fault (OSError, RunError: 1), each in one line. Any other exception is a bug: raised again."""
+    if memory_fault(e):
+        die(memory_fault(e) + kept, 1)
+    if not isinstance(e, (ValueError, OSError, RunError)):
+        raise e
+    die(e, 2 if isinstance(e, ValueError) else 1)
 
 STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
@@ -2258,8 +2282,7 @@ def _on_signal(signum, frame):
     """The first stop signal raises KeyboardInterrupt, later ones are ignored (one message, however often pressed).
     Python swallows an exception raised inside a __del__ ('Exception ignored in: <function Group.__del__>', then
     the run went on and exited 0): _STOPPED remembers it and say() raises it again at the next line."""
-    for sig in STOP:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stops()
     _STOPPED.append(signum)
     raise KeyboardInterrupt
 
@@ -2272,9 +2295,18 @@ def say(*parts, **kwargs):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to print goes nowhere
 
+def ignore_stops():
+    """From here on a stop signal changes nothing (after the first one, after a run, in the teardown)."""
+    for sig in STOP:
+        signal.signal(sig, signal.SIG_IGN)
+
 @contextlib.contextmanager
 def handling_signals():
-    """_on_signal for the stop signals (main thread only); the old handlers come back unless a signal came."""
+    """The command line's streams and signals: a closed stdout (>&-) is /dev/null, a character stdout cannot encode
+    is written as an escape; _on_signal for the stop signals (main thread only), the old ones back unless one came."""
+    sys.stdout = sys.stdout or open(os.devnull, "w")
+    with contextlib.suppress(AttributeError, ValueError):  # a notebook's stream has no reconfigure
+        sys.stdout.reconfigure(errors="backslashreplace")
     _STOPPED.clear()
     old = {}
     with contextlib.suppress(ValueError):  # not the main thread
@@ -2288,8 +2320,6 @@ def handling_signals():
                 signal.signal(sig, old[sig])
 
 def main(argv=None):
-    if sys.stdout is None:  # started with stdout closed (>&-): /dev/null takes its place, and its fd
-        sys.stdout = open(os.devnull, "w")
     with handling_signals():
         _main(argv)
 
@@ -2300,38 +2330,28 @@ def _main(argv):
     try:
         cfg = parse_args(argv)
         check_config(cfg)
-        check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
         out = cfg.out
         steps = cfg.steps
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg, log=say)
         say("", end="")  # an interrupt swallowed at the very end still counts
-        for sig in STOP:  # done: every file is saved, and a stop signal from here on changes nothing
-            signal.signal(sig, signal.SIG_IGN)
-    except ValueError as e:  # bad input: flags, data files, a folder that holds a run
-        die(str(e), 2)
-    except (OSError, RunError) as e:  # a model that cannot be loaded, no loadable checkpoint, a full disk
-        die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        why = memory_fault(e)
-        if why is None:
-            raise
-        die(why, 1)
+        ignore_stops()  # done: every file is saved
     except KeyboardInterrupt:
-        if finished(out, steps, started):  # the signal came after `done:`: every file is saved
+        if finished(out, steps, started):  # the signal came after the final model was saved
             return
         die(f"interrupted; {interrupted_state(out)}", 130)
+    except Exception as e:  # memory; bad input (flags, data, a folder that holds a run); a model that cannot load
+        fail(e, f"; {interrupted_state(out)}")
     finally:
         release_all()
 
 def finished(out, steps: int, since: float) -> bool:
-    """Whether this process ended the run in `out`: its last step logged after `since` and its final model saved
-    (save_final moves config.json in last)."""
+    """Whether this process ended the run in `out`: its last step logged and its final model saved after `since`
+    (train plots first; save_final moves config.json in last)."""
     recs = read_metrics(out) if out else []
-    if not recs or recs[-1]["step"] != steps or not os.path.isfile(os.path.join(out, "config.json")):
-        return False
-    return os.path.getmtime(os.path.join(out, "metrics.jsonl")) >= since
+    config = os.path.join(out or "", "config.json")
+    return bool(recs) and recs[-1]["step"] == steps and os.path.isfile(config) and os.path.getmtime(config) >= since
 
 def interrupted_state(out) -> str:
     """What an interrupted run leaves in `out`, truthfully, and how to go on."""
@@ -2343,6 +2363,5 @@ def interrupted_state(out) -> str:
     return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
-    for _sig in STOP:  # torch has imported: handling_signals takes over, and the teardown after it ignores them
-        signal.signal(_sig, signal.SIG_IGN)
+    ignore_stops()  # torch has imported: handling_signals takes over, and the teardown after it ignores them
     main()

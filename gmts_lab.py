@@ -304,15 +304,20 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
         parse_arm(m, "--methods")
     if not methods:
         raise ValueError("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
-    if seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if not 1 <= seeds <= 1000:
+        raise ValueError(f"--seeds must be in [1, 1000], got {seeds}")
+    if cfg.seed + seeds > 2**32:  # the runs' seeds must be ones a run (and its --resume) takes
+        raise ValueError(f"--seed {cfg.seed} and --seeds {seeds} give seeds past 2**32 - 1, the largest a run takes")
     if len(set(methods)) < len(methods):  # two runs would write one folder
         raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
-    workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
-    threads = max(1, torch.get_num_threads() // workers)
-    threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
+    if workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {workers}")
     runs = [dataclasses.replace(cfg, **arm_fields(m, cfg), seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
+    workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
+    workers = min(workers, len(runs))  # no idle processes
+    threads = max(1, torch.get_num_threads() // workers)
+    threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
     for c in runs:
         gmts.check_out(c.out, "gmts", c.model, cfg.overwrite)
     gmts.check_out(cfg.out, "compare", cfg.model, cfg.overwrite, more=tuple(os.path.basename(c.out) for c in runs))
@@ -778,6 +783,9 @@ def analysis_table(res: dict, arms=ANALYZED) -> str:
 # CLI [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 
+OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare", "batches": "analyze", "rhos": "analyze",
+             "arms": "analyze"}
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gmts_lab.py", description="The experiments around gmts.py (see the module "
                                 "docstring); flags not listed here go to gmts.py's parser.",
@@ -794,7 +802,11 @@ def main(argv=None):
     p.add_argument("--arms", default=",".join(ANALYZED), help="analyze: comma list of METHOD or METHOD@SCOPE "
                    "(gmts@batch: the whole-batch variant); a method alone ranks at its default scope")
     with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
-        return _main(*p.parse_known_args(argv))
+        lab, rest = p.parse_known_args(argv)
+        for flag, command in OWN_FLAGS.items():  # a flag another command reads would be ignored in silence
+            if getattr(lab, flag) != p.get_default(flag) and lab.command != command:
+                p.error(f"--{flag} is {command}'s flag; {lab.command} does not read it")
+        return _main(lab, rest)
 
 def _main(lab, rest):
     try:
@@ -816,15 +828,16 @@ def _main(lab, rest):
             if a.task == "countdown":
                 ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                                 cfg.max_new_tokens)
-                print(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f} ({chance}), "
-                      f"well-formed {ev['real_valid']:.3f}; another problem's target shown: acc {ev['decoy_acc']:.3f}")
+                gmts.say(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f} ({chance}), "
+                         f"well-formed {ev['real_valid']:.3f}; another problem's target shown: acc "
+                         f"{ev['decoy_acc']:.3f}")
                 return
             t = gmts.get_task(a.task)
             texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                                  cfg.max_new_tokens)
             acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
-            print(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} ({chance}); "
-                  f"sample: {texts[0][:100]!r}")
+            gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} "
+                     f"({chance}); sample: {texts[0][:100]!r}")
             return
         if lab.command in ("report", "retention"):
             what = "a compare --out" if lab.command == "report" else "an analyze --rhos --out"
@@ -838,28 +851,24 @@ def _main(lab, rest):
             if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write a.png + ".png"
                 raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{lab.command}.png")
             panels = dict(x.split("=", 1) for x in a.panels)
-            return (report if lab.command == "report" else retention)(panels, a.png)
+            if len(panels) < len(a.panels):  # a title given twice would draw one panel
+                raise ValueError(f"{lab.command}: each TITLE=FOLDER needs a title of its own")
+            return (report if lab.command == "report" else retention)(panels, a.png, log=gmts.say)
         cfg = gmts.parse_args(rest)
         gmts.check_config(cfg, writes=lab.command != "decoy")  # decoy writes nothing
-        if lab.command == "compare":
-            return compare(cfg, [m.strip() for m in lab.methods.split(",") if m.strip()], lab.seeds, lab.workers)
+        if lab.command == "compare":  # say: a closed stdout (| head -1) stops the printing, not the grid
+            methods = [m.strip() for m in lab.methods.split(",") if m.strip()]
+            return compare(cfg, methods, lab.seeds, lab.workers, log=gmts.say)
         arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
         for arm in arms:
             parse_arm(arm, "--arms")
         if lab.command == "analyze" and lab.rhos:
-            return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), arms=arms)
-        return analyze(cfg, lab.batches, arms=arms) if lab.command == "analyze" else decoy_main(cfg)
-    except ValueError as e:  # bad input
-        gmts.die(str(e), 2)
-    except (OSError, gmts.RunError) as e:  # a model that cannot be loaded, a full disk, nothing to analyse
-        gmts.die(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
-    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        why = gmts.memory_fault(e)
-        if why is None:
-            raise
-        gmts.die(why, 1)
+            return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), log=gmts.say, arms=arms)
+        return analyze(cfg, lab.batches, log=gmts.say, arms=arms) if lab.command == "analyze" else decoy_main(cfg)
     except KeyboardInterrupt:
         gmts.die("interrupted", 130)
+    except Exception as e:  # memory; bad input; a model that cannot be loaded, a full disk, nothing to analyse
+        gmts.fail(e)
     finally:
         gmts.release_all()
 
@@ -878,13 +887,12 @@ def decoy_main(cfg: gmts.Config):
     model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     rows = gmts.read_data(cfg).held
     ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt, cfg.max_new_tokens)
-    print(f"| model | held-out greedy acc | same, other targets shown | read from the target | well-formed |\n"
-          f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
-          f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | {ev['real_valid']:.3f} |")
+    gmts.say(f"| model | held-out greedy acc | same, other targets shown | read from the target | well-formed |\n"
+             f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
+             f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | {ev['real_valid']:.3f} |")
     return ev
 
 
 if __name__ == "__main__":
-    for _sig in gmts.STOP:  # torch has imported: handling_signals takes over, and the teardown after it ignores them
-        signal.signal(_sig, signal.SIG_IGN)
+    gmts.ignore_stops()  # torch has imported: handling_signals takes over, and the teardown after it ignores them
     main()

@@ -66,6 +66,7 @@ import functools
 import inspect
 import json
 import math
+import re
 import sys
 import tempfile
 import types
@@ -308,7 +309,7 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
     tokenizes as is) and 'row' (the row as JSON, for make_reward)."""
     import datasets
 
-    prompts = gmts.build_prompts(tok, gmts.get_task(task), rows, chat, short)
+    prompts = gmts.checked_prompts(tok, gmts.get_task(task), rows, chat, short)  # a failing template: ValueError
     return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(prompts, rows)])
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,14 +318,28 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
 
 
 ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL then goes over them again, epoch by epoch
-RUN_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "training_args.bin",
-             "trainer_state.json", "metrics.jsonl")  # what a gmts_trl.py (or gmts.py) run leaves in its --out
+LOWER = "--per-device-batch-size or --max-completion-length"  # the flags that take less memory
 
 
-def die(msg: str, code: int = 2):
-    """Bad input: one line on stderr and a non-zero exit (2: input, 1: a model that cannot be loaded), no traceback."""
-    print(f"gmts_trl: error: {msg}", file=sys.stderr)
+def die(msg, code: int = 2):
+    """Bad input: one line on stderr (gmts.error_line of msg, a message or an exception) and a non-zero exit (2:
+    input, 1: a model that cannot be loaded, memory), no traceback."""
+    print(f"gmts_trl: error: {gmts.error_line(msg)}", file=sys.stderr)
     sys.exit(code)
+
+
+def fail(e: Exception, code: int, kept: str):
+    """die for an exception: memory first (exit 1, then `kept`: what the run keeps), else its one line and `code`."""
+    why = gmts.memory_fault(e, LOWER)
+    die(why + kept if why else e, 1 if why else code)
+
+
+def kept(out: str) -> str:
+    """What a run stopped early leaves in `out`: TRL's newest checkpoint-N folder, if any."""
+    found = [n for n in os.listdir(out) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(out) else []
+    if not found:
+        return f"{out} holds no checkpoint-N folder of TRL's yet"
+    return f"{out} keeps {max(found, key=lambda n: int(n.split('-')[1]))}"
 
 
 def check_out(out: str, overwrite: bool = False, model: str = ""):
@@ -343,12 +358,9 @@ def check_out(out: str, overwrite: bool = False, model: str = ""):
     try:
         with tempfile.TemporaryFile(dir=parent):  # a real write (os.access says yes to root on a read-only mount)
             pass
-        names = os.listdir(out) if os.path.isdir(out) else []
     except OSError as e:
-        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from None
-    if not overwrite and any(n in RUN_FILES or n.startswith("checkpoint-") for n in names):
-        raise ValueError(f"--out {out} holds a run; choose another --out, or pass --overwrite to write over it")
-    gmts.check_out(out, "trl", model, overwrite)
+        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or gmts.error_line(e, 200)})") from None
+    gmts.check_out(out, "trl", model, overwrite)  # its own earlier run needs --overwrite; any other output refused
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -398,10 +410,11 @@ def load_hub_model(path: str, cfg: GMTSConfig):
     from transformers import AutoConfig, AutoTokenizer
     from trl.trainer.utils import create_model_from_path
 
-    def why(e: Exception) -> OSError:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200].rstrip(".")
+    def why(e: Exception) -> Exception:
+        if gmts.memory_fault(e):  # not the model's fault: raised as it is
+            return e
         hint = "" if os.path.isdir(path) else "; try --model tiny for an offline run"
-        return OSError(f"cannot load model '{path}': {first}{hint}")
+        return OSError(f"cannot load model '{path}': {gmts.error_line(e, 200).rstrip('.')}{hint}")
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
@@ -470,23 +483,21 @@ def _main(argv):
         args = parse_args(argv)
         trainer = build_trainer(args)
         gmts.claim_out(args.out, "trl")  # this process is the folder's one writer until it ends
-    except ValueError as e:  # flags TRL rejects (e.g. a batch not divisible by G), data files, lengths
-        die(str(e).strip().splitlines()[0] if str(e).strip() else "invalid configuration", 2)
-    except (OSError, RuntimeError, ImportError) as e:  # a model that can't be loaded, an unsupported TRL, no vLLM
-        die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
     except KeyboardInterrupt:
         die("interrupted before training; nothing was written", 130)
+    except (ValueError, OSError, RuntimeError, ImportError, MemoryError) as e:
+        # ValueError (exit 2): flags TRL rejects (a batch not divisible by G), data files, lengths, a chat template
+        # that fails; else (1): memory, a model that can't be loaded, an unsupported TRL, no vLLM
+        fail(e, 2 if isinstance(e, ValueError) else 1, "; nothing was written")
     try:
         trainer.train()
         if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
             die(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of batches; nothing saved", 1)
         trainer.save_model(args.out)
-    except torch.OutOfMemoryError:
-        die("out of GPU memory: lower --per-device-batch-size or --max-completion-length", 1)
-    except (OSError, RuntimeError, ValueError) as e:  # a full disk, a tokenizer that fails at the first batch
-        die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 1)
     except KeyboardInterrupt:
-        die(f"interrupted; {args.out} keeps the checkpoint-* folders TRL had saved", 130)
+        die(f"interrupted; {kept(args.out)}", 130)
+    except (OSError, RuntimeError, ValueError, MemoryError) as e:  # memory, a full disk, a tokenizer failing at once
+        fail(e, 1, f"; {kept(args.out)}")
     finally:
         gmts.release_all()
 

@@ -154,6 +154,41 @@ def _cpu_alloc_fails(*a, **k):
                        "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
 
 
+def _template(text):
+    """A copy of the run's newest checkpoint whose tokenizer carries the chat template `text`."""
+    def build(tmp, run):
+        out = shutil.copytree(run / "ckpt-000002", tmp / "tpl")
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = text
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+        if (out / "chat_template.jinja").exists():
+            (out / "chat_template.jinja").write_text(text)
+        return str(out)
+    return build
+
+
+def _newline_folder(tmp, run):
+    """A user's folder whose name holds a newline, with a config.json of the user's."""
+    os.makedirs(tmp / "mi\nne")
+    _write(tmp / "mi\nne" / "config.json", "{}\n")
+    return str(tmp / "mi\nne")
+
+
+def _folder_holding_a_run(tmp, run):
+    os.makedirs(tmp / "outer")
+    shutil.copytree(run, tmp / "outer" / "inner")
+    return str(tmp / "outer")
+
+
+def _kl_run_whose_model_changed(tmp, run):
+    """A 1-step run with --kl-beta from a model folder, then that folder's weights replaced by other ones."""
+    shutil.copytree(run / "ckpt-000001", tmp / "m")
+    gmts.main([*SMALL, "--model", str(tmp / "m"), "--kl-beta", "0.5", "--steps", "1", "--save-every", "1", "--out",
+               str(tmp / "kl")])
+    shutil.copy(run / "ckpt-000002" / "model.safetensors", tmp / "m" / "model.safetensors")
+    return str(tmp / "kl")
+
+
 HOLDERS = []
 PLACES = {
     "config_json": _user_folder("config.json"),
@@ -187,6 +222,13 @@ PLACES = {
     "dangling": _link("nowhere"),
     "loop": _link("link"),
     "eval0": _copy_run(_edit_config(lambda c: c.update(eval_size=0))),
+    "leftovers": _user_folder("ckpt-000001.old/", "ckpt-000001.old/precious.bin", "final.tmp", "metrics.jsonl.tmp"),
+    "config_tmp": _user_folder("run_config.json.tmp"),
+    "raising_template": _template("{{ raise_exception('System role not supported') }}"),
+    "broken_template": _template("{% for m in messages %}{{ m['content'] }"),
+    "newline": _newline_folder,
+    "holds_run": _folder_holding_a_run,
+    "kl_run": _kl_run_whose_model_changed,
 }
 
 
@@ -204,6 +246,45 @@ def _interrupt_at_step(step, real):
             raise KeyboardInterrupt
         return real(path, rec)
     return log
+
+
+def _raise(error):
+    """A stand-in that raises `error` (a class or an instance) wherever the real function is called."""
+    def boom(*a, **k):
+        raise error
+    return boom
+
+
+def _on_call(n, real, error):
+    """`real` for the first n - 1 calls, then `error` at the n-th (and `real` after it)."""
+    calls = []
+
+    def fn(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*a, **k)
+    return fn
+
+
+def _when(test, real, error):
+    """`real`, except that a call whose keyword arguments pass `test` raises `error`."""
+    def fn(*a, **k):
+        if test(k):
+            raise error
+        return real(*a, **k)
+    return fn
+
+
+def _wandb_without_a_login(*a, **k):
+    from wandb.errors import UsageError  # what wandb.init raised here with no API key and no terminal (0.31)
+    raise UsageError("No API key configured. Use `wandb login` to log in.")
+
+
+OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+CPU_ALLOC = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                         "tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+NO_POOL = {"gmts_lab:multiprocessing.get_context": _raise(KeyboardInterrupt)}  # compare stops where its workers start
 
 
 def _disk_full_safetensors():
@@ -309,6 +390,82 @@ PROMISES = [
     ("lab report --png a folder", 7, L, ["report", "a={tmp}", "--png", "{tmp}"], 2, "must name a .png file", {}),
     ("lab decoy on a run with eval_size 0", 7, L, ["decoy", "--model", "{eval0}"], 2,
      "run_config.json: --eval-size must be >= 1", {}),
+    # issue 38: memory at every site (one line, exit 1, the checkpoint named, no --overwrite), each failing on 47c0a22
+    ("OOM while the starting model loads", 5, G, ["--model", "{model}"], 1, "out of GPU memory",
+     {"transformers:AutoModelForCausalLM.from_pretrained": _raise(OOM)}),
+    ("OOM moving a checkpoint to the device on --resume", 4, G, ["--resume", "{run}"], 1,
+     "out of GPU memory: lower --micro-batch, --group-size or --max-new-tokens; ",
+     {"transformers:Qwen2ForCausalLM.to": _raise(OOM)}),
+    ("MemoryError reading state.pt on --resume", 4, G, ["--resume", "{run}"], 1, "keeps ckpt-000002: continue with",
+     {"torch:load": _raise(MemoryError)}),
+    ("a one-off OOM on the newest checkpoint", 4, G, ["--resume", "{run}"], 1, "keeps ckpt-000002",
+     {"torch:load": _on_call(1, torch.load, OOM)}),
+    ("OOM in a training rollout", 5, G, ["--steps", "1"], 1, "keeps ckpt-000000: continue with --resume",
+     {"rollout": _when(lambda k: k.get("sampler_logp"), gmts.rollout, OOM)}),
+    ("CPU memory on the fast rollout path", 5, G, ["--steps", "1", "--fast-generate"], 1, "out of CPU memory",
+     {"rollout": _when(lambda k: k.get("fast"), gmts.rollout, CPU_ALLOC)}),
+    ("OOM in the update", 5, G, ["--steps", "1"], 1, "keeps ckpt-000000", {"policy_update": _raise(OOM)}),
+    ("OOM in the evaluation after step 1", 5, G, ["--steps", "1"], 1, "keeps ckpt-000000",
+     {"evaluate": _on_call(2, gmts.evaluate, OOM)}),
+    ("OOM in torch.save of the first checkpoint", 5, G, [], 1, "holds no checkpoint yet", {"torch:save": _raise(OOM)}),
+    ("MemoryError in save_pretrained", 5, G, [], 1, "out of CPU memory",
+     {"transformers.modeling_utils:safe_save_file": _raise(MemoryError)}),
+    ("lab analyze, OOM while its model loads", 5, L, ["analyze", "--preset", "smoke", "--out", "{tmp}/a"], 1,
+     "out of GPU memory", {"transformers:AutoModelForCausalLM.from_pretrained": _raise(OOM)}),
+    ("trl, OOM while the weights load", 5, T, ["--model", "{model}"], 1,
+     "out of GPU memory: lower --per-device-batch-size", {"trl.trainer.utils:create_model_from_path": _raise(OOM)}),
+    ("trl, MemoryError in training", 5, T, [], 1, "out of CPU memory", {"gmts_trl:GMTSTrainer.train":
+                                                                         _raise(MemoryError)}),
+    # issue 38: empty and many-line messages, and who is blamed
+    ("empty OSError from the tokenizer's from_pretrained", 5, G, ["--model", "{model}"], 1, "cannot load model",
+     {"transformers:AutoTokenizer.from_pretrained": _raise(OSError())}),
+    ("--data hf, empty OSError from load_dataset", 6, G, ["--data", "hf"], 2, "could not load",
+     {"datasets:load_dataset": _raise(OSError())}),
+    ("a damaged model folder is not the hub's fault", 5, G, ["--model", "{notok}"], 1,
+     "its files are missing or damaged", {}),
+    ("an empty ValueError", 5, G, [], 2, "error: ValueError", {"read_data": _raise(ValueError())}),
+    ("a ValueError over two lines", 5, G, [], 2, "first\\nsecond", {"read_data": _raise(ValueError("first\nsecond"))}),
+    ("a newline in --out's name", 1, G, ["--out", "{newline}"], 2, "\\nne holds config.json", {}),
+    # issue 38: the fresh probe's other roots
+    ("a chat template that refuses the system role", 5, G, ["--model", "{raising_template}"], 2,
+     "chat template fails on this run's prompts (TemplateError: System role not supported)", {}),
+    ("a chat template with a syntax error", 5, G, ["--model", "{broken_template}"], 2, "chat template fails", {}),
+    ("trl, a chat template that refuses the system role", 5, T, ["--model", "{raising_template}"], 2,
+     "System role not supported", {}),
+    ("a stop signal while the final plot is drawn", 4, G, ["--steps", "1"], 130,
+     "keeps ckpt-000001: continue with --resume", {"plot_metrics": _raise(KeyboardInterrupt)}),
+    ("a stop signal while a resumed run saves its final model", 7, G, ["--resume", "{run}", "--steps", "3"], 130,
+     "keeps ckpt-000003", {"save_final": _raise(KeyboardInterrupt)}),
+    ("lab analyze keeps a user's files named like leftovers", 1, L, ["analyze", "--preset", "smoke", "--batches", "1",
+                                                                     "--out", "{leftovers}"], 1, "nothing to analyse",
+     {}),
+    ("trl keeps a user's files named like leftovers", 1, T, ["--out", "{leftovers}"], 130, "interrupted",
+     {"gmts_trl:GMTSTrainer.train": _raise(KeyboardInterrupt)}),
+    ("compare keeps a user's files named like leftovers", 1, L, ["compare", "--preset", "smoke", "--methods", "all",
+                                                                 "--seeds", "1", "--out", "{leftovers}"], 130,
+     "interrupted", NO_POOL),
+    ("gmts refuses a user's run_config.json.tmp", 1, G, ["--out", "{config_tmp}"], 2, "holds run_config.json.tmp",
+     {}),
+    ("a new run into a folder that holds a run", 1, G, ["--out", "{holds_run}", "--steps", "1"], 2,
+     "which holds a gmts output", {}),
+    ("lab analyze into a folder that holds a run", 1, L, ["analyze", "--preset", "smoke", "--out", "{holds_run}"], 2,
+     "which holds a gmts output", {}),
+    ("resume with --kl-beta after the --model folder changed", 3, G, ["--resume", "{kl_run}", "--steps", "2"], 2,
+     "is not the KL reference the run started from", {}),
+    ("--report-to wandb without a login", 5, G, ["--report-to", "wandb", "--steps", "1"], 2,
+     "--report-to wandb cannot start: No API key configured", {"wandb:init": _wandb_without_a_login}),
+    ("compare, seeds past 2**32", 7, L, ["compare", "--preset", "smoke", "--seed", str(2 ** 32 - 1), "--seeds", "2",
+                                         "--methods", "all", "--out", "{tmp}/c"], 2, "past 2**32 - 1", NO_POOL),
+    ("compare --seeds 10**12", 7, L, ["compare", "--preset", "smoke", "--seeds", str(10 ** 12), "--methods", "all",
+                                      "--out", "{tmp}/c"], 2, "--seeds must be in [1, 1000]", NO_POOL),
+    ("--resume '' (an unset shell variable)", 4, G, ["--resume", "", *SMALL, "--steps", "1", "--out", "{tmp}/o"], 2,
+     "--resume names no folder", {}),
+    ("--threads 10**20", 5, G, ["--threads", str(10 ** 20)], 2, "--threads must be in [0, 1024]", {}),
+    ("--out in /proc (root may write anywhere else)", 1, G, ["--out", "/proc/gmts-x"], 2,
+     "is not a folder that can be written", {}),
+    ("compare --rhos", 7, L, ["compare", "--preset", "smoke", "--rhos", "0.1", "--out", "{tmp}/c"], 2,
+     "--rhos is analyze's flag", NO_POOL),
+    ("report a=X a=Y", 7, L, ["report", "a={tmp}", "a={tmp}", "--png", "{tmp}/r.png"], 2, "a title of its own", {}),
 ]
 MAINS = {G: (lambda argv: gmts.main(argv), "gmts: error: "), T: (lambda argv: gmts_trl.main(argv), "gmts_trl: error: "),
          L: (lambda argv: gmts_lab.main(argv), "gmts: error: ")}
@@ -353,6 +510,7 @@ def test_promise(tmp_path, finished, capsys, monkeypatch, family, entry, argv, c
     assert e.value.code == code and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(prefix) and needle in lines[0], err
+    assert "memory" not in lines[0] or "--overwrite" not in lines[0], err  # memory is never the files' fault
     assert snapshot(os.path.dirname(gmts.WARM_CPU)) == warm  # the committed warm starts are never touched
     after = snapshot(tmp_path)
     if family <= 4:  # every file that was there is byte for byte the same
@@ -630,3 +788,94 @@ def test_a_stop_signal_after_done_changes_nothing(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and err == "", err
     assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+# ---- issue 38: the fresh probe's cases that end in a success, each failing on 47c0a22 ----------------------------
+
+@pytest.mark.parametrize("case", ["resume run[1] beside run1", "resume solo[1]", "new run into run[12]"])
+def test_a_folder_name_with_glob_characters_reaches_no_other_run(tmp_path, finished, capsys, monkeypatch, case):
+    """checkpoints() globbed OUT/ckpt-*: `run[1]` matched run1's checkpoints (a resume from another run, whose
+    rotation then deleted run1's), `solo[1]` matched none (a silent fresh start that deleted its own), and a new run
+    into `run[12]` rotated run1's away. Each run now sees exactly its own folder."""
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
+    other = shutil.copytree(finished, tmp_path / "run1")
+    shutil.rmtree(other / "ckpt-000002")  # another run, one checkpoint behind
+    before = snapshot(other)
+    if case == "new run into run[12]":
+        gmts.main([*SMALL, "--steps", "1", "--save-every", "1", "--overwrite", "--out", str(tmp_path / "run[12]")])
+        assert [os.path.basename(c) for c in gmts.checkpoints(str(tmp_path / "run[12]"))] == ["ckpt-000000",
+                                                                                              "ckpt-000001"]
+    else:
+        out = shutil.copytree(finished, tmp_path / ("run[1]" if case.startswith("resume run") else "solo[1]"))
+        gmts.main(["--resume", str(out), "--steps", "3"])
+        assert f"resuming from {out / 'ckpt-000002'}" in capsys.readouterr().out
+        assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1, 2, 3]
+    assert snapshot(other) == before
+
+
+def test_a_stdout_that_cannot_encode_a_character_does_not_stop_the_run(tmp_path, monkeypatch):
+    """PYTHONIOENCODING=ascii and a non-ASCII --out: the lines are written with escapes and the run ends, exit 0
+    (on 47c0a22 the UnicodeEncodeError, a ValueError, ended it as bad input, exit 2)."""
+    import io
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    gmts.main([*SMALL, "--steps", "1", "--out", str(tmp_path / "é")])
+    sys.stdout.flush()
+    assert b"done: " in raw.getvalue() and b"\\xe9" in raw.getvalue()
+    assert [r["step"] for r in gmts.read_metrics(str(tmp_path / "é"))] == [0, 1]
+
+
+def test_a_resume_after_metrics_jsonl_is_gone_goes_on(tmp_path, capsys):
+    """A run stopped after ckpt-000000, its metrics.jsonl deleted: the resume trains steps 1 and 2 (on 47c0a22 the
+    tracker's read_metrics(...)[0] was an IndexError traceback)."""
+    out = str(tmp_path / "o")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gmts, "policy_update", _raise(KeyboardInterrupt))
+        with pytest.raises(SystemExit):
+            gmts.main([*SMALL, "--steps", "2", "--out", out])
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    capsys.readouterr()
+    gmts.main(["--resume", out])
+    assert [r["step"] for r in gmts.read_metrics(out)] == [1, 2] and capsys.readouterr().err == ""
+
+
+def test_the_rows_of_a_data_file_are_tokenized_in_bounded_chunks(tmp_path, monkeypatch):
+    """check_prompts tokenized every row of a data file in one call (200k rows: 11 GB); now at most 1024 rows go to
+    the tokenizer at once, however long the file."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    rows = "".join(json.dumps({"nums": [n % 9 + 1, 2, 3], "target": n % 9 + 6}) + "\n" for n in range(2500))
+    data = _write(tmp_path / "d.jsonl", rows)
+    real, sizes = PreTrainedTokenizerBase.__call__, []
+
+    def tokenize(self, text=None, *a, **k):
+        sizes.append(len(text) if isinstance(text, list) else 1)
+        return real(self, text, *a, **k)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", tokenize)
+    gmts.main([*SMALL, "--data", data, "--steps", "1", "--out", str(tmp_path / "o")])
+    assert sum(sizes) >= 2500 and max(sizes) <= 1024, sizes
+
+
+def test_compare_into_a_closed_stdout_finishes_the_grid(tmp_path):
+    """gmts_lab.py compare ... | head -1: the table is written and the exit is 0 (on 47c0a22 the second print's
+    BrokenPipeError ended the grid with no table)."""
+    cmd = " ".join([sys.executable, os.path.join(HERE, "gmts_lab.py"), "compare", "--preset", "smoke", "--steps", "1",
+                    "--methods", "all", "--seeds", "1", "--workers", "1", "--out", str(tmp_path / "c")]) + " | head -1"
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=ENV1, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert (tmp_path / "c" / "compare.md").read_text().startswith("| method |")
+
+
+def test_compare_starts_no_more_workers_than_runs(tmp_path, monkeypatch, capsys):
+    """--workers 8 for one run: one process, and the line says so (on 47c0a22: 8 processes, 7 of them idle)."""
+    import multiprocessing
+    asked = []
+
+    class Context:
+        def Pool(self, n, *a, **k):
+            asked.append(n)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(multiprocessing, "get_context", lambda kind: Context())
+    with pytest.raises(SystemExit):
+        gmts_lab.main(["compare", "--preset", "smoke", "--methods", "all", "--seeds", "1", "--workers", "8", "--out",
+                       str(tmp_path / "c")])
+    assert asked == [1] and "in 1 process(es)" in capsys.readouterr().out

@@ -74,10 +74,11 @@ if __name__ == "__main__":  # a stop signal while torch imports (seconds): one l
         signal.signal(_sig, _stopped_while_starting)
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, hashlib, importlib
-import itertools, json, logging, math, random, re, shutil, sys, tempfile, time
+import itertools, json, logging, math, random, re, select, shutil, subprocess, sys, tempfile, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -112,10 +113,15 @@ class Config:
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: str = arg("countdown", "countdown, math or logic")
-    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test or a .jsonl path")
+    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
+                           "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
+    prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
+                                    "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
-    eval_every: int = arg(20, "greedy held-out accuracy every this many steps (0: only at the start and the end)")
-    eval_size: int = arg(64, "held-out problems (the first rows of the data)")
+    eval_every: int = arg(20, "held-out accuracy every this many steps (0: only at the start and the end)")
+    eval_size: int = arg(64, "held-out problems (the first rows of the data; none with --eval-data)")
+    eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
+    eval_samples: int = arg(0, "0: greedy evaluation; k: avg@k, k answers per problem at --temperature and --top-p")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
     group_size: int = arg(8, "G, answers sampled per prompt")
@@ -163,6 +169,7 @@ CHOICES = {
     "scope": ["auto", "group", "batch"],
     "sampler_dtype": ["auto", "bf16", "fp32"],
     "report_to": ["none", "tensorboard", "wandb"],
+    "prompt_style": ["ours", "qwen-math", "boxed-suffix"],
 }
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
@@ -181,6 +188,8 @@ PRESETS = {
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS Framework1's
+BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."  # Framework2's, after a space
 
 def end_token_ids(tok) -> list:
     """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
@@ -198,19 +207,22 @@ def use_chat(tok, chat: str = "auto") -> bool:
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
-def render_prompt(tok, question: str, chat: bool, system: bool = True) -> str:
-    """The text the model continues: the question in the chat template or a plain User/Assistant
-    frame, ending inside the assistant's <think>. system=False drops the system line (terse prompts)."""
+def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
+    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
+    inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False drops the system line."""
+    head, prefix = (SYSTEM_PROMPT, ASSISTANT_PREFIX) if style == "ours" else (QWEN_MATH_SYSTEM, "")
+    if style == "boxed-suffix":
+        question, system = f"{question} {BOXED_SUFFIX}", False
     if not chat:
-        head = SYSTEM_PROMPT + "\n" if system else ""
-        return head + f"User: {question}\nAssistant: {ASSISTANT_PREFIX}"
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+        return (head + "\n" if system else "") + f"User: {question}\nAssistant: {prefix}".rstrip(" ")
+    msgs = [{"role": "system", "content": head}] if system else []
     msgs.append({"role": "user", "content": question})
-    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ASSISTANT_PREFIX
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
 
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
-    """Prompt strings for task rows; short=True: the task's terse question and no system line."""
-    return [render_prompt(tok, task["prompt"](r, short=short), chat, system=not short) for r in rows]
+    """Prompt strings for task rows in task["style"]; short=True: terse questions, no system line."""
+    questions = [task["prompt"](r, short=short) if task.get("style", "ours") == "ours" else r["question"] for r in rows]
+    return [render_prompt(tok, q, chat, not short, task.get("style", "ours")) for q in questions]
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
@@ -432,11 +444,11 @@ def _last_number(text: str):
         return number.rsplit(",", 1)[-1]  # "3,4,5" is a list: take 5
     return number
 
-def math_final_answer(text: str):
+def math_final_answer(text: str, boxed_only: bool = False):
     """The last \\boxed{}, else the number after the last ####, else the last number in the text
-    (or None)."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
+    (or None). boxed_only (competition answers): the last \\boxed{} of up to 300 characters only."""
+    boxed = _last_boxed(text, cap=300 if boxed_only else 100)
+    if boxed is not None or boxed_only:
         return boxed
     k = text.rfind("####")
     if k < 0:
@@ -447,14 +459,16 @@ def math_final_answer(text: str):
     return m.group().rstrip(",.")
 
 @_never_raise
-def math_reward(completion: str, answer: str) -> float:
-    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
-    bonus."""
+def math_reward(completion: str, answer: str, latex: bool = False) -> float:
+    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus.
+    latex (a competition row): the last \\boxed{}, by math-verify (latex_equal) unless both are numbers."""
     gold = parse_number(str(answer))
-    got = math_final_answer(completion)
-    if gold is None or got is None:
+    got = math_final_answer(completion, boxed_only=latex)
+    if got is None or (gold is None and not latex):
         return 0.0
-    return 1.0 if parse_number(got) == gold else 0.0
+    if gold is not None and (not latex or parse_number(got) is not None):
+        return 1.0 if parse_number(got) == gold else 0.0
+    return 1.0 if latex_equal(str(answer), got) else 0.0
 
 _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
 
@@ -506,7 +520,7 @@ def logic_prompt(row: dict, short=False) -> str:
 TASKS = {  # sample_groups calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
     "countdown": {"prompt": countdown_prompt,
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
-    "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"])},
+    "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"], row.get("latex", False))},
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
 
@@ -931,9 +945,9 @@ class Run:
     model: torch.nn.Module  # the policy, fp32 master weights
     tok: object  # its tokenizer
     opt: torch.optim.Optimizer
-    task: dict  # TASKS[cfg.task]
+    task: dict  # TASKS[cfg.task] and the prompt style ("style")
     draw: object  # draw(n, *key) -> n training rows (read_data)
-    eval_rows: list  # the held-out rows
+    eval_rows: object  # the held-out rows, or --eval-data's {name: rows} (read_data)
     chat: bool  # prompts in the chat template
     ref: object  # the KL reference model, or None (--kl-beta 0)
     sampler: object  # the weights generate() reads: the model itself or its bf16 copy
@@ -964,7 +978,8 @@ def start_run(cfg: Config, log=print) -> Run:
     fast = cfg.fast_generate
     if fast is None:
         fast = device.type == "cuda"
-    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=data.draw, eval_rows=data.held,
+    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # build_prompts reads the run's prompt style there
+    run = Run(model=model, tok=tok, opt=opt, task=task, draw=data.draw, eval_rows=data.held,
               chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
@@ -1078,8 +1093,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
                           run.skipped, t0, t_roll)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-            rec.update(evaluate(model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
-                                cfg.max_new_tokens))
+            rec.update(evaluate_run(model, run, cfg))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         report(rec)
         show(step_line(rec), "eval_acc" in rec)
@@ -1289,7 +1303,48 @@ _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -;
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 
-# -- loaders: data = "gen" | "easy" | "hf" | "hf:test" | path.jsonl --
+# ==== math-verify in a worker process [plumbing]: bounded in time without signal.alarm, from any thread =========
+VERIFY_TIMEOUT_S = 5.0
+_VERIFIER = {"lock": threading.Lock(), "proc": None}
+_VERIFY_WORKER = r"""
+import json, sys
+from math_verify import parse, verify
+print("ready", flush=True)
+for line in sys.stdin:
+    gold, got = json.loads(line)
+    g = parse("\\boxed{" + gold + "}", parsing_timeout=None)  # no alarm: latex_equal bounds the time
+    ok = any(not isinstance(x, str) for x in g)  # sympy read it, not only the string fallback
+    if got is not None:
+        ok = verify(g, parse("\\boxed{" + got + "}", parsing_timeout=None), timeout_seconds=None)
+    print(json.dumps(ok), flush=True)
+"""
+
+def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
+    """math-verify's verdict on two short answers as \\boxed{} contents (got None: whether sympy reads gold). sympy
+    can hang (\\boxed{9^{9^{9^{9}}}}): after timeout seconds the worker is killed (the next call starts one): False."""
+    with _VERIFIER["lock"]:
+        proc = _VERIFIER["proc"]
+        if proc is None or proc.poll() is not None:  # a small python of its own: no torch, no fork of CUDA
+            proc = subprocess.Popen([sys.executable, "-c", _VERIFY_WORKER], stdin=subprocess.PIPE, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+            _VERIFIER["proc"] = proc
+            if not select.select([proc.stdout], [], [], 120)[0] or proc.stdout.readline() != "ready\n":
+                raise ValueError("math answers need math-verify (pip install -r requirements.txt)")
+        proc.stdin.write(json.dumps([gold, got]) + "\n")
+        proc.stdin.flush()
+        ready = select.select([proc.stdout], [], [], timeout or VERIFY_TIMEOUT_S)[0]
+        said = proc.stdout.readline() if ready else ""  # "" too if it died
+        if not said:  # too slow or dead: the next call starts another
+            proc.kill()
+            proc.wait()
+        return said == "true\n"
+
+# -- loaders: data = gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a .jsonl, .json, .csv or .parquet file --
+def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
+    if data in ("gen", "easy"):
+        return "gen"
+    return "hf" if data.split(":")[0] == "hf" else "file"
+
 def _gsm8k_row(question: str, solution) -> dict:
     """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the bare number."""
     body, _, gold = str(solution).rpartition("####")
@@ -1302,13 +1357,16 @@ def _list_of(t: type):
 _SCHEMA = {  # task -> key -> (what the value must be, its test)
     "countdown": {"nums": ("a list of integers", _list_of(int)), "target": ("an integer", lambda v: type(v) is int)},
     "math": {"question": ("a string", lambda v: isinstance(v, str)),
-             "answer": ("a number or a GSM8K solution ending in '#### N'", lambda v: type(v) in (str, int, float)
-                        and parse_number(_gsm8k_row("", v)["answer"]) is not None)},
+             "answer": ("a number, a GSM8K solution ending in '#### N' or a LaTeX answer math-verify reads",
+                        lambda v: type(v) in (str, int, float))},
     "logic": {"names": ("a list of strings", _list_of(str)), "statements": ("a list of strings", _list_of(str)),
               "solution": ("an object {name: true/false}", lambda v: isinstance(v, dict)
                            and all(type(x) is bool for x in v.values()))},
 }
 
+# The published math layouts' (question, answer) columns, a.b: b in a (a list: its first item; a chat: its last turn)
+LAYOUTS = {"MATH, MATH-500, Minerva": ("problem", "answer"), "AIME 2024 CSV": ("Question", "Answer"),
+           "OlympiadBench": ("question", "final_answer"), "DAPO-Math-17k": ("prompt", "reward_model.ground_truth")}
 LINE_CAP = 1 << 20  # bytes per line of a --data file
 
 def _row_problem(task: str, row: dict):
@@ -1332,6 +1390,44 @@ def _row_problem(task: str, row: dict):
         return '"solution" must name exactly the people in "names"'
     return None
 
+def _math_layout(row: dict) -> dict:
+    """A math row in a published layout (LAYOUTS) as a competition row; our own layout as it is."""
+    for q, a in LAYOUTS.values():
+        question, answer = row.get(q), row
+        for key in a.split("."):
+            answer = answer.get(key) if isinstance(answer, dict) else None
+        if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat: its last turn
+            question = question[-1].get("content")
+        if isinstance(answer, list) and answer:
+            answer = answer[0]
+        if question is not None and answer is not None:
+            return {"question": question, "answer": answer, "latex": True}
+    return row
+
+def _check_row(row, task: str) -> dict:
+    """A row as read -> the row the task trains on (math: GSM8K's, or "latex" with a gold math-verify reads). Any
+    problem raises (ValueError, RecursionError, ...): the reader's net names the file and line, or set and row."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    if task == "math":
+        row = _math_layout(row)
+    for key, (what, ok) in _SCHEMA[task].items():
+        if key not in row or not ok(row[key]):
+            raise ValueError(f'"{key}" must be {what}' if key in row else f'missing key "{key}"')
+    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate, which no tokenizer reads
+    problem = _row_problem(task, row)
+    if problem:
+        raise ValueError(problem)
+    if task != "math":
+        return row
+    gsm8k = _gsm8k_row(row["question"], row["answer"])
+    if not row.get("latex") and parse_number(gsm8k["answer"]) is not None:
+        return gsm8k
+    gold = str(row["answer"]).strip()  # Minerva's end in a newline
+    if parse_number(gold) is None and not latex_equal(gold):
+        raise ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:60]!r}')
+    return {"question": row["question"], "answer": gold, "latex": True}
+
 def _parse_row(raw: bytes, task: str):
     """One line of a data file -> its row, or None for a blank line. Any problem raises (ValueError,
     RecursionError, ...): _read_jsonl's net turns it into one line naming the file and line."""
@@ -1340,19 +1436,7 @@ def _parse_row(raw: bytes, task: str):
     line = raw.decode("utf-8")
     if not line.strip():
         return None
-    row = json.loads(line)
-    if not isinstance(row, dict):
-        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    for key, (what, ok) in _SCHEMA[task].items():
-        if key not in row or not ok(row[key]):
-            raise ValueError(f'"{key}" must be {what}' if key in row else f'missing key "{key}"')
-    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate, which no tokenizer reads
-    problem = _row_problem(task, row)
-    if problem:
-        raise ValueError(problem)
-    if task == "math":
-        return _gsm8k_row(row["question"], row["answer"])
-    return row
+    return _check_row(json.loads(line), task)
 
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
@@ -1362,7 +1446,7 @@ def _read_jsonl(path: str, task: str) -> tuple:
     split on "\n" only (a raw U+2028 inside a string is no break). Every line is checked as it is read;
     any problem is one ValueError "PATH line N: ..."."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
-        raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a .jsonl path")
+        raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a data file")
     rows = []
     lines = []
     digest = hashlib.sha256()
@@ -1386,49 +1470,60 @@ def _read_jsonl(path: str, task: str) -> tuple:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
 
-def _load_hf(task: str, split: str) -> list:
-    if task == "logic":
-        raise ValueError("logic has no hub data set; use --data gen, easy or a .jsonl file")
-    name = "Jiayi-Pan/Countdown-Tasks-3to4" if task == "countdown" else "openai/gsm8k"
+def _read_set(data: str, task: str) -> tuple:
+    """(rows, names "DATA row N", the sha256 of the rows) of a hub set or local dataset folder (hf:ID[:CONFIG][:SPLIT])
+    or a .json, .csv or .parquet file, read through `datasets`; every row checked."""
     try:
         import datasets
-        if task == "math":
-            return [_gsm8k_row(r["question"], r["answer"]) for r in datasets.load_dataset(name, "main", split=split)]
-        ds = datasets.load_dataset(name, split="train")  # one split; TinyZero: first 327,680 train, next 1,024 test
-    except ImportError:
-        raise ValueError("--data hf needs the `datasets` package; use --data gen") from None
-    except OSError as e:  # ConnectionError (offline mode, no network) and missing files are OSErrors
-        raise ValueError(f"could not load {name} from the hub (no network?): {error_line(e, 200)}; "
-                         "use --data gen") from None
-    rows = [{"nums": list(x), "target": int(t)} for x, t in zip(ds["nums"], ds["target"])]
-    return rows[:327_680] if split == "train" else rows[327_680:328_704]
+        if data_kind(data) == "hf":
+            name, *rest = data.split(":")[1:]
+            ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
+        elif os.path.isfile(data):  # not a FIFO or /dev/zero, which would never end
+            ds = datasets.load_dataset(os.path.splitext(data)[1][1:], data_files=data, split="train")  # its builders
+        else:
+            raise ValueError("not a regular file")
+    except Exception as e:  # no network, no such set, split or file, a file datasets cannot parse
+        if data_kind(data) == "file":
+            raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
+        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; use --data gen") from None
+    rows, where = [], []
+    for i, row in enumerate(ds, 1):
+        where.append(f"{data} row {i}")
+        try:
+            rows.append(_check_row(row, task))
+        except (ValueError, RecursionError, TypeError) as e:
+            raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
+    if not rows:
+        raise ValueError(f"{data}: no rows")
+    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}  # what a resume checks
 
-def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
-    """gen/easy: n fresh problems from random.Random(seed). hf: the hub set (hf:test: its test split) shuffled by
-    seed. A .jsonl path: the file in order. For hf and files, n <= 0 or None means all rows."""
-    return _load(task, data, n, seed)[0]
-
-def _load(task: str, data: str, n, seed: int) -> tuple:
-    """load_rows' rows, for a data file also each row's name in messages and the fingerprint of the bytes
-    read (else None, None)."""
+def load_rows(task: str, data="gen", n=1000, seed=0, named=False):
+    """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
+    hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
+    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or None each."""
     get_task(task)
-    if data in ("gen", "easy"):
+    kind, spec = data_kind(data), data.split(":")[1:]
+    where, data_print = None, None
+    if kind == "gen":
         rng = random.Random(seed)
-        return [_GEN[task](rng, data == "easy") for _ in range(n)], None, None
-    if data.split(":")[0] == "hf":
-        split = data.partition(":")[2] or "train"
-        if split not in ("train", "test"):
-            raise ValueError(f"--data {data}: the split must be hf:train or hf:test")
-        rows = _load_hf(task, split)
+        rows = [_GEN[task](rng, data == "easy") for _ in range(n)]
+    elif kind == "hf" and (not spec or "/" not in spec[0]):  # the task's own set: GSM8K, or TinyZero's countdown
+        if task == "logic" or spec not in ([], ["train"], ["test"]):
+            raise ValueError(f"--data {data}: logic has no hub data set, and the split must be hf:train or hf:test")
+        split = (spec or ["train"])[0]
+        own = {"countdown": "hf:Jiayi-Pan/Countdown-Tasks-3to4:train", "math": f"hf:openai/gsm8k:main:{split}"}
+        rows = _read_set(own[task], task)[0]  # the held-out rows stand for all
+        if task == "countdown":  # one split: its first 327,680 rows train, the next 1,024 test
+            rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
         random.Random(seed).shuffle(rows)
-        where = None
-        data_print = None
+    elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):  # through `datasets`
+        rows, where, data_print = _read_set(data, task)
     else:
         rows, lines, data_print = _read_jsonl(data, task)
         where = [f"{data} line {i}" for i in lines]
     if n and n > 0:
         rows = rows[:n]
-    return rows, where, data_print
+    return (rows, where, data_print) if named else rows
 
 for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](data, n, seed)
     _task["load"] = functools.partial(load_rows, _name)
@@ -1437,29 +1532,33 @@ for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](da
 class Data:
     """What read_data read: the rows a run trains on and what the checks before step 0 need."""
     draw: object  # draw(n, *key) -> n training rows
-    held: list  # the held-out rows
-    rows: list  # the rows checked before step 0: a data file's every row, else the held-out ones
+    held: object  # the held-out rows, or --eval-data's {name: rows}
+    rows: list  # the rows checked before step 0: a data file's or set's every row (else the held-out ones), benchmarks'
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
 
 def read_data(cfg: Config) -> Data:
-    """The FIRST eval_size rows of the data are held out. draw(n, *key) -> n training rows from
-    random.Random(str((seed,) + key)), never a held-out prompt, drawn when a step needs them."""
+    """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are evaluated instead).
+    draw(n, *key) -> n training rows from random.Random(str((seed,) + key)), never a held-out or benchmark prompt."""
     task = get_task(cfg.task)
-    gen = cfg.data in ("gen", "easy")
-    n = 0
-    if gen:
-        n = cfg.eval_size
-    rows, where, data_print = _load(cfg.task, cfg.data, n, cfg.seed)
-    held = rows[:cfg.eval_size]
+    gen = data_kind(cfg.data) == "gen"
+    n_held = 0 if cfg.eval_data else cfg.eval_size
+    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, named=True)
+    held = rows[:n_held]
     checked = rows
     if where is None:  # generated or hub rows: the held-out ones stand for all
         checked = held
         where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(held))]
-    seen = {task["prompt"](r) for r in held}
-    pool = [r for r in rows[cfg.eval_size:] if task["prompt"](r) not in seen]
+    bench = {}
+    for name, spec in eval_sets(cfg.eval_data):
+        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, named=True)
+        checked = checked + bench[name]
+        where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
+    seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
+    held = bench or held
+    pool = [r for r in rows[n_held:] if task["prompt"](r) not in seen]
     if not gen and not pool:
-        raise ValueError(f"--data {cfg.data}: no training rows left after the {len(held)} held-out ones "
+        raise ValueError(f"--data {cfg.data}: no training rows left after the {len(held)} held-out and benchmark ones "
                          f"({len(rows)} rows, --eval-size {cfg.eval_size})")
 
     def draw(n: int, *key) -> list:
@@ -1478,12 +1577,19 @@ def read_data(cfg: Config) -> Data:
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
+def eval_sets(spec: str) -> list:
+    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError (one line) for a malformed entry."""
+    pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
+    if not all(re.fullmatch(r"[\w.-]+", name) and name not in ("acc", "len", "sample") and d for name, d in pairs):
+        raise ValueError(f"--eval-data {spec}: entries NAME=DATA, NAME of letters, digits, _ . - but acc, len, sample")
+    return pairs
+
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
     every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
     for i in range(0, len(data.rows), chunk):
-        prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk], use_chat(tok, cfg.chat_template),
-                                  cfg.short_prompt)
+        task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
+        prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
 
@@ -1653,18 +1759,40 @@ def refresh_sampler(sampler, model):
 
 # ==== Evaluation [plumbing] =======================================================================
 @torch.no_grad()
-def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
-             batch_size: int = 64) -> dict:
-    """Greedy held-out accuracy (share of answers with reward 1.0), mean answer length and one sample answer."""
+def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
+             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> dict:
+    """Accuracy (the share of answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample."""
+    k = max(samples, 1)
+    per = max(batch_size // k, 1)  # problems per rollout
     correct, length, sample = 0, 0, ""
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
-        b = rollout(model, tok, build_prompts(tok, task, chunk, chat, short), 1, max_new_tokens, greedy=True)
-        correct += sum(task["reward"](t, r) == 1.0 for t, r in zip(b["texts"], chunk))
+    for i in range(0, len(rows), per):
+        chunk = rows[i:i + per]
+        b = rollout(model, tok, build_prompts(tok, task, chunk, chat, short), k, max_new_tokens, temperature, top_p,
+                    greedy=samples == 0)
+        correct += sum(task["reward"](t, chunk[j // k]) == 1.0 for j, t in enumerate(b["texts"]))
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
-    n = max(len(rows), 1)
+    n = max(len(rows) * k, 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
+
+def evaluate_run(model, run, cfg: Config) -> dict:
+    """A run's evaluation (--eval-samples at --temperature, --top-p): its held-out rows, or each --eval-data set as
+    eval_NAME with eval_acc and eval_len their means. Never used to pick a checkpoint."""
+    sets = run.eval_rows if isinstance(run.eval_rows, dict) else {"acc": run.eval_rows}
+    recs = [evaluate(model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
+                     samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p) for rows in sets.values()]
+    means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
+    return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
+                eval_sample=recs[0]["eval_sample"])
+
+# ==== The paper's setting [plumbing]: GMTS Framework1's values ===================================
+PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what it takes from Framework1, what differs
+    model="Qwen/Qwen2.5-Math-1.5B", task="math", data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
+    chat_template="yes", steps=188, prompts_per_step=64, group_size=16, max_new_tokens=2048, lr=3e-5,
+    warmup_steps=0, lr_decay=False, kl_beta=0.001, micro_batch=4, filter_groups=False, eval_every=0,
+    eval_samples=16, out="out/paper-math", eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,amc23=hf:math-ai/"
+    "amc23:test,math500=hf:HuggingFaceH4/MATH-500:test,minerva=hf:math-ai/minervamath:test,"
+    "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train")
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
@@ -1715,14 +1843,14 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
+    held = "sets" if isinstance(run.eval_rows, dict) else "rows"  # --eval-data's, or rows of --data
     log(f"device {device} ({kernels} kernels, {torch.get_num_threads()} threads) | model "
-        f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} "
-        f"| {len(run.eval_rows)} held-out rows | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
+        f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | {len(run.eval_rows)} "
+        f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     if resumed:
         return
-    rec = dict(step=0, **evaluate(run.model, run.tok, run.task, run.eval_rows, run.chat, cfg.short_prompt,
-                                  cfg.max_new_tokens))
+    rec = dict(step=0, **evaluate_run(run.model, run, cfg))
     log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
     run.report(rec)
     log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
@@ -2006,9 +2134,6 @@ def claim_run(cfg: Config) -> dict:
         return {}
     return read_run_config(cfg.out)
 
-def data_file(data: str) -> bool:
-    return data not in ("gen", "easy") and data.split(":")[0] != "hf"
-
 def weights_print(model) -> str:
     """The sha256 of a model's weights, every parameter's bytes in order: the KL reference's fingerprint."""
     digest = hashlib.sha256()
@@ -2136,7 +2261,7 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
     (["kl_beta", "weight_decay"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
     (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size",
       "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
-    (["save_every", "eval_every", "warmup_steps", "top_k"], lambda v: v >= 0, ">= 0"),
+    (["save_every", "eval_every", "warmup_steps", "top_k", "eval_samples"], lambda v: v >= 0, ">= 0"),
     (["threads"], lambda v: 0 <= v <= 1024, "in [0, 1024] (0: torch's own choice)"),
     (["group_size"], lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
     (["seed"], lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),
@@ -2162,7 +2287,10 @@ def check_config(cfg: Config, writes: bool = True):
             if not ok(getattr(cfg, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
     get_task(cfg.task)
-    if cfg.data in ("gen", "easy") and cfg.eval_size > 100_000:
+    eval_sets(cfg.eval_data)
+    if cfg.prompt_style != "ours" and cfg.task != "math":
+        raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
+    if data_kind(cfg.data) == "gen" and cfg.eval_size > 100_000:
         raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
         raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
@@ -2186,7 +2314,7 @@ def check_out_path(out: str):
 
 # A resume may change these freely; every other field changes the trajectory and needs --allow-change.
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
-        "threads"}
+        "threads", "eval_samples"}
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
@@ -2230,7 +2358,7 @@ def resolved_paths(cfg: Config) -> Config:
     model, data, out = cfg.model, cfg.data, cfg.out
     if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
         model = os.path.abspath(model)
-    if isinstance(data, str) and data_file(data):
+    if isinstance(data, str) and data_kind(data) == "file":
         data = os.path.abspath(data)
     if isinstance(out, str) and out:
         out = os.path.abspath(out)

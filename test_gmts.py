@@ -1707,7 +1707,7 @@ def test_jsonl_good_files(tmp_path):
     ("countdown", ['{"nums": [1, "2"], "target": 3}'], 'line 1: "nums" must be'),
     ("countdown", ['{"nums": [1, 2], "target": 3.5}'], 'line 1: "target" must be'),
     ("countdown", ["[1, 2, 3]"], "line 1: expected a JSON object"),
-    ("math", ['{"question": "q", "answer": "many"}'], 'line 1: "answer" must be'),
+    ("math", ['{"question": "q", "answer": "x^"}'], 'line 1: "answer" must be'),  # "many" is LaTeX now (m a n y)
     ("math", ['{"answer": "3"}'], 'line 1: missing key "question"'),
     ("logic", ['{"names": ["A"], "statements": [], "solution": {"A": "yes"}}'], 'line 1: "solution" must be'),
     ("countdown", [""], "no rows"),

@@ -115,6 +115,8 @@ class Config:
     task: str = arg("countdown", "countdown, math or logic")
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
+    data_columns: str = arg("", "QUESTION,ANSWER: the columns of a math file or set in a layout of its own (a.b: key b "
+                                "inside a)")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
@@ -1307,7 +1309,11 @@ _GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -;
 VERIFY_TIMEOUT_S = 5.0
 _VERIFIER = {"lock": threading.Lock(), "proc": None}
 _VERIFY_WORKER = r"""
-import json, sys
+import ctypes, json, sys
+try:  # Linux: die with the parent, even mid-hang (prctl PR_SET_PDEATHSIG = 1, SIGKILL = 9)
+    ctypes.CDLL(None).prctl(1, 9)
+except (AttributeError, OSError):
+    pass
 from math_verify import parse, verify
 print("ready", flush=True)
 for line in sys.stdin:
@@ -1390,9 +1396,12 @@ def _row_problem(task: str, row: dict):
         return '"solution" must name exactly the people in "names"'
     return None
 
-def _math_layout(row: dict) -> dict:
-    """A math row in a published layout (LAYOUTS) as a competition row; our own layout as it is."""
-    for q, a in LAYOUTS.values():
+def _math_layout(row: dict, columns: str = "") -> dict:
+    """A math row in --data-columns' layout or a published one (LAYOUTS) as a competition row; ours as it is."""
+    layouts = list(LAYOUTS.values())
+    if columns:
+        layouts.insert(0, tuple(columns.split(",")))
+    for q, a in layouts:
         question, answer = row.get(q), row
         for key in a.split("."):
             answer = answer.get(key) if isinstance(answer, dict) else None
@@ -1404,13 +1413,13 @@ def _math_layout(row: dict) -> dict:
             return {"question": question, "answer": answer, "latex": True}
     return row
 
-def _check_row(row, task: str) -> dict:
+def _check_row(row, task: str, columns: str = "") -> dict:
     """A row as read -> the row the task trains on (math: GSM8K's, or "latex" with a gold math-verify reads). Any
     problem raises (ValueError, RecursionError, ...): the reader's net names the file and line, or set and row."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if task == "math":
-        row = _math_layout(row)
+        row = _math_layout(row, columns)
     for key, (what, ok) in _SCHEMA[task].items():
         if key not in row or not ok(row[key]):
             raise ValueError(f'"{key}" must be {what}' if key in row else f'missing key "{key}"')
@@ -1428,7 +1437,7 @@ def _check_row(row, task: str) -> dict:
         raise ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:60]!r}')
     return {"question": row["question"], "answer": gold, "latex": True}
 
-def _parse_row(raw: bytes, task: str):
+def _parse_row(raw: bytes, task: str, columns: str = ""):
     """One line of a data file -> its row, or None for a blank line. Any problem raises (ValueError,
     RecursionError, ...): _read_jsonl's net turns it into one line naming the file and line."""
     if len(raw) > LINE_CAP:
@@ -1436,12 +1445,12 @@ def _parse_row(raw: bytes, task: str):
     line = raw.decode("utf-8")
     if not line.strip():
         return None
-    return _check_row(json.loads(line), task)
+    return _check_row(json.loads(line), task, columns)
 
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
-def _read_jsonl(path: str, task: str) -> tuple:
+def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
     """(rows, their line numbers, the fingerprint of the bytes read: size and sha256) of a data file,
     split on "\n" only (a raw U+2028 inside a string is no break). Every line is checked as it is read;
     any problem is one ValueError "PATH line N: ..."."""
@@ -1457,7 +1466,7 @@ def _read_jsonl(path: str, task: str) -> tuple:
                 digest.update(raw)
                 size += len(raw)
                 try:  # one net per line
-                    row = _parse_row(raw, task)
+                    row = _parse_row(raw, task, columns)
                 except (ValueError, RecursionError, TypeError) as e:
                     why = _WHY.get(type(e)) or error_line(e, 200)
                     raise ValueError(f"{path} line {i}: {why}") from None
@@ -1470,7 +1479,7 @@ def _read_jsonl(path: str, task: str) -> tuple:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
 
-def _read_set(data: str, task: str) -> tuple:
+def _read_set(data: str, task: str, columns: str = "") -> tuple:
     """(rows, names "DATA row N", the sha256 of the rows) of a hub set or local dataset folder (hf:ID[:CONFIG][:SPLIT])
     or a .json, .csv or .parquet file, read through `datasets`; every row checked."""
     try:
@@ -1490,14 +1499,14 @@ def _read_set(data: str, task: str) -> tuple:
     for i, row in enumerate(ds, 1):
         where.append(f"{data} row {i}")
         try:
-            rows.append(_check_row(row, task))
+            rows.append(_check_row(row, task, columns))
         except (ValueError, RecursionError, TypeError) as e:
             raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
     if not rows:
         raise ValueError(f"{data}: no rows")
     return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}  # what a resume checks
 
-def load_rows(task: str, data="gen", n=1000, seed=0, named=False):
+def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
     hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
     None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or None each."""
@@ -1517,9 +1526,9 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False):
             rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
         random.Random(seed).shuffle(rows)
     elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):  # through `datasets`
-        rows, where, data_print = _read_set(data, task)
+        rows, where, data_print = _read_set(data, task, columns)
     else:
-        rows, lines, data_print = _read_jsonl(data, task)
+        rows, lines, data_print = _read_jsonl(data, task, columns)
         where = [f"{data} line {i}" for i in lines]
     if n and n > 0:
         rows = rows[:n]
@@ -1536,6 +1545,7 @@ class Data:
     rows: list  # the rows checked before step 0: a data file's or set's every row (else the held-out ones), benchmarks'
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
+    longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are evaluated instead).
@@ -1543,7 +1553,7 @@ def read_data(cfg: Config) -> Data:
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
-    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, named=True)
+    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, True, cfg.data_columns)
     held = rows[:n_held]
     checked = rows
     if where is None:  # generated or hub rows: the held-out ones stand for all
@@ -1551,7 +1561,7 @@ def read_data(cfg: Config) -> Data:
         where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(held))]
     bench = {}
     for name, spec in eval_sets(cfg.eval_data):
-        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, named=True)
+        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
         checked = checked + bench[name]
         where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
@@ -1592,6 +1602,7 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
         prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
+            data.longest = max(data.longest, len(ids))
 
 def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
@@ -1789,10 +1800,53 @@ def evaluate_run(model, run, cfg: Config) -> dict:
 PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what it takes from Framework1, what differs
     model="Qwen/Qwen2.5-Math-1.5B", task="math", data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
     chat_template="yes", steps=188, prompts_per_step=64, group_size=16, max_new_tokens=2048, lr=3e-5,
+    loss_norm="seq", max_grad_norm=1 / 64,  # their sum over 64 prompts clipped at 1.0 = our mean at 1/64 (NOTES)
     warmup_steps=0, lr_decay=False, kl_beta=0.001, micro_batch=4, filter_groups=False, eval_every=0,
     eval_samples=16, out="out/paper-math", eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,amc23=hf:math-ai/"
     "amc23:test,math500=hf:HuggingFaceH4/MATH-500:test,minerva=hf:math-ai/minervamath:test,"
     "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train")
+
+def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
+    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): fp32 weights, AdamW's two moments, the
+    bf16 sampler copy and the KL reference stay; sampling adds the KV cache of B * G answers of P + T tokens, the
+    update the fp32 gradients, a micro-batch's activations and the logits chunks: the larger of the two counts."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    width = prompt_tokens + cfg.max_new_tokens  # P + T
+    act = 2 if device.type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * act  # K and V of one token
+    layer = act * (9 * c.hidden_size + 4 * c.intermediate_size)  # what a layer keeps of a token for backward
+    kept = layer * c.num_hidden_layers
+    if cfg.grad_ckpt:  # every layer's input, and one layer's activations at a time
+        kept = act * c.hidden_size * c.num_hidden_layers + layer
+    bf16 = cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda")
+    plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16, "KL reference": 4 * n * (cfg.kl_beta > 0)}
+    sampling = {"KV cache": kv * cfg.prompts_per_step * cfg.group_size * width}
+    update = {"gradients": 4 * n, "activations": kept * cfg.micro_batch * width,
+              "logits": 12 * cfg.stats_chunk * c.vocab_size}  # token_stats' three fp32 (chunk, V) buffers
+    plan.update(max(sampling, update, key=lambda part: sum(part.values())))
+    return {part: size / 2**30 for part, size in plan.items() if size}
+
+def memory_line(cfg: Config, model, prompt_tokens: int, device: torch.device, have: float = None) -> str:
+    """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond it, flags that fit."""
+    if have is None and device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if have is None:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    plan = memory_plan(cfg, model, prompt_tokens, device)
+    line = "memory plan (GiB): " + ", ".join(f"{part} {size:.2f}" for part, size in plan.items())
+    line += f" = {sum(plan.values()):.2f} of {have:.1f} on {device}"
+    if sum(plan.values()) <= have:
+        return line
+    for fix in MEMORY_FIXES:  # the first that fits
+        if sum(memory_plan(dataclasses.replace(cfg, **fix), model, prompt_tokens, device).values()) <= have:
+            flags = [f"--{k.replace('_', '-')} {v}".replace(" True", "") for k, v in fix.items()]
+            return line + f"; too much: {' '.join(flags)} fits"
+    return line + "; too much: lower --prompts-per-step, --group-size or --max-new-tokens"
+
+MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
+                {"grad_ckpt": True, "micro_batch": 1, "sampler_dtype": "fp32"})
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
@@ -1848,6 +1902,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | {len(run.eval_rows)} "
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
+    log(memory_line(cfg, run.model, data.longest, device))  # before any work: what a step needs, what the device has
     if resumed:
         return
     rec = dict(step=0, **evaluate_run(run.model, run, cfg))
@@ -2288,6 +2343,8 @@ def check_config(cfg: Config, writes: bool = True):
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
     get_task(cfg.task)
     eval_sets(cfg.eval_data)
+    if cfg.data_columns and (cfg.task != "math" or not re.fullmatch(r"[^,]+,[^,]+", cfg.data_columns)):
+        raise ValueError(f"--data-columns {cfg.data_columns!r}: QUESTION,ANSWER columns of a math data set")
     if cfg.prompt_style != "ours" and cfg.task != "math":
         raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
     if data_kind(cfg.data) == "gen" and cfg.eval_size > 100_000:
@@ -2353,16 +2410,28 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def resolved_paths(cfg: Config) -> Config:
-    """cfg with its paths absolute: --model where it names a folder, --data where it names a file, --out. parse_args
-    and train (for configs made in Python) apply it: a resume from any working folder finds the same files."""
-    model, data, out = cfg.model, cfg.data, cfg.out
+    """cfg with its paths absolute: --model where it names a folder, --data and --eval-data's sets where they name a
+    file or a dataset folder, --out. parse_args and train (for configs made in Python) apply it: a resume from any
+    working folder finds the same files."""
+    model, data, eval_data, out = cfg.model, cfg.data, cfg.eval_data, cfg.out
     if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
         model = os.path.abspath(model)
-    if isinstance(data, str) and data_kind(data) == "file":
-        data = os.path.abspath(data)
+    if isinstance(data, str):
+        data = absolute_data(data)
+    if isinstance(eval_data, str):
+        eval_data = ",".join(f"{name}={absolute_data(d)}" for name, d in eval_sets(eval_data))
     if isinstance(out, str) and out:
         out = os.path.abspath(out)
-    return dataclasses.replace(cfg, model=model, data=data, out=out)
+    return dataclasses.replace(cfg, model=model, data=data, eval_data=eval_data, out=out)
+
+def absolute_data(data: str) -> str:
+    """A --data value with its local file, or the dataset folder of hf:FOLDER[:...], made absolute."""
+    parts = data.split(":")
+    if data_kind(data) == "file":
+        return os.path.abspath(data)
+    if data_kind(data) == "hf" and len(parts) > 1 and os.path.isdir(parts[1]):
+        return ":".join(["hf", os.path.abspath(parts[1]), *parts[2:]])
+    return data
 
 def same_value(field: str, a, b) -> bool:
     """A resume's test of a field against the saved one; paths are the same where they lead to one place."""

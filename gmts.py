@@ -21,44 +21,38 @@ One training step, as train() numbers it; the file follows this order:
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
 
-Provenance. GMTS is read from its authors' code, github.com/outongyiLv/GMTS, GMTS-Framework1 (a one-GPU
-PyTorch loop like this file): grpo_tools/grpo.py, whose GMTS() holds the score and the per-group budget,
-normalize_rewards_per_group the GRPO normaliser inside omega, approx_kl_divergence the KL term, update_policy
-the entropy baseline (ETS). Their Framework2 (verl, Qwen3-8B: verl/workers/actor/dp_actor.py) differs: omega
-= r * I * A without normaliser or KL, ties at the threshold dropped, and as released its group loop reaches
-only the first of every four groups of a GPU's mini-batch. Our choices: --scope batch for gmts (this
-project's earlier variant, kept), gradnorm, the defaults --loss-norm all and no KL (the authors' objective
-is --loss-norm seq --kl-beta 0.001), and the entropy baseline's tie rule (deviation 1).
+Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, a one-GPU loop like
+this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget, normalize_rewards_per_group and
+approx_kl_divergence for the normaliser and KL inside omega, update_policy for the ETS entropy baseline). Their
+Framework2 (verl, Qwen3-8B) differs: omega = r * I * A, ties at the threshold dropped, and as released its group
+loop reaches only the first of every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier
+variant), gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
 column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; entropy, random and
-     gradnorm over the whole rollout batch (N*T tokens), keeping exactly ceil(rho * n) with ties to the
-     earlier token, where the authors' ETS keeps every tie at its threshold (NOTES); the 80/20 code
-     selects per micro-batch and GPU.
+  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the whole
+     batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps every tie
+     at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
   2. omega = -dL/dlogp of the configured loss (derivation step 1): ratio, clip, A, normaliser and KL
      weight; rescored before each inner update.
-  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
-     selection is a pure mask of one sum, so every method runs at one lr; 'selected' divides by the
-     kept budget (80/20 code); 'seq' is GRPO's per-answer mean, averaged over the answers, where
-     GMTS's authors sum over prompts (NOTES).
+  3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure mask
+     of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is GRPO's
+     per-answer mean, averaged over the answers where GMTS's authors sum over prompts (NOTES).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
   6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
-     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's) and
-     the loss and the gradient norm are finite, so a batch with A = 0 everywhere and the policy at its
-     reference moves nothing. The lr follows GRPO steps regardless.
+     A != 0 and an inactive clip, or with KL one whose log-prob differs from the reference's) and the
+     loss and gradient norm are finite; the lr follows GRPO steps regardless.
   7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the model
      --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0; for gmts also a
      token of zero entropy, as its authors): maybe fewer than rho.
- 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic
-     mirrors countdown.
+ 10. Rewards: countdown's 0.1 format reward (TinyZero), math binary (80/20 paper), logic as countdown.
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
       python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown --out out/qwen   (one GPU)
@@ -99,12 +93,10 @@ class Config:
                                     "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
-    threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core, faster on "
-                          "idle cores); the cpu and smoke presets set 1: steady when other work shares the cores")
+    threads: int = arg(0, "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
-    report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
-                                 "or wandb (OUT/wandb); none: metrics.jsonl only")
+    report_to: str = arg("none", "also send the metrics to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
     # model
     model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
     chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
@@ -115,8 +107,7 @@ class Config:
     task: str = arg("countdown", "countdown, math or logic")
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
-    data_columns: str = arg("", "QUESTION,ANSWER: the columns of a math file or set in a layout of its own (a.b: key b "
-                                "inside a)")
+    data_columns: str = arg("", "QUESTION,ANSWER columns of a math set in another layout (a.b: key b inside a)")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
@@ -131,13 +122,11 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed after each step), "
-                                     "fp32 (the master weights); auto: bf16 on CUDA")
+    sampler_dtype: str = arg("auto", "generate from bf16 (a copy refreshed each step) or fp32 weights; auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
     filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
-    overlong_filter: bool = arg(False, "a truncated answer (no end token within --max-new-tokens) trains nothing: "
-                                       "DAPO's overlong filtering")
+    overlong_filter: bool = arg(False, "DAPO's overlong filtering: an answer cut at --max-new-tokens trains nothing")
     # GRPO
     clip_low: float = arg(0.2, "PPO clip eps below 1")
     clip_high: float = arg(0.28, "PPO clip eps above 1 (DAPO clip-higher)")
@@ -150,13 +139,11 @@ class Config:
     select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code: per group; with --scope batch "
                               "this project's whole-batch variant) or gradnorm")
     rho: float = arg(0.2, "share of the response tokens kept")
-    scope: str = arg("auto", "where the top rho is taken: group (within each prompt's G answers: GMTS's authors) or "
-                             "batch (the whole batch: 80/20, ETS; with gmts, this project's variant); auto: group for "
-                             "gmts, batch for the others")
+    scope: str = arg("auto", "where the top rho is taken: group (each prompt's G answers: GMTS's authors) or batch "
+                             "(80/20, ETS; with gmts, this project's variant); auto: group for gmts, else batch")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
-    warmup_steps: int = arg(10, "linear lr warm-up, in update slots (steps x --inner-updates, "
-                                "counted whether or not the optimiser steps)")
+    warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
     lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")

@@ -122,7 +122,7 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "generate from bf16 (a copy refreshed each step) or fp32 weights; auto: bf16 on CUDA")
+    sampler_dtype: str = arg("auto", "the weights generate reads: bf16 (a copy) or fp32; auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
     filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")

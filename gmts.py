@@ -239,8 +239,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
       sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
                                        at each drawn token (before top-k/p, as the learner's; 0 after
                                        the end), to compare sampler and learner precision
-    fast: a static KV cache, its length rounded up to 64 (few shapes; generate compiles its step on
-    CUDA)."""
+    fast: a static KV cache, its length rounded up to 64 (few shapes), compiled decoding on CUDA."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -257,10 +256,9 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
                            pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
-    # generate() fills every knob this call leaves unset from the checkpoint's generation_config
-    # (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...): it would sample from another
-    # distribution than the policy we train. So `gen` is complete, and the model's default is blanked
-    # for the call and put back after it.
+    # generate() fills each knob left unset from the checkpoint's generation_config (Qwen instruct:
+    # top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling another distribution than our
+    # policy: `gen` is complete, and the model's default is blanked for the call and put back after.
     was_training = model.training
     saved = model.generation_config
     model.eval()
@@ -282,12 +280,10 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     return batch
 
 # ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
-# Each task: a prompt and a verifier, collected in TASKS; sample_groups (train's steps 1-4) calls both.
-# Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs
-# a reward, not a run). The problem generators and data loaders are in the supporting code.
+# Each task's prompt and verifier, in TASKS. Verifiers are pure, cap every length before parsing,
+# use no eval/exec and never raise (a bug costs a reward, not a run). Task data: supporting code.
 def _never_raise(fn, fallback=0.0):
-    """A last-resort net around a verifier (expected failures are handled inside it): an
-    exception -> fallback."""
+    """A verifier's last-resort net (it handles expected failures itself): exception -> fallback."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -1096,9 +1092,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     return cfg.out
 
 # ##################################################################################################
-# Supporting code [plumbing]: what lets the method above run on its own. A reader of the paper may stop
-# here. Problem generators and data loaders, model loading, evaluation, the run folder and its checkpoints,
-# trackers, config checks, the command line.
+# Supporting code [plumbing]: what lets the method above run. A reader of the paper may stop here.
 # ##################################################################################################
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
@@ -1118,9 +1112,8 @@ def _combine(x: tuple, y: tuple, op: str):
     return value, f"{left} {op} {right}", p
 
 def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right:
-    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up
-    answers) are such chains."""
+    """(value, text) of nums[0] s1 nums[1] s2 ..., each s in '+-', left to right: ([4, 3, 2], '+-')
+    -> (5, '4 + 3 - 2'). The easy variant's solutions and the lab's warm-up answers are such chains."""
     value = nums[0]
     text = str(nums[0])
     for sign, x in zip(signs, nums[1:]):
@@ -1143,8 +1136,7 @@ def _random_expression(rng: random.Random, nums: list, ops: str):
 
 def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
                       target_range=(1, 1000), ops="+-*/"):
-    """Random numbers and a random expression over them; its value is the target, so every
-    problem is solvable."""
+    """Random numbers and a random expression over them, whose value is the target: always solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
         z = _random_expression(rng, nums, ops)
@@ -1277,8 +1269,8 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or - with each of the four sign patterns
-    equally likely (numbers redrawn until the target is >= 0). A fixed guess of the signs is right about 1 time in 4."""
+    """The CPU demo's variant: 3 numbers in 1..9 in order, joined by + or -, the four sign patterns
+    equally likely (numbers redrawn until the target is >= 0): a fixed guess is right 1 time in 4."""
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]
@@ -1286,13 +1278,13 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
-_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 1 step; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 step; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
     "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 
-# ==== math-verify in a worker process [plumbing]: bounded in time without signal.alarm, from any thread =========
+# ==== math-verify in a worker [plumbing]: bounded in time without signal.alarm, from any thread ==
 VERIFY_TIMEOUT_S = 5.0
 _VERIFIER = {"lock": threading.Lock(), "proc": None}
 _VERIFY_WORKER = r"""
@@ -1332,7 +1324,7 @@ def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
             proc.wait()
         return said == "true\n"
 
-# -- loaders: data = gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a .jsonl, .json, .csv or .parquet file --
+# -- loaders: --data gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a data file --
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
@@ -1424,23 +1416,12 @@ def _check_row(row, task: str, columns: str = "") -> dict:
         raise ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:60]!r}')
     return {"question": row["question"], "answer": gold, "latex": True}
 
-def _parse_row(raw: bytes, task: str, columns: str = ""):
-    """One line of a data file -> its row, or None for a blank line. Any problem raises (ValueError,
-    RecursionError, ...): _read_jsonl's net turns it into one line naming the file and line."""
-    if len(raw) > LINE_CAP:
-        raise ValueError(f"longer than {LINE_CAP} bytes")
-    line = raw.decode("utf-8")
-    if not line.strip():
-        return None
-    return _check_row(json.loads(line), task, columns)
-
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
 def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
-    """(rows, their line numbers, the fingerprint of the bytes read: size and sha256) of a data file,
-    split on "\n" only (a raw U+2028 inside a string is no break). Every line is checked as it is read;
-    any problem is one ValueError "PATH line N: ..."."""
+    """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
+    only (a raw U+2028 in a string is no break); any problem in a line: ValueError "PATH line N: ..."."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
         raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a data file")
     rows = []
@@ -1453,13 +1434,15 @@ def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
                 digest.update(raw)
                 size += len(raw)
                 try:  # one net per line
-                    row = _parse_row(raw, task, columns)
+                    if len(raw) > LINE_CAP:
+                        raise ValueError(f"longer than {LINE_CAP} bytes")
+                    line = raw.decode("utf-8")
+                    if line.strip():  # a blank line is no row
+                        rows.append(_check_row(json.loads(line), task, columns))
+                        lines.append(i)
                 except (ValueError, RecursionError, TypeError) as e:
                     why = _WHY.get(type(e)) or error_line(e, 200)
                     raise ValueError(f"{path} line {i}: {why}") from None
-                if row is not None:
-                    rows.append(row)
-                    lines.append(i)
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
     if not rows:
@@ -1503,7 +1486,7 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
     if kind == "gen":
         rng = random.Random(seed)
         rows = [_GEN[task](rng, data == "easy") for _ in range(n)]
-    elif kind == "hf" and (not spec or "/" not in spec[0]):  # the task's own set: GSM8K, or TinyZero's countdown
+    elif kind == "hf" and (not spec or "/" not in spec[0]):  # the task's own hub set (`own`)
         if task == "logic" or spec not in ([], ["train"], ["test"]):
             raise ValueError(f"--data {data}: logic has no hub data set, and the split must be hf:train or hf:test")
         split = (spec or ["train"])[0]
@@ -1512,7 +1495,7 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
         if task == "countdown":  # one split: its first 327,680 rows train, the next 1,024 test
             rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
         random.Random(seed).shuffle(rows)
-    elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):  # through `datasets`
+    elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):
         rows, where, data_print = _read_set(data, task, columns)
     else:
         rows, lines, data_print = _read_jsonl(data, task, columns)
@@ -1529,7 +1512,7 @@ class Data:
     """What read_data read: the rows a run trains on and what the checks before step 0 need."""
     draw: object  # draw(n, *key) -> n training rows
     held: object  # the held-out rows, or --eval-data's {name: rows}
-    rows: list  # the rows checked before step 0: a data file's or set's every row (else the held-out ones), benchmarks'
+    rows: list  # checked before step 0: a file's or set's every row (else the held-out), benchmarks'
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
     longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
@@ -1575,7 +1558,7 @@ def read_data(cfg: Config) -> Data:
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
 def eval_sets(spec: str) -> list:
-    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError (one line) for a malformed entry."""
+    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
     pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
     if not all(re.fullmatch(r"[\w.-]+", name) and name not in ("acc", "len", "sample") and d for name, d in pairs):
         raise ValueError(f"--eval-data {spec}: entries NAME=DATA, NAME of letters, digits, _ . - but acc, len, sample")
@@ -1651,13 +1634,13 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
     else:
         path = resolve_model_name(name)
-        for logger in ("huggingface_hub", "transformers"):  # a warning per retry without a network: 22 lines
+        for logger in ("huggingface_hub", "transformers"):  # a warning per retry offline: 22 lines
             logging.getLogger(logger).setLevel(logging.ERROR)
         try:
             tok = AutoTokenizer.from_pretrained(path)
             check_tokenizer(tok)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config, tokenizer)
+        except Exception as e:  # a missing or misspelled name, no hub, damaged files
             if memory_fault(e):  # not the model's fault
                 raise
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
@@ -1672,12 +1655,12 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
     return model.to(device), tok
 
 def check_tokenizer(tok):
-    """ValueError unless tok turns text into tokens (a folder without tokenizer files loads an empty one)."""
+    """ValueError unless tok yields tokens (a folder without tokenizer files loads an empty one)."""
     if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
         raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
 def check_positions(model, prompt_tokens: int, max_new_tokens: int, what: str = "a"):
-    """ValueError (one line, `what` names the prompt) if such a prompt and answer pass the model's positions."""
+    """ValueError (`what` names the prompt) if such a prompt and answer pass the model's positions."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and prompt_tokens + max_new_tokens > limit:
         raise ValueError(f"{what} {prompt_tokens}-token prompt and --max-new-tokens {max_new_tokens} exceed the "

@@ -554,7 +554,6 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
     return batch, rewards[idx], advs[idx.to(advs.device)]
 
 # ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
-
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
 # A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
@@ -572,8 +571,7 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
 #        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
-#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
-#    (grad_norm is computed by token_stats).
+#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm (token_stats)
 # 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
 #    when r = 1 and beta = 0), in two separate statements:
 #    a. Pointwise, for the token actually sampled:
@@ -583,21 +581,17 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    b. In expectation over y ~ p (Shannon entropy >= Renyi-2 entropy):
 #           E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H),
 #       so a near-certain position (H ~ 0) has a near-zero logit gradient ON AVERAGE.
-#    Entropy ranks positions by (b) and misses the tokens of (a); gradnorm (below) scores each token
-#    by its exact norm.
+#    Entropy ranks positions by (b), missing (a)'s tokens; gradnorm scores each by its exact norm.
 # 5. Why omega matters ACROSS answers: it differs between them. With binary rewards and k of G
 #    answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
 #    (G = 8, k = 1: +2.65 vs -0.38), A = 0 for a group whose answers all got the same reward, and
 #    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
 #    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
-# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for the per-token norm of step 3)
-#    and keeps about the top rho of each prompt's group: of a group's n valid tokens, sorted by score
-#    ascending, the lowest max(1, ceil((1 - rho) n)) are dropped, and a score of 0 (H_t = 0
-#    included) is never kept (the authors' code: module docstring, "Provenance"). 'gradnorm' uses
-#    the loss's exact logit-gradient norm ||dL/dz|| = |omega| * grad_norm instead (our ablation; it
-#    costs the same vocabulary reduction as H).
-# Where the authors leave it open this code: uses the rollout temperature T for p, H and log p;
-# recomputes omega (with the current ratio and clip) before every inner update; computes in fp32.
+# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's per-token norm) and
+#    keeps about the top rho of each prompt's group (group_keep's budget; a score of 0, H_t = 0
+#    included, is never kept: the authors' code, see "Provenance"). 'gradnorm' uses the exact norm
+#    ||dL/dz|| = |omega| * grad_norm instead (our ablation, for the same vocabulary reduction as H).
+# Left open by the authors: p, H, log p at the rollout temperature T; omega, fp32: deviations 2, 8.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
@@ -887,10 +881,9 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
                   clip_high: float, micro_batch: int, chunk: int, max_grad_norm: float,
                   kl_beta: float = 0.0, ref_logp: torch.Tensor = None,
                   valid: torch.Tensor = None, w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """One optimiser step on the kept tokens (the arguments as loss_backward's). The step rule, the
-    same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
-    everywhere, with the policy still at its reference, moves neither the weights nor the Adam
-    moments) and the gradient is finite."""
+    """One optimiser step on the kept tokens (the arguments as loss_backward's), by deviation 6's
+    rule: step iff some token has a non-zero gradient (A = 0 everywhere, with the policy at its
+    reference, moves neither the weights nor the Adam moments) and the gradient is finite."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
                           clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,
@@ -910,9 +903,9 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 
 # ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total`: min(1, (i + 1) / warmup, (total - i) / (total - warmup)),
-    a linear warm-up over `warmup` slots, then a linear decay to 1 / (total - warmup) at the last slot (decay=False
-    drops the last term; TRL's default is also linear). A slot is one inner update of a GRPO step, stepped or not."""
+    """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
+    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's: linear)."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -939,14 +932,12 @@ class Run:
     fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
     start: int  # the first step to run (1 for a new run)
     skipped: int  # updates skipped so far for a non-finite loss or gradient
-    report: object = None  # report(rec) sends a metrics record to --report-to's tracker (record_start opens it)
+    report: object = None  # sends a metrics record to --report-to's tracker (record_start opens it)
 
 def start_run(cfg: Config, log=print) -> Run:
     """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
-    model itself or a bf16 copy). The run folder's part is in the supporting code: open_run claims the
-    folder and loads the data and the model (a resume: its newest checkpoint, with the optimiser
-    state); record_start writes the run's config and, for a new run, step 0 (the starting model's
-    held-out accuracy) and ckpt-000000."""
+    model itself or a bf16 copy). The run folder's side, in the supporting code: open_run (the folder,
+    the data, the model or a resume's checkpoint), record_start (the config, step 0, ckpt-000000)."""
     device = pick_device(cfg.device)
     if cfg.threads > 0:  # before any work
         torch.set_num_threads(cfg.threads)
@@ -963,23 +954,21 @@ def start_run(cfg: Config, log=print) -> Run:
     fast = cfg.fast_generate
     if fast is None:
         fast = device.type == "cuda"
-    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # build_prompts reads the run's prompt style there
+    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # build_prompts reads "style" there
     run = Run(model=model, tok=tok, opt=opt, task=task, draw=data.draw, eval_rows=data.held,
               chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
         run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
-        for p in run.sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
+        for p in run.sampler.parameters():  # RoPE's inv_freq (a buffer) stays fp32, as in a bf16 load
             p.data = p.data.to(torch.bfloat16)
     return run
 
 def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
-    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts). One rollout batch of
-    B prompts x G answers. With --filter-groups (DAPO's dynamic sampling, deviation 5) more are drawn
-    until B groups are informative (rewards not all equal) or --max-resample batches are drawn, and
-    keep_groups joins the first B informative groups (the first batch as it is, all A = 0, if no
-    group is). parts: every rollout batch drawn, as (batch, rewards, adv), for the step's metrics."""
+    """Steps 1-4 of step `step` -> (batch, rewards (N,), adv (N,), parts), B prompts x G answers:
+    with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
+    are drawn, joined by keep_groups; parts: each batch drawn, (batch, rewards, adv), for metrics."""
     B, G = cfg.prompts_per_step, cfg.group_size
     max_batches = 1
     if cfg.filter_groups:
@@ -1023,11 +1012,10 @@ def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=Non
     return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring -> the output folder. score_fn
-    (logp, entropy, grad_norm, om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...):
-    the notebook trains its own score through it."""
+    """GRPO with token selection (the docstring's steps 1-8) -> the output folder. score_fn, if
+    given, replaces token_scores (step_selection): the notebook trains its own score through it."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
-    cfg = resolved_paths(cfg)  # absolute paths in run_config.json: a resume from any folder finds them
+    cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call

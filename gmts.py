@@ -1687,22 +1687,19 @@ PAD_ID_FILLED = ("prompt_ids", "comp_ids")
 
 def _join_rows(xs: list, key: str, pad_id: int):
     """One per-answer entry `key` of several rollout batches, joined along the answers: lists
-    concatenated, (N, W) tensors first padded to one width by the rule above."""
+    concatenated, (N, W) tensors' rows padded to one width by the rule above."""
     if isinstance(xs[0], list):
         return [x for part in xs for x in part]
-    if xs[0].dim() == 2:
-        width = max(x.shape[1] for x in xs)
-        fill = 0
-        if key in PAD_ID_FILLED:
-            fill = pad_id
-        padded = []
-        for x in xs:
-            side = (0, width - x.shape[1])  # (left, right)
-            if key in LEFT_PADDED:
-                side = (width - x.shape[1], 0)
-            padded.append(F.pad(x, side, value=fill))
-        xs = padded
-    return torch.cat(xs)
+    if xs[0].dim() == 1:
+        return torch.cat(xs)
+    fill = 0
+    if key in PAD_ID_FILLED:
+        fill = pad_id
+    side = "right"
+    if key in LEFT_PADDED:
+        side = "left"
+    rows = [row for x in xs for row in x]  # each answer's (W,) row
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
     """Step 2 of train(): rollout() of G answers per prompt on run.sampler, with the sampler's

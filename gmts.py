@@ -1674,8 +1674,8 @@ class SamplerLogp:
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw (no call comes after it) is
-        read here from `pending`, unless `read` already covers comp's T columns; [:T] keeps the first T."""
+        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw (no call after it) is read
+        here from `pending`, unless `read` already covers comp's T columns; [:T] keeps the first T."""
         if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
@@ -1711,7 +1711,7 @@ def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
         try:
             return rollout(run.sampler, run.tok, prompts, fast=True, **knobs)
         except Exception as e:
-            if isinstance(e, ValueError) or memory_fault(e):  # too long a prompt, or memory: the plain path fails too
+            if isinstance(e, ValueError) or memory_fault(e):  # the plain path would fail too
                 raise
             run.fast = False
             log(f"fast generation failed ({type(e).__name__}: {error_line(e, 120)}); on the plain path from now on")
@@ -1752,26 +1752,25 @@ def evaluate_run(model, run, cfg: Config) -> dict:
                 eval_sample=recs[0]["eval_sample"])
 
 # ==== The paper's setting [plumbing]: GMTS Framework1's values ===================================
-PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what it takes from Framework1, what differs
+PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what comes from Framework1, what not
     model="Qwen/Qwen2.5-Math-1.5B", task="math", data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
     chat_template="yes", steps=188, prompts_per_step=64, group_size=16, max_new_tokens=2048, lr=3e-5,
-    loss_norm="seq", max_grad_norm=1 / 64,  # their sum over 64 prompts clipped at 1.0 = our mean at 1/64 (NOTES)
+    loss_norm="seq", max_grad_norm=1 / 64,  # their sum of 64 prompts clipped at 1 = our mean at 1/64
     warmup_steps=0, lr_decay=False, kl_beta=0.001, micro_batch=4, filter_groups=False, eval_every=0,
     eval_samples=16, out="out/paper-math", eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,amc23=hf:math-ai/"
     "amc23:test,math500=hf:HuggingFaceH4/MATH-500:test,minerva=hf:math-ai/minervamath:test,"
     "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train")
 
 def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
-    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): fp32 weights, AdamW's two moments, the
-    bf16 sampler copy and the KL reference stay; sampling adds the KV cache of B * G answers of P + T tokens, the
-    update the fp32 gradients, a micro-batch's activations and the logits chunks: the larger of the two counts."""
+    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): what stays (weights, AdamW, the
+    sampler copy, the KL reference) and the larger of sampling's (KV cache) and the update's other parts."""
     c = model.config
     n = sum(p.numel() for p in model.parameters())
     width = prompt_tokens + cfg.max_new_tokens  # P + T
     act = 2 if device.type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * act  # K and V of one token
-    layer = act * (9 * c.hidden_size + 4 * c.intermediate_size)  # what a layer keeps of a token for backward
+    layer = act * (9 * c.hidden_size + 4 * c.intermediate_size)  # kept per token for backward
     kept = layer * c.num_hidden_layers
     if cfg.grad_ckpt:  # every layer's input, and one layer's activations at a time
         kept = act * c.hidden_size * c.num_hidden_layers + layer
@@ -1779,7 +1778,7 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
     plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16, "KL reference": 4 * n * (cfg.kl_beta > 0)}
     sampling = {"KV cache": kv * cfg.prompts_per_step * cfg.group_size * width}
     update = {"gradients": 4 * n, "activations": kept * cfg.micro_batch * width,
-              "logits": 12 * cfg.stats_chunk * c.vocab_size}  # token_stats' three fp32 (chunk, V) buffers
+              "logits": 12 * cfg.stats_chunk * c.vocab_size}  # token_stats' 3 fp32 (chunk, V)
     plan.update(max(sampling, update, key=lambda part: sum(part.values())))
     return {part: size / 2**30 for part, size in plan.items() if size}
 
@@ -1805,10 +1804,9 @@ MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
-    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its only
-    writer), read the data (a resume: the file it started with), load the model (a resume: its newest loadable
-    checkpoint), check every row's prompt, only then delete an old run's files -> (model, tok, state, data). A folder
-    without a checkpoint holds nothing of value: a resume or a rerun starts it afresh. state: step, skipped, resumed."""
+    """The run folder's side of start_run, before the optimiser: claim the folder (this process its only writer),
+    read the data (a resume: the file it started with), load the model (a resume: its newest loadable checkpoint;
+    none: afresh), check every row's prompt, only then delete an old run's files -> (model, tok, state, data)."""
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
@@ -1834,10 +1832,9 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     return model, tok, state, data
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
-    """The run folder's side of start_run once the optimiser exists. Before anything is written: a resume's KL
-    reference must be the weights it started from; the tracker opens (run.report). Then metrics.jsonl (a resume keeps
-    the records up to its checkpoint's step), run_config.json (the config and what a resume must find again: data
-    file, prompt format, KL reference), and for a new run step 0 (held-out accuracy, also sent on) and ckpt-000000."""
+    """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
+    (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
+    checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
     prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),  # what a resume checks
                   reference=weights_print(run.ref) if run.ref else None)
     want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
@@ -1931,9 +1928,9 @@ def checkpoints(out: str) -> list:
     return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
-    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
-    every step reseeds). Written to a .tmp folder and renamed; then all but the newest `keep` go, each renamed first
-    so that a half-deleted folder never looks like a checkpoint. A failed write: OSError, the .tmp removed."""
+    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; weights_only loads it; no RNG state: every
+    step reseeds), written to a .tmp folder and renamed; then all but the newest `keep` go, each renamed first so that
+    a half-deleted folder never looks like a checkpoint. A failed write: OSError, the .tmp removed (writing)."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1974,9 +1971,8 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
 
 @torch.no_grad()
 def check_weights(model, batch: dict, step: int, out: str):
-    """After an update: weights that are not finite, or finite but so large that the distribution of the batch's
-    first answer's first token is not (the next step could not sample), end the run (RunError, exit 1) before
-    they reach a checkpoint."""
+    """After an update: weights that are not finite, or so large that the batch's first answer's first-token
+    distribution is not (the next step could not sample), end the run (RunError, exit 1) before a checkpoint."""
     finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
     if finite:  # one (1, V) row of logits: a sampling step's worth, not the whole answer's (T, V)
         h = response_hidden(model, batch, slice(0, 1))[0, :1]  # (1, d)
@@ -1986,9 +1982,8 @@ def check_weights(model, batch: dict, step: int, out: str):
                        f"in {out} are from before it")
 
 def save_final(out: str, model, tok):
-    """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
-    folder, then each file moved in with an atomic rename, config.json last so a reader never sees a torn model.
-    check_out refused an OUT holding such files that are not a run's own."""
+    """save_pretrained into OUT itself (from_pretrained(OUT) loads it) through a temporary folder, each file moved in by
+    an atomic rename, config.json last: no reader sees a torn model (check_out refused such files not a run's own)."""
     tmp = os.path.join(out, "final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
@@ -2037,9 +2032,9 @@ def _own(path: str) -> bool:
     return not os.path.isdir(path) or run_kind(path) is None
 
 def _run_around(out: str, below: bool = True):
-    """(where, folder, kind) of the nearest folder above `out` with an output of this program ("lies inside"; compare
-    folders hold their runs by design), else of one below it ("holds"), or None. Either way one would stop the other:
-    the outer's clean-up or rotation could delete the inner, whose resume the outer's marker refuses."""
+    """(where, folder, kind) of the nearest folder above `out` with an output of this program but a compare ("lies
+    inside"), else of one below it ("holds"), or None: either would stop the other (the outer's clean-up or rotation
+    could delete the inner, whose resume the outer's marker refuses)."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
         if run_kind(parent) not in (None, "compare"):
@@ -2074,10 +2069,9 @@ def _lock(out: str, exclusive: bool) -> int:
     return fd
 
 def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, resume=False, more: tuple = ()):
-    """ValueError (one line) unless a `kind` output may go into `out` replacing nothing that is not its own: no other
-    live writer; no file this kind writes (or in `more`) unless the folder holds an earlier output of this kind
-    (which needs --overwrite once it holds a checkpoint or a result); not the --model folder or one holding it; in
-    the committed warm/ only warm starts."""
+    """ValueError unless a `kind` output may go into `out` replacing nothing not its own: no other live writer; no
+    file this kind writes (or in `more`) unless the folder holds an earlier output of this kind (then --overwrite
+    once it holds a checkpoint or result); not the --model folder or one holding it; in warm/ only warm starts."""
     real = os.path.realpath(out)
     warm = os.path.dirname(os.path.realpath(WARM_CPU))
     if kind != "warm" and os.path.commonpath([real, warm]) == warm:
@@ -2133,8 +2127,8 @@ def release_all():
     _HELD.clear()
 
 def claim_run(cfg: Config) -> dict:
-    """check_out, claim_out, check_out again under the lock (another run may have ended in between) -> the
-    saved run_config.json of a --resume, else {}."""
+    """check_out, claim_out, check_out again under the lock (another run may have ended in between)
+    -> the saved run_config.json of a --resume, else {}."""
     if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
         raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
@@ -2145,7 +2139,7 @@ def claim_run(cfg: Config) -> dict:
     return read_run_config(cfg.out)
 
 def weights_print(model) -> str:
-    """The sha256 of a model's weights, every parameter's bytes in order: the KL reference's fingerprint."""
+    """The KL reference's fingerprint: the sha256 of every parameter's bytes, in order."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().float().cpu().numpy())
@@ -2228,8 +2222,8 @@ def check_tracker(name: str):
         raise ValueError(f"--report-to {name} needs the {name} package (pip install {name})") from None
 
 def open_tracker(cfg: Config):
-    """report(rec) sends a metrics record's numbers to --report-to's tracker (tensorboard or wandb, writing under
-    --out), report(None) closes it. ValueError (one line) if the tracker cannot start: wandb without a login."""
+    """report(rec) sends a record's numbers to --report-to's tracker (tensorboard or wandb, under --out),
+    report(None) closes it. ValueError if the tracker cannot start (wandb without a login)."""
     if cfg.report_to == "none":
         return lambda rec: None
     try:
@@ -2258,7 +2252,7 @@ def open_tracker(cfg: Config):
 
 # ==== Config checks [plumbing]: every value a run cannot use is refused before any work ===========
 def die(msg, code: int = 2):
-    """Bad input: one line on stderr (error_line of a message or an exception), a non-zero exit, never a traceback."""
+    """Bad input: one line on stderr (error_line), a non-zero exit, never a traceback."""
     print(f"gmts: error: {error_line(msg)}", file=sys.stderr)
     sys.exit(code)
 
@@ -2279,9 +2273,9 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
 ]
 
 def check_config(cfg: Config, writes: bool = True):
-    """Raise ValueError (one line) for any value no run can use, before any work is done. writes=False: the
-    command writes nothing, so --out is not checked."""
-    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: told apart below
+    """Raise ValueError for any value no run can use, before any work is done. writes=False: the command
+    writes nothing, so --out is not checked."""
+    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: see `typed`
     for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
         v = getattr(cfg, f.name)
         typed = isinstance(v, types[f.type]) and isinstance(v, bool) == (f.type is bool)
@@ -2323,8 +2317,7 @@ def check_out_path(out: str):
     raise ValueError(f"--out {out!r} is not a folder that can be written")
 
 # ==== CLI and signals [plumbing] ==================================================================
-
-# A resume may change these freely; every other field changes the trajectory and needs --allow-change.
+# A resume may change these freely; every other field changes the trajectory (--allow-change).
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
         "threads", "eval_samples"}
 
@@ -2365,9 +2358,8 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def resolved_paths(cfg: Config) -> Config:
-    """cfg with its paths absolute: --model where it names a folder, --data and --eval-data's sets where they name a
-    file or a dataset folder, --out. parse_args and train (for configs made in Python) apply it: a resume from any
-    working folder finds the same files."""
+    """cfg with its paths absolute (--model if a folder, --data and --eval-data's sets if a file or dataset folder,
+    --out), as parse_args and train (configs made in Python) apply it: a resume from any folder finds the files."""
     model, data, eval_data, out = cfg.model, cfg.data, cfg.eval_data, cfg.out
     if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
         model = os.path.abspath(model)
@@ -2380,7 +2372,7 @@ def resolved_paths(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=model, data=data, eval_data=eval_data, out=out)
 
 def absolute_data(data: str) -> str:
-    """A --data value with its local file, or the dataset folder of hf:FOLDER[:...], made absolute."""
+    """A --data value with its local file, or hf:FOLDER[:...]'s dataset folder, made absolute."""
     parts = data.split(":")
     if data_kind(data) == "file":
         return os.path.abspath(data)
@@ -2389,7 +2381,7 @@ def absolute_data(data: str) -> str:
     return data
 
 def same_value(field: str, a, b) -> bool:
-    """A resume's test of a field against the saved one; paths are the same where they lead to one place."""
+    """A resume's test of a field against the saved one; paths are equal where they lead to one place."""
     if field in ("model", "data") and isinstance(a, str) and isinstance(b, str):
         return os.path.realpath(a) == os.path.realpath(b)
     return a == b
@@ -2448,7 +2440,7 @@ def say(*parts, **kwargs):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to print goes nowhere
 
 def ignore_stops():
-    """From here on a stop signal changes nothing (after the first one, after a run, in the teardown)."""
+    """From here on a stop signal changes nothing (after the first, after a run, in the teardown)."""
     for sig in STOP:
         signal.signal(sig, signal.SIG_IGN)
 
@@ -2484,7 +2476,7 @@ def _main(argv):
         check_config(cfg)
         out = cfg.out
         steps = cfg.steps
-        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
+        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg, log=say)
         say("", end="")  # an interrupt swallowed at the very end still counts
@@ -2493,7 +2485,7 @@ def _main(argv):
         if finished(out, steps, started):  # the signal came after the final model was saved
             return
         die(f"interrupted; {interrupted_state(out)}", 130)
-    except Exception as e:  # memory; bad input (flags, data, a folder that holds a run); a model that cannot load
+    except Exception as e:  # memory; bad input (flags, data, --out); a model that cannot load
         fail(e, f"; {interrupted_state(out)}")
     finally:
         release_all()
@@ -2515,5 +2507,5 @@ def interrupted_state(out) -> str:
     return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
-    ignore_stops()  # torch has imported: handling_signals takes over, and the teardown after it ignores them
+    ignore_stops()  # torch has imported: handling_signals takes over, then the teardown ignores them
     main()

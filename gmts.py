@@ -292,8 +292,7 @@ def _never_raise(fn, fallback=0.0):
     return functools.wraps(fn)(wrapped)
 
 def _last_answer(text: str):
-    """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear time,
-    no regex backtracking."""
+    """The last complete <answer>...</answer>'s content or None (rfind: linear, no backtracking)."""
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, max(end, 0))
     if end < 0 or start < 0:
@@ -308,9 +307,8 @@ _CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads 
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
     """Exact value of a whitelisted tree, collecting its int literals. Anything else raises
-    ValueError: ** // % (they pass the character filter), unary + and - (the numbers are given
-    positive, so -a would be a number not in the list; a - b is enough), names, calls, floats
-    ("2.5" is not the numbers 2 and 5), bools, strings."""
+    ValueError: ** // % (they pass the character filter), unary + and - (the numbers are positive:
+    -a is unlisted; a - b does it), names, calls, floats ("2.5" is not 2 and 5), bools, strings."""
     if depth > 60:
         raise ValueError("too deep")
     if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -327,9 +325,8 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
 
 @functools.partial(_never_raise, fallback=None)
 def countdown_value(completion: str, nums: list):
-    """Exact value of the last <answer> if it is an equation that uses each given number once,
-    else None (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other
-    numbers, bad syntax)."""
+    """Exact value of the last <answer> if an equation using each given number once, else None (no
+    tag; '=', not allowed as in TinyZero; other characters or numbers; bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
     # cap before ast.parse, which recurses on nesting
     if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
@@ -397,8 +394,7 @@ def parse_number(s: str):
     return sign * top / bottom
 
 def _last_boxed(text: str, tries=5, cap=100):
-    """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the
-    last few openings."""
+    """The last closed \\boxed{...}'s content, by bounded brace scans from the last few openings."""
     end = len(text)
     for _ in range(tries):
         i = text.rfind("\\boxed{", 0, end)
@@ -414,8 +410,7 @@ def _last_boxed(text: str, tries=5, cap=100):
     return None
 
 def _last_number(text: str):
-    """The last run of digits, commas and points in the text (at most ~60 characters, with a
-    '-' just before it), or None."""
+    """The last run of digits, commas, points (<= ~60 characters; a '-' before it kept), or None."""
     last_digit = max(text.rfind(d) for d in "0123456789")  # ten C-speed scans, no regex
     if last_digit < 0:
         return None
@@ -459,9 +454,8 @@ _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: ro
 
 @_never_raise
 def logic_reward(completion: str, solution: dict) -> float:
-    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right
-    roles (any case; entries may be split by , ; or whitespace incl. newlines); 0.1: an answer
-    that is wrong or malformed; 0.0: none."""
+    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave', the roles right
+    (any case; split by , ; or whitespace incl. newlines); 0.1: wrong or malformed; 0.0: none."""
     ans = _last_answer(completion)
     if ans is None:
         return 0.0
@@ -502,7 +496,7 @@ def logic_prompt(row: dict, short=False) -> str:
             f"who always lies. You meet {len(row['names'])} inhabitants: "
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
-TASKS = {  # sample_groups calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
+TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
     "countdown": {"prompt": countdown_prompt,
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"], row.get("latex", False))},
@@ -535,9 +529,8 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(dim=1).values != r.min(dim=1).values
 
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
-    B informative groups -> (batch, rewards, adv), every per-answer entry carried. With no informative
-    group the first batch is returned as it is (all A = 0)."""
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...], keep the first B
+    informative groups -> (batch, rewards, adv), every per-answer entry; none: the first batch (all A = 0)."""
     rewards = torch.cat([part[1] for part in parts])  # (N_all,)
     advs = torch.cat([part[2] for part in parts])  # (N_all,)
     keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
@@ -597,8 +590,7 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
     logp      = log p_y,  p = softmax(logits / T)
     entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
-    """
+    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)"""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
@@ -629,9 +621,8 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
 
 @torch.no_grad()
 def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
-    in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
-    buffers, whatever N * T is)."""
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 where invalid: a no-grad forward in micro-batches,
+    the lm_head on `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers for any N * T)."""
     head = model.get_output_embeddings()
     mask = batch["resp_mask"]  # (N, T)
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
@@ -651,8 +642,7 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, 
 def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
               temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
     """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward
-    (activation checkpointing), so the head's memory is bounded by the chunk, not by the number
-    of tokens. (M, d) -> (M,)."""
+    (activation checkpointing), bounding the head's memory by the chunk, not M. (M, d) -> (M,)."""
     from torch.utils.checkpoint import checkpoint
 
     def logp(h, y):

@@ -512,10 +512,9 @@ def get_task(name: str) -> dict:
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward
-    values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by
-    sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN).
-    std_normalize=False: Dr. GRPO's r - mean."""
+    The POPULATION std (divide by G: the group is all we compare against) gives the derivation's
+    clean binary-reward values (step 5; TRL's unbiased std scales them by sqrt((G-1)/G)). All-equal
+    rewards give exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -715,7 +714,7 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return entropy
     if method == "gmts":  # H_t * |omega_t| (GMTS; H >= 0)
         return (entropy * om).abs()
-    if method == "gradnorm":  # the loss's exact logit-gradient norm ||dl/dz|| (derivation step 3; our ablation)
+    if method == "gradnorm":  # ||dL/dz||, the loss's exact logit-gradient norm (step 3; ours)
         return om.abs() * grad_norm
     raise ValueError(f"unknown selection method {method!r}; "
                      f"choose one of: {', '.join(CHOICES['select'])}")
@@ -735,8 +734,7 @@ def keep_budget(mask: torch.Tensor, rho: float, group_size: int = 0) -> int:
     if group_size:
         return int(group_keep(mask.reshape(-1, group_size * mask.shape[-1]).sum(1), rho).sum())
     n = int(mask.sum())
-    # rho * n in exact arithmetic on rho as written: in floats 0.07 * 100 is 7.000000000000001,
-    # which would round up to 8 tokens.
+    # rho * n exactly, on rho as written: in floats 0.07 * 100 is 7.000000000000001, up to 8 tokens
     return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))
 
 def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torch.Tensor:
@@ -754,11 +752,10 @@ def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torc
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
                   group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
     """The top valid tokens by score: (N, T) -> (N, T) bool; masked-out tokens are never kept, NaN ranks lowest.
-    The scope: group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier
-    position (any rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows
-    (keep_groups' layout) by the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within
-    each label instead. nonzero=True (gmts, gradnorm) then drops kept tokens whose score is 0 (their gradient
-    is exactly 0), so they may keep fewer."""
+    group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier position (any
+    rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows (keep_groups' layout) by
+    the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within each label instead. nonzero
+    (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9), so they may keep fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
@@ -795,8 +792,7 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and
-    E_{y ~ pi_theta}[k3] = KL. Its gradient w.r.t. logp is 1 - exp(ref - logp). (M,)."""
+    exp(d) - d - 1, d = ref - logp: >= 0, 0 where the two agree, E_{y ~ pi_theta}[k3] = KL. (M,)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
@@ -823,16 +819,13 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
                   clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
                   ref_logp: torch.Tensor = None, valid: torch.Tensor = None, w: torch.Tensor = None,
                   kl_denom: float = None) -> dict:
-    """Accumulate into .grad the gradient of micro_batch_loss over the batch, one micro-batch of
-    answers at a time; denom, w (N, T) and kl_denom are loss_weights' (defaults: w = 1, kl_denom = the
-    valid tokens). The masks, each (N, T):
-      valid     the response tokens the loss may use (default: resp_mask; --overlong-filter drops
-                truncated answers), KL's tokens
+    """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time; denom,
+    w (N, T), kl_denom: loss_weights' (defaults w = 1, kl_denom = the valid tokens). Masks, (N, T):
+      valid     the loss's tokens, KL's too (default resp_mask; --overlong-filter: none truncated)
       sel_mask  the kept tokens, the policy term's
       need      the tokens whose log-prob is computed: the kept ones, with KL every valid one
-    Only `need` goes through the lm_head (the other tokens have zero gradient: leaving them out is
-    exact). Returns the loss, clip_frac (over the kept tokens), kl (per valid token) and `live`,
-    the tokens with a non-zero gradient (policy_update's step rule, deviation 6)."""
+    Only `need` enters the lm_head (the others' gradient is 0: leaving them out is exact) -> loss,
+    clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
     head = model.get_output_embeddings()
     if valid is None:
         valid = batch["resp_mask"]

@@ -36,8 +36,7 @@ Deviations from the papers and choices they leave open:
   1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the whole
      batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps every tie
      at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
-  2. omega = -dL/dlogp of the configured loss (derivation step 1): ratio, clip, A, normaliser and KL
-     weight; rescored before each inner update.
+  2. omega = -dL/dlogp of the whole configured loss (derivation step 1), rescored each inner update.
   3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure mask
      of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is GRPO's
      per-answer mean, averaged over the answers where GMTS's authors sum over prompts (NOTES).
@@ -136,8 +135,7 @@ class Config:
     loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens; seq: GRPO's "
                                 "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
-    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code: per group; with --scope batch "
-                              "this project's whole-batch variant) or gradnorm")
+    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code; its scope: --scope) or gradnorm")
     rho: float = arg(0.2, "share of the response tokens kept")
     scope: str = arg("auto", "where the top rho is taken: group (each prompt's G answers: GMTS's authors) or batch "
                              "(80/20, ETS; with gmts, this project's variant); auto: group for gmts, else batch")
@@ -985,9 +983,8 @@ def selection_rule(cfg: Config) -> tuple:
     return cfg.rho, cfg.group_size if per_group else 0
 
 def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
-    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select) with selection_rule's rho
-    and scope; gmts and gradnorm never keep a score-0 token (deviation 9). score_fn (logp, entropy, grad_norm,
-    om) -> scores, if given, replaces token_scores: the notebook's own."""
+    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select), selection_rule's rho and
+    scope, nonzero for gmts and gradnorm (deviation 9); a given score_fn(logp, entropy, grad_norm, om) replaces it."""
     rho, group_size = selection_rule(cfg)
     if score_fn is not None:
         return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, rho, group_size=group_size)
@@ -1593,8 +1590,7 @@ def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
 
 def resolve_model_name(name: str) -> str:
     """'Qwen2.5-0.5B' -> 'Qwen/Qwen2.5-0.5B'; hub ids and local folders pass through."""
-    local_or_id = os.path.isdir(name) or "/" in name
-    if local_or_id or not name.lower().startswith("qwen"):
+    if os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen"):
         return name
     return "Qwen/" + name
 
@@ -1641,8 +1637,7 @@ class SamplerLogp:
     """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
     generate() calls it once per new token, BEFORE that token is drawn, with the ids drawn so far:
       call 1   sees the prompt only; keeps the distribution of draw 1
-      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2
-      ...
+      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2; ...
       finish() reads the last draw from the last kept distribution (no call comes after it)."""
 
     def __init__(self, temperature: float):
@@ -1809,7 +1804,7 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
     if state["resumed"]:
         return model, tok, state, data
-    for n in run_files(cfg.out):  # the old run's files go only now
+    for n in _names(cfg.out, ("metrics.jsonl", "run_config.json", "ckpt-*")):  # they go only now
         if _own(os.path.join(cfg.out, n)):
             remove(os.path.join(cfg.out, n))
     return model, tok, state, data
@@ -1867,10 +1862,6 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
                 sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
-
-def run_files(out: str) -> list:
-    """What in `out` belongs to a run: its metrics, config and checkpoints."""
-    return _names(out, ("metrics.jsonl", "run_config.json", "ckpt-*")) if os.path.isdir(out) else []
 
 def read_run_config(out: str) -> dict:
     """The saved config of the run in `out` (--resume), or ValueError with one line."""

@@ -228,15 +228,13 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
             sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string (greedy=True: one greedy answer, for evaluation).
-    Returns, on the model's device:
+    """group_size answers per prompt string (greedy=True: one greedy answer, for evaluation), on the model's device:
       prompt_ids, prompt_mask  (N, P)  the prompts, left padded, each repeated G times
       comp_ids, resp_mask      (N, T)  the answers and their valid positions (completion_mask)
       truncated                (N,)    answers that hit max_new_tokens without an end token
       texts                    N str   the answers, decoded up to their end
-      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
-                                       at each drawn token (before top-k/p, as the learner's; 0 after
-                                       the end), to compare sampler and learner precision
+      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T) at each
+                                       drawn token (pre-top-k/p, as the learner's; 0 after the end)
     fast: a static KV cache, its length rounded up to 64 (few shapes), compiled decoding on CUDA."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
@@ -251,8 +249,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     if fast:
         knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
     end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
-                           pad_token_id=tok.pad_token_id, **knobs)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
     # generate() fills each knob left unset from the checkpoint's generation_config (Qwen instruct:
     # top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling another distribution than our
@@ -468,8 +465,7 @@ def logic_reward(completion: str, solution: dict) -> float:
     return 1.0 if said == truth else 0.1
 
 # -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
-_FORMAT = ("Show your work in <think> </think> tags. And return the final answer in "
-           "<answer> </answer> tags")
+_FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
 def countdown_prompt(row: dict, short=False) -> str:
     nums = row["nums"]
@@ -495,8 +491,7 @@ def logic_prompt(row: dict, short=False) -> str:
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
-    "countdown": {"prompt": countdown_prompt,
-                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
+    "countdown": {"prompt": countdown_prompt, "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"], row.get("latex", False))},
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
@@ -645,8 +640,7 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False)
-             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 @torch.no_grad()
@@ -669,8 +663,7 @@ def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, mi
     return out
 
 # ==== Scores and top-rho selection [paper: GMTS's score H * |omega|; 80/20's entropy score] =======
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
-                clip_high: float) -> torch.Tensor:
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
     above = (adv > 0) & (ratio > 1 + clip_high)
     below = (adv < 0) & (ratio < 1 - clip_low)
@@ -714,8 +707,7 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return (entropy * om).abs()
     if method == "gradnorm":  # ||dL/dz||, the loss's exact logit-gradient norm (step 3; ours)
         return om.abs() * grad_norm
-    raise ValueError(f"unknown selection method {method!r}; "
-                     f"choose one of: {', '.join(CHOICES['select'])}")
+    raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
 
 def group_keep(counts: torch.Tensor, rho: float) -> torch.Tensor:
     """The authors' budget: of a group's n valid tokens drop max(1, ceil((1 - rho) n)) (so one even at rho = 1),
@@ -767,7 +759,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
     if groups is not None:
         keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)
     else:
-        # Highest first. A stable sort keeps equal scores in position order: ties go to the earlier token.
+        # Highest first; the stable sort keeps equal scores in order: ties to the earlier token.
         order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
         keep = torch.zeros_like(vals, dtype=torch.bool)
         keep[order[:keep_budget(mask, rho)]] = True
@@ -1110,8 +1102,7 @@ def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
         z = _random_expression(rng, nums, ops)
         if z is not None and target_range[0] <= z[0] <= target_range[1]:
             return {"nums": nums, "target": int(z[0]), "expr": z[1]}
-    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
-                     f"{target_range}")
+    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
 
 # -- math: GSM8K-style word problems, graded by the final number --
 # A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
@@ -1232,8 +1223,7 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
             for i, claim in enumerate(claims):
                 said = _say(claim, names, i)
                 statements.append(f'{names[i]} says: "{said[0].upper() + said[1:]}."')
-            return {"names": names, "statements": statements,
-                    "solution": dict(zip(names, worlds[0]))}
+            return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 def _easy_countdown(rng: random.Random) -> dict:
@@ -1902,9 +1892,8 @@ def checkpoints(out: str) -> list:
     return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
-    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; weights_only loads it; no RNG state: every
-    step reseeds), written to a .tmp folder and renamed; then all but the newest `keep` go, each renamed first so that
-    a half-deleted folder never looks like a checkpoint. A failed write: OSError, the .tmp removed (writing)."""
+    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; no RNG: every step reseeds), written as .tmp and
+    renamed; then all but the newest `keep` go, each renamed first (a half-deleted one is no checkpoint)."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -2032,8 +2021,7 @@ def _held(out: str):
     return None
 
 def _lock(out: str, exclusive: bool) -> int:
-    """flock out's marker without waiting (exclusive: created if missing) -> its fd; ValueError if another process
-    holds it, as a live run does."""
+    """flock out's marker, not waiting (exclusive: created if missing) -> its fd; ValueError if a live run holds it."""
     fd = os.open(os.path.join(out, RUN_MARK), os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -2152,8 +2140,7 @@ def write_file(path: str, text: str):
     os.replace(path + ".tmp", path)
 
 # ==== Step lines, the progress bar and trackers [plumbing] ========================================
-SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
-         "eval_acc")
+SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
 
 def step_line(rec: dict) -> str:
     """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
@@ -2247,8 +2234,7 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
 ]
 
 def check_config(cfg: Config, writes: bool = True):
-    """Raise ValueError for any value no run can use, before any work is done. writes=False: the command
-    writes nothing, so --out is not checked."""
+    """ValueError for any value no run can use, before any work; writes=False (the command writes nothing): no --out."""
     types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: see `typed`
     for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
         v = getattr(cfg, f.name)

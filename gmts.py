@@ -86,8 +86,8 @@ def arg(default, help: str):
 class Config:
     # run
     out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
-    overwrite: bool = arg(False, "allow a new run into a folder that holds one (its metrics and checkpoints go)")
-    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable checkpoint")
+    overwrite: bool = arg(False, "replace the run in --out (its metrics and checkpoints go)")
+    resume: str = arg("", "an earlier --out: continue its run from the newest loadable checkpoint")
     allow_change: bool = arg(False, "with --resume: allow flags that change the run's trajectory (all but --out, "
                                     "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
@@ -95,7 +95,7 @@ class Config:
     threads: int = arg(0, "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
-    report_to: str = arg("none", "also send the metrics to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
+    report_to: str = arg("none", "the metrics to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
     # model
     model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
     chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
@@ -106,14 +106,14 @@ class Config:
     task: str = arg("countdown", "countdown, math or logic")
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
-    data_columns: str = arg("", "QUESTION,ANSWER columns of a math set in another layout (a.b: key b inside a)")
+    data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
-    short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
-    eval_every: int = arg(20, "held-out accuracy every this many steps (0: only at the start and the end)")
-    eval_size: int = arg(64, "held-out problems (the first rows of the data; none with --eval-data)")
+    short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
+    eval_every: int = arg(20, "held-out accuracy every this many steps (0: at step 0 and the last)")
+    eval_size: int = arg(64, "held-out problems (the data's first rows; none with --eval-data)")
     eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
-    eval_samples: int = arg(0, "0: greedy evaluation; k: avg@k, k answers per problem at --temperature and --top-p")
+    eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples a problem (--temperature, --top-p)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
     group_size: int = arg(8, "G, answers sampled per prompt")
@@ -121,11 +121,11 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "the weights generate reads: bf16 (a copy) or fp32; auto: bf16 on CUDA")
-    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
-    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
+    sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy), fp32; auto: bf16 on CUDA")
+    fast_generate: bool = arg(None, "a static KV cache, compiled decoding (unset: on with CUDA)")
+    filter_groups: bool = arg(True, "DAPO dynamic sampling: drop equal-reward groups, draw more")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
-    overlong_filter: bool = arg(False, "DAPO's overlong filtering: an answer cut at --max-new-tokens trains nothing")
+    overlong_filter: bool = arg(False, "DAPO's overlong filter: a truncated answer trains nothing")
     # GRPO
     clip_low: float = arg(0.2, "PPO clip eps below 1")
     clip_high: float = arg(0.28, "PPO clip eps above 1 (DAPO clip-higher)")
@@ -142,7 +142,7 @@ class Config:
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
     warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
-    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
+    lr_decay: bool = arg(True, "after warm-up, the lr decays linearly to ~0 at the end (off: flat)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
@@ -357,8 +357,7 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}',
-    '\\frac{-20}{2}', '3/4'; None if not a number."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...; else None."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -590,7 +589,7 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     y = tokens.unsqueeze(-1)  # (..., 1)
     logp = logp_all.gather(-1, y).squeeze(-1)  # log p_y, (...)
     p_y = logp.exp()  # (...)
-    # p_rest is p with p_y set to 0: its sums run over j != y, and y's own term is added back to them.
+    # p_rest is p with p_y set to 0: its sums run over j != y; y's own term is added back to them.
     p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
     # H = -sum_j p_j log p_j = -(sum_{j != y} p_j log p_j + p_y log p_y)
     entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
@@ -1014,8 +1013,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            # 6. omega = -dL/dlogp of step 7's loss L (derivation step 1), the scores, and the top rho of
-            # each prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
+            # 6. omega (-dL/dlogp of step 7's loss: derivation step 1), scores, the top rho of each
+            # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
             rho, group_size = selection_rule(cfg)
             norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
             ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
@@ -1060,8 +1059,7 @@ NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 
 def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the
-    text back the same; None for a division by zero."""
+    """(value, text, precedence) of `x op y`, parenthesised just enough to read back the same; None for x / 0."""
     value = _OPS[op](x[0], y[0])
     if value is None:
         return None
@@ -1108,18 +1106,15 @@ def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
 # A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
 # from 2..12), integer literals and the earlier steps' results s1, s2, ...
 _MATH = [
-    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?",
-     "a*b 150-s1"),
+    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?", "a*b 150-s1"),
     ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
      "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
     ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
      "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in "
-     "{c} days?", "a*b s1*c"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in {c} days?", "a*b s1*c"),
     ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
      "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are "
-     "left?", "a*b s1-c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are left?", "a*b s1-c"),
     ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
      "many dollars are left?", "a*b c+d s1-s2"),
     ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
@@ -1642,8 +1637,7 @@ class SamplerLogp:
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw (no call after it) is read
-        here from `pending`, unless `read` already covers comp's T columns; [:T] keeps the first T."""
+        """(N, T) log-probs of comp's tokens, 0 after the end: `read`, the last draw from `pending` if short, [:T]."""
         if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
@@ -2089,8 +2083,7 @@ def release_all():
     _HELD.clear()
 
 def claim_run(cfg: Config) -> dict:
-    """check_out, claim_out, check_out again under the lock (another run may have ended in between)
-    -> the saved run_config.json of a --resume, else {}."""
+    """check_out, claim_out, check_out under the lock (a run may have ended meanwhile) -> a resume's config or {}."""
     if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
         raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))

@@ -173,7 +173,7 @@ PRESETS = {
 }
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS Framework1's
 BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."  # Framework2's, after a space
@@ -730,7 +730,7 @@ def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torc
     """The authors' per-group selection, vectorised: each group's scores sorted ascending (stable: of equal
     scores the earlier comes first), group_keep's lowest dropped. vals, groups (n,) -> keep (n,) bool."""
     order = torch.sort(vals, stable=True).indices  # by score
-    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: each group's lowest first
+    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: lowest first
     _, counts = torch.unique_consecutive(groups[order], return_counts=True)  # (B,)
     starts = counts.cumsum(0) - counts
     rank = torch.arange(len(order), device=vals.device) - starts.repeat_interleave(counts)  # 0: a group's lowest
@@ -932,8 +932,8 @@ def start_run(cfg: Config, log=print) -> Run:
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
-        for p in run.sampler.parameters():  # RoPE's inv_freq (a buffer) stays fp32, as in a bf16 load
+        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate's bf16 copy
+        for p in run.sampler.parameters():  # RoPE's inv_freq buffer stays fp32, as in a bf16 load
             p.data = p.data.to(torch.bfloat16)
     return run
 
@@ -1032,7 +1032,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   valid=valid, **norm)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
-        check_weights(model, batch, step, cfg.out)  # non-finite weights stop the run before a checkpoint
+        check_weights(model, batch, step, cfg.out)  # non-finite weights: stop before a checkpoint
         # 8. log, evaluate, checkpoint
         rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
                           run.skipped, t0, t_roll)
@@ -1262,7 +1262,7 @@ def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
     can hang (\\boxed{9^{9^{9^{9}}}}): after timeout seconds the worker is killed (the next call starts one): False."""
     with _VERIFIER["lock"]:
         proc = _VERIFIER["proc"]
-        if proc is None or proc.poll() is not None:  # a small python of its own: no torch, no fork of CUDA
+        if proc is None or proc.poll() is not None:  # its own small python: no torch, no CUDA fork
             proc = subprocess.Popen([sys.executable, "-c", _VERIFY_WORKER], stdin=subprocess.PIPE, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
             _VERIFIER["proc"] = proc
@@ -1337,7 +1337,7 @@ def _math_layout(row: dict, columns: str = "") -> dict:
         question, answer = row.get(q), row
         for key in a.split("."):
             answer = answer.get(key) if isinstance(answer, dict) else None
-        if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat: its last turn
+        if isinstance(question, list) and question and isinstance(question[-1], dict):
             question = question[-1].get("content")
         if isinstance(answer, list) and answer:
             answer = answer[0]
@@ -1355,7 +1355,7 @@ def _check_row(row, task: str, columns: str = "") -> dict:
     for key, (what, ok) in _SCHEMA[task].items():
         if key not in row or not ok(row[key]):
             raise ValueError(f'"{key}" must be {what}' if key in row else f'missing key "{key}"')
-    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate, which no tokenizer reads
+    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate: no tokenizer reads it
     problem = _row_problem(task, row)
     if problem:
         raise ValueError(problem)
@@ -1427,7 +1427,7 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
             raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
     if not rows:
         raise ValueError(f"{data}: no rows")
-    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}  # what a resume checks
+    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
 
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
@@ -1465,7 +1465,7 @@ class Data:
     """What read_data read: the rows a run trains on and what the checks before step 0 need."""
     draw: object  # draw(n, *key) -> n training rows
     held: object  # the held-out rows, or --eval-data's {name: rows}
-    rows: list  # checked before step 0: a file's or set's every row (else the held-out), benchmarks'
+    rows: list  # checked before step 0: a file's or set's rows (else the held-out ones), benchmarks'
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
     longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
@@ -1717,7 +1717,7 @@ def evaluate_run(model, run, cfg: Config) -> dict:
 PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what comes from Framework1, what not
     model="Qwen/Qwen2.5-Math-1.5B", task="math", data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
     chat_template="yes", steps=188, prompts_per_step=64, group_size=16, max_new_tokens=2048, lr=3e-5,
-    loss_norm="seq", max_grad_norm=1 / 64,  # their sum of 64 prompts clipped at 1 = our mean at 1/64
+    loss_norm="seq", max_grad_norm=1 / 64,  # their 64 prompts' sum clipped at 1 = our mean at 1/64
     warmup_steps=0, lr_decay=False, kl_beta=0.001, micro_batch=4, filter_groups=False, eval_every=0,
     eval_samples=16, out="out/paper-math", eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,amc23=hf:math-ai/"
     "amc23:test,math500=hf:HuggingFaceH4/MATH-500:test,minerva=hf:math-ai/minervamath:test,"
@@ -1797,13 +1797,13 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
     (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
     checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
-    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),  # what a resume checks
+    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),
                   reference=weights_print(run.ref) if run.ref else None)
     want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
     if want and want != prints["reference"] and not cfg.allow_change:
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
                          "differs); pass --allow-change to train against it")
-    run.report = open_tracker(cfg)  # a tracker that cannot start (wandb without a login): one line, nothing written
+    run.report = open_tracker(cfg)  # wandb without a login: one line, nothing written
     kept = ""
     if resumed:  # the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
@@ -1816,7 +1816,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | {len(run.eval_rows)} "
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
-    log(memory_line(cfg, run.model, data.longest, device))  # before any work: what a step needs, what the device has
+    log(memory_line(cfg, run.model, data.longest, device))  # before any work
     if resumed:
         return
     rec = dict(step=0, **evaluate_run(run.model, run, cfg))
@@ -1831,7 +1831,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
     mask = batch["resp_mask"]  # (N, T)
     n_valid = max(int(mask.sum()), 1)
     n_sel = max(int(sel_mask.sum()), 1)
-    sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])  # every group sampled
+    sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])
     zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
     gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
     dt = time.time() - t0
@@ -1882,7 +1882,7 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
 def checkpoints(out: str) -> list:
     """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
     one that holds an output of this program of its own is not a checkpoint)."""
-    names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a folder's name may hold [ ] * ?
+    names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a name may hold [ ] * ?
     return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
@@ -1920,7 +1920,7 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
                 raise ValueError("state.pt holds no step and optimiser")
             log(f"resuming from {ck}")
             return model, tok, state
-        except Exception as e:  # truncated, empty or foreign files: fall back to the previous checkpoint
+        except Exception as e:  # truncated, empty or foreign files: try the previous one
             if memory_fault(e):  # not the files' fault: every checkpoint stays as it is
                 raise
             log(f"{ck} does not load ({type(e).__name__}: {error_line(e, 120)}); trying the previous checkpoint")
@@ -1964,10 +1964,10 @@ def plot_metrics(out: str):
 class RunError(RuntimeError):
     """A run that cannot go on (non-finite weights, nothing to analyse): one line, exit 1."""
 
-RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes; its live writer holds flock on it
+RUN_MARK = ".gmts-run"  # {"kind": ...} in each folder this program writes; its live writer flocks it
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
                "vocab.json", "merges.txt", "chat_template.*", "README.md")
-WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
+WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),
           "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
           "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
@@ -2043,7 +2043,7 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
     if not os.path.isdir(out):
         return
     if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
-        os.close(_lock(out, exclusive=False))  # a probe: ValueError while another process writes there
+        os.close(_lock(out, exclusive=False))  # a probe: ValueError while another writes there
     found = run_kind(out)
     clash = _names(out, WRITES[kind] + tuple(more))
     if not found and clash:
@@ -2052,7 +2052,7 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
     if found and found != kind:
         raise ValueError(f"--out {out} holds a {found} output of this program, not a {kind} one; choose another --out")
     worth = clash
-    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value: a rerun starts it afresh
+    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value
         worth = checkpoints(out)
     if found and worth and not (resume or overwrite):
         hint = {"gmts": f"continue it with --resume {out}, or "}.get(kind, "")
@@ -2102,8 +2102,8 @@ def weights_print(model) -> str:
 
 def prompt_print(tok, chat_template: str) -> dict:
     """The prompt format: chat template or not, and the template's sha256."""
-    return {"chat": use_chat(tok, chat_template), "template_sha256": hashlib.sha256(str(tok.chat_template).encode())
-            .hexdigest()}
+    digest = hashlib.sha256(str(tok.chat_template).encode()).hexdigest()
+    return {"chat": use_chat(tok, chat_template), "template_sha256": digest}
 
 @contextlib.contextmanager
 def writing(path: str):
@@ -2263,7 +2263,7 @@ def check_out_path(out: str):
         if os.path.islink(parent):
             raise ValueError(f"--out {out!r}: {parent} is a symbolic link to nothing (dangling, or a loop)")
         parent = os.path.dirname(parent)
-    with contextlib.suppress(OSError):  # a real write: os.access says yes to root where nobody can write (/proc)
+    with contextlib.suppress(OSError):  # a real write: os.access says yes to root even on /proc
         if out:  # (a file is no folder: NotADirectoryError)
             tempfile.TemporaryFile(dir=parent).close()
             return
@@ -2302,7 +2302,7 @@ def parse_args(argv=None) -> Config:
         saved = read_run_config(pre.resume)
         check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
-    p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run continues in its own folder
+    p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run goes on in its folder
     cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
     for k in sorted(names - FREE):
         if cfg.resume and not same_value(k, getattr(cfg, k), saved[k]) and not cfg.allow_change:
@@ -2390,7 +2390,7 @@ def say(*parts, **kwargs):
     try:
         print(*parts, flush=True, **kwargs)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to print goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the rest goes nowhere
 
 def ignore_stops():
     """From here on a stop signal changes nothing (after the first, after a run, in the teardown)."""
@@ -2460,5 +2460,5 @@ def interrupted_state(out) -> str:
     return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
-    ignore_stops()  # torch has imported: handling_signals takes over, then the teardown ignores them
+    ignore_stops()  # torch imported: handling_signals takes over, then the teardown ignores them
     main()

@@ -503,10 +503,9 @@ def get_task(name: str) -> dict:
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the derivation's
-    clean binary-reward values (step 5; TRL's unbiased std scales them by sqrt((G-1)/G)). All-equal
-    rewards give exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,). The POPULATION std
+    (divide by G: the group is all we compare to) gives step 5's clean binary values (TRL's unbiased std scales them by
+    sqrt((G-1)/G)). Equal rewards give exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -556,8 +555,7 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
 #        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm (token_stats)
-# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
-#    when r = 1 and beta = 0), in two separate statements:
+# 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens when r = 1, beta = 0):
 #    a. Pointwise, for the token actually sampled:
 #           (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2,
 #       so the norm is set by p_y, not by H: a rare token sampled at a near-certain position has a
@@ -770,10 +768,9 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
 # ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
-    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
-    On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp comes from token_stats'
-    code path, not head_logp's, so on a first inner update r is 1 only up to float rounding (~1e-6)."""
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp): (M,) inputs
+    -> (loss (M,), clip active (M,) bool). On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp
+    takes token_stats' code path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -790,9 +787,8 @@ def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
                      clip_high: float, kl_beta: float) -> tuple:
     """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
         sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
-    -> (loss, counts): counts["clipped"] the kept tokens whose clip is active, counts["live"] the
-    tokens whose gradient is not 0 (kept with A != 0 and an inactive clip; with KL also those where
-    1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
+    -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["live"] the tokens with a gradient
+    (kept with A != 0 and an inactive clip; with KL also where 1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
     pg, clip_m = grpo_token_loss(logp, old_logp, adv, clip_low, clip_high)  # (M,)
     loss = (pg * kept * w).sum() / denom
     counts = dict(clipped=int((clip_m & kept).sum()), live=int((kept & ~clip_m & (adv != 0)).sum()), kl=0.0)
@@ -803,11 +799,10 @@ def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
         counts["live"] += int((torch.exp(ref_logp - logp.detach()) != 1).sum())
     return loss, counts
 
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
-                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
-                  clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
-                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None, w: torch.Tensor = None,
-                  kl_denom: float = None) -> dict:
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor, denom: float,
+                  *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
+                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
+                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
     """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time; denom,
     w (N, T), kl_denom: loss_weights' (defaults w = 1, kl_denom = the valid tokens). Masks, (N, T):
       valid     the loss's tokens, KL's too (default resp_mask; --overlong-filter: none truncated)
@@ -848,11 +843,10 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel, kl=totals["kl"] / n_valid,
                 live=totals["live"])
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
-                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
-                  clip_high: float, micro_batch: int, chunk: int, max_grad_norm: float,
-                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None,
-                  valid: torch.Tensor = None, w: torch.Tensor = None, kl_denom: float = None) -> dict:
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
+                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
+                  max_grad_norm: float, kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
+                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
     """One optimiser step on the kept tokens (the arguments as loss_backward's), by deviation 6's
     rule: step iff some token has a non-zero gradient (A = 0 everywhere, with the policy at its
     reference, moves neither the weights nor the Adam moments) and the gradient is finite."""
@@ -1050,9 +1044,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
-# ##################################################################################################
-# Supporting code [plumbing]: what lets the method above run. A reader of the paper may stop here.
-# ##################################################################################################
+# ######## Supporting code [plumbing]: what lets the method above run. A reader of the paper may stop here. ########
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
@@ -1664,9 +1656,8 @@ def _join_rows(xs: list, key: str, pad_id: int):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Step 2 of train(): rollout() of G answers per prompt on run.sampler, with the sampler's
-    log-probs. While run.fast holds, on the fast path (static cache, compiled decoding); if that
-    raises, one line says so and this and every later step sample on the plain path."""
+    """Step 2: rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path (static cache,
+    compiled decoding) while run.fast holds; if that raises, one line says so and from this step on the plain path."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
     if run.fast:
@@ -2145,9 +2136,8 @@ def step_line(rec: dict) -> str:
     return " | ".join(fields)
 
 def step_printer(total: int, start: int, log=print):
-    """show(line, keep) prints one step's line. On a terminal (log prints, stdout a TTY) a tqdm
-    bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
-    above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
+    """show(line, keep) prints a step's line: on a terminal (log prints to a TTY) a tqdm bar counts steps and carries
+    the latest line, keep=True ones (evaluations) above it; elsewhere all are logged. show(None, _) closes it."""
     if log not in (print, say) or not sys.stdout.isatty():
         def show(line, keep):
             if line is not None:
@@ -2235,11 +2225,8 @@ def check_config(cfg: Config, writes: bool = True):
         unset = v is None and f.default is None  # --fast-generate left to the device
         if not (typed or unset):
             raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
-    for name, allowed in CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got "
-                             f"{getattr(cfg, name)!r}")
-    for names, ok, want in RULES:
+    choices = [([name], allowed.__contains__, "one of " + ", ".join(allowed)) for name, allowed in CHOICES.items()]
+    for names, ok, want in choices + RULES:  # as RULES: (fields, test, what their values must be)
         for name in names:
             if not ok(getattr(cfg, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")

@@ -323,8 +323,7 @@ def countdown_value(completion: str, nums: list):
     """Exact value of the last <answer> if an equation using each given number once, else None (no
     tag; '=', not allowed as in TinyZero; other characters or numbers; bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
-    # cap before ast.parse, which recurses on nesting
-    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
+    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
         return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
@@ -380,8 +379,7 @@ def parse_number(s: str):
         if value is None:
             return None
         return sign * value
-    # a fraction: either side may carry its own sign (\frac{-20}{2}, \frac{20}{-2})
-    top = _decimal(parts[0].strip(), signed=True)
+    top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side (\frac{-20}{2}, \frac{20}{-2})
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
         return None
@@ -643,9 +641,8 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
 @torch.no_grad()
 def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                   chunk: int) -> torch.Tensor:
-    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on exactly the code path of
-    loss_backward (same rows per micro-batch, same chunked head): a model whose weights equal the
-    policy's gives the policy's log-probs bit for bit. The KL reference uses it (deviation 7)."""
+    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on loss_backward's exact code path (same rows per
+    micro-batch, same chunked head): equal weights, equal log-probs to the bit. For the KL reference (deviation 7)."""
     head = model.get_output_embeddings()
     out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
     active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
@@ -680,10 +677,9 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
 
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float, kl_beta: float = 0.0,
           ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0, kl_denom: float = 1.0) -> torch.Tensor:
-    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip
-    leaves the gradient alive (0 where it is active), plus with kl_beta > 0 the KL term's weight
-    kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta. w, denom, kl_denom: loss_weights;
-    their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
+    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip leaves the
+    gradient alive (else 0), plus the KL term's kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta.
+    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
     om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
@@ -847,9 +843,8 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
                   denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
                   max_grad_norm: float, kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
                   w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """One optimiser step on the kept tokens (the arguments as loss_backward's), by deviation 6's
-    rule: step iff some token has a non-zero gradient (A = 0 everywhere, with the policy at its
-    reference, moves neither the weights nor the Adam moments) and the gradient is finite."""
+    """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's step rule, so A = 0
+    everywhere, with the policy at its reference, moves neither the weights nor the Adam moments."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
                           clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,

@@ -95,7 +95,7 @@ class Config:
     threads: int = arg(0, "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
-    report_to: str = arg("none", "the metrics to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
+    report_to: str = arg("none", "also to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
     # model
     model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
     chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
@@ -113,7 +113,7 @@ class Config:
     eval_every: int = arg(20, "held-out accuracy every this many steps (0: at step 0 and the last)")
     eval_size: int = arg(64, "held-out problems (the data's first rows; none with --eval-data)")
     eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
-    eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples a problem (--temperature, --top-p)")
+    eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
     group_size: int = arg(8, "G, answers sampled per prompt")
@@ -121,7 +121,7 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy), fp32; auto: bf16 on CUDA")
+    sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache, compiled decoding (unset: on with CUDA)")
     filter_groups: bool = arg(True, "DAPO dynamic sampling: drop equal-reward groups, draw more")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
@@ -142,7 +142,7 @@ class Config:
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
     warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
-    lr_decay: bool = arg(True, "after warm-up, the lr decays linearly to ~0 at the end (off: flat)")
+    lr_decay: bool = arg(True, "after warm-up, a linear lr decay to ~0 at the end (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
@@ -503,7 +503,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,). The POPULATION std
     (divide by G: the group is all we compare to) gives step 5's clean binary values (TRL's unbiased std scales them by
-    sqrt((G-1)/G)). Equal rewards give exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
+    sqrt((G-1)/G)). A uniform group gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -866,7 +866,7 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
     min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's: linear)."""
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear too)."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -927,7 +927,7 @@ def start_run(cfg: Config, log=print) -> Run:
     return run
 
 def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
-    """Steps 1-4 of step `step` -> (batch, rewards (N,), adv (N,), parts), B prompts x G answers:
+    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts), B prompts x G answers:
     with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
     are drawn, joined by keep_groups; parts: each batch drawn, (batch, rewards, adv), for metrics."""
     B, G = cfg.prompts_per_step, cfg.group_size
@@ -1210,7 +1210,7 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
 
 def _easy_countdown(rng: random.Random) -> dict:
     """The CPU demo's variant: 3 numbers in 1..9 in order, joined by + or -, the four sign patterns
-    equally likely (numbers redrawn until the target is >= 0): a fixed guess is right 1 time in 4."""
+    equally likely (numbers redrawn until the target is >= 0): a fixed sign guess is right about 1 time in 4."""
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]
@@ -1710,8 +1710,8 @@ PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what comes from F
     "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train")
 
 def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
-    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): what stays (weights, AdamW, the
-    sampler copy, the KL reference) and the larger of sampling's (KV cache) and the update's other parts."""
+    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): what stays (weights, AdamW, sampler copy,
+    KL reference) plus the larger of sampling's KV cache and the update's gradients, activations and logits."""
     c = model.config
     n = sum(p.numel() for p in model.parameters())
     width = prompt_tokens + cfg.max_new_tokens  # P + T
@@ -1926,7 +1926,7 @@ def check_weights(model, batch: dict, step: int, out: str):
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself (from_pretrained(OUT) loads it) through a temporary folder, each file moved in by
-    an atomic rename, config.json last: no reader sees a torn model (check_out refused such files not a run's own)."""
+    an atomic rename, config.json last: no reader sees a torn model (check_out refused others' such files in OUT)."""
     tmp = os.path.join(out, "final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
@@ -1975,9 +1975,9 @@ def _own(path: str) -> bool:
     return not os.path.isdir(path) or run_kind(path) is None
 
 def _run_around(out: str, below: bool = True):
-    """(where, folder, kind) of the nearest folder above `out` with an output of this program but a compare ("lies
-    inside"), else of one below it ("holds"), or None: either would stop the other (the outer's clean-up or rotation
-    could delete the inner, whose resume the outer's marker refuses)."""
+    """(where, folder, kind) of the nearest folder above `out` with an output of this program other than a compare
+    ("lies inside"), else of one below it ("holds"), or None: either would stop the other (the outer's clean-up or
+    rotation could delete the inner, whose resume the outer's marker refuses)."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
         if run_kind(parent) not in (None, "compare"):
@@ -2001,7 +2001,7 @@ def _held(out: str):
     return None
 
 def _lock(out: str, exclusive: bool) -> int:
-    """flock out's marker, not waiting (exclusive: created if missing) -> its fd; ValueError if a live run holds it."""
+    """flock out's marker, no waiting (exclusive: created if missing) -> fd; ValueError if another process holds it."""
     fd = os.open(os.path.join(out, RUN_MARK), os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)

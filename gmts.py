@@ -1394,6 +1394,7 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
     or a .json, .csv or .parquet file, read through `datasets`; every row checked."""
     try:
         import datasets
+        logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures are said in our one line
         if data_kind(data) == "hf":
             name, *rest = data.split(":")[1:]
             ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
@@ -1724,7 +1725,8 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
         kept = act * c.hidden_size * c.num_hidden_layers + layer
     bf16 = cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda")
     plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16, "KL reference": 4 * n * (cfg.kl_beta > 0)}
-    sampling = {"KV cache": kv * cfg.prompts_per_step * cfg.group_size * width}
+    answers = cfg.prompts_per_step * cfg.group_size
+    sampling = {"KV cache": kv * answers * width, "sampling logits": 12 * answers * c.vocab_size}  # 3 (N, V) fp32
     update = {"gradients": 4 * n, "activations": kept * cfg.micro_batch * width,
               "logits": 12 * cfg.stats_chunk * c.vocab_size}  # token_stats' 3 fp32 (chunk, V)
     plan.update(max(sampling, update, key=lambda part: sum(part.values())))
@@ -2311,7 +2313,7 @@ def absolute_data(data: str) -> str:
     parts = data.split(":")
     if data_kind(data) == "file":
         return os.path.abspath(data)
-    if data_kind(data) == "hf" and len(parts) > 1 and os.path.isdir(parts[1]):
+    if data_kind(data) == "hf" and len(parts) > 1 and "/" in parts[1] and os.path.isdir(parts[1]):  # as load_rows
         return ":".join(["hf", os.path.abspath(parts[1]), *parts[2:]])
     return data
 

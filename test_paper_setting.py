@@ -455,9 +455,10 @@ def test_benchmark_files_and_dataset_folders_are_stored_absolute(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sets").mkdir()
     (tmp_path / "a.jsonl").write_text("")
-    cfg = gmts.parse_args(["--task", "math", "--data", "hf:sets:train", "--eval-data", "a=a.jsonl,b=hf:sets,c=hf:x/y"])
+    cfg = gmts.parse_args(["--task", "math", "--data", "hf:./sets:train", "--eval-data",
+                           "a=a.jsonl,b=hf:./sets,c=hf:x/y,d=hf:sets"])  # d: no slash, the task's own hub set
     assert cfg.data == f"hf:{tmp_path / 'sets'}:train"
-    assert cfg.eval_data == f"a={tmp_path / 'a.jsonl'},b=hf:{tmp_path / 'sets'},c=hf:x/y"  # a hub id stays as it is
+    assert cfg.eval_data == f"a={tmp_path / 'a.jsonl'},b=hf:{tmp_path / 'sets'},c=hf:x/y,d=hf:sets"  # hub ids stay
     assert gmts.resolved_paths(cfg) == cfg
 
 
@@ -498,7 +499,8 @@ def test_the_memory_plan_by_hand(tiny_model):
     plan = gmts.memory_plan(cfg, model, 28, torch.device("cpu"))
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     assert plan == pytest.approx({"weights": 4 * n / 2**30, "AdamW": 8 * n / 2**30, "KL reference": 4 * n / 2**30,
-                                  "KV cache": kv * 64 * 16 * 128 / 2**30}, rel=1e-12)
+                                  "KV cache": kv * 64 * 16 * 128 / 2**30,
+                                  "sampling logits": 12 * 64 * 16 * c.vocab_size / 2**30}, rel=1e-12)
     small = gmts.Config(prompts_per_step=1, group_size=2, max_new_tokens=100, micro_batch=64)
     need = sum(gmts.memory_plan(small, model, 28, torch.device("cpu")).values())
     with_ckpt = gmts.dataclasses.replace(small, grad_ckpt=True)

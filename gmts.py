@@ -21,44 +21,37 @@ One training step, as train() numbers it; the file follows this order:
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
 
-Provenance. GMTS is read from its authors' code, github.com/outongyiLv/GMTS, GMTS-Framework1 (a one-GPU
-PyTorch loop like this file): grpo_tools/grpo.py, whose GMTS() holds the score and the per-group budget,
-normalize_rewards_per_group the GRPO normaliser inside omega, approx_kl_divergence the KL term, update_policy
-the entropy baseline (ETS). Their Framework2 (verl, Qwen3-8B: verl/workers/actor/dp_actor.py) differs: omega
-= r * I * A without normaliser or KL, ties at the threshold dropped, and as released its group loop reaches
-only the first of every four groups of a GPU's mini-batch. Our choices: --scope batch for gmts (this
-project's earlier variant, kept), gradnorm, the defaults --loss-norm all and no KL (the authors' objective
-is --loss-norm seq --kl-beta 0.001), and the entropy baseline's tie rule (deviation 1).
+Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, a one-GPU loop like
+this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget, normalize_rewards_per_group and
+approx_kl_divergence for the normaliser and KL inside omega, update_policy for the ETS entropy baseline). Their
+Framework2 (verl, Qwen3-8B) differs: omega = r * I * A, ties at the threshold dropped, and as released its group
+loop reaches only the first of every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier
+variant), gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
 column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; entropy, random and
-     gradnorm over the whole rollout batch (N*T tokens), keeping exactly ceil(rho * n) with ties to the
-     earlier token, where the authors' ETS keeps every tie at its threshold (NOTES); the 80/20 code
-     selects per micro-batch and GPU.
-  2. omega = -dL/dlogp of the configured loss (derivation step 1): ratio, clip, A, normaliser and KL
-     weight; rescored before each inner update.
-  3. --loss-norm all (default) divides by all valid tokens, as the 80/20 paper's equation and TRL:
-     selection is a pure mask of one sum, so every method runs at one lr; 'selected' divides by the
-     kept budget (80/20 code); 'seq' is GRPO's per-answer mean, averaged over the answers, where
-     GMTS's authors sum over prompts (NOTES).
+  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the whole
+     batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps every tie
+     at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
+  2. omega = -dL/dlogp of the whole configured loss (derivation step 1), rescored each inner update.
+  3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure mask
+     of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is GRPO's
+     per-answer mean, averaged over the answers where GMTS's authors sum over prompts (NOTES).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
   6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
-     A != 0 and an inactive clip, or with KL a token whose log-prob differs from the reference's) and
-     the loss and the gradient norm are finite, so a batch with A = 0 everywhere and the policy at its
-     reference moves nothing. The lr follows GRPO steps regardless.
+     A != 0 and an inactive clip, or with KL one whose log-prob differs from the reference's) and the
+     loss and gradient norm are finite; the lr follows GRPO steps regardless.
   7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the model
      --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0; for gmts also a
      token of zero entropy, as its authors): maybe fewer than rho.
- 10. Rewards: countdown's 0.1 format reward follows TinyZero, math is binary (80/20 paper), logic
-     mirrors countdown.
+ 10. Rewards: countdown's 0.1 format reward (TinyZero), math binary (80/20 paper), logic as countdown.
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
       python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown --out out/qwen   (one GPU)
@@ -93,18 +86,16 @@ def arg(default, help: str):
 class Config:
     # run
     out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
-    overwrite: bool = arg(False, "allow a new run into a folder that holds one (its metrics and checkpoints go)")
-    resume: str = arg("", "an earlier --out folder: continue that run from its newest loadable checkpoint")
+    overwrite: bool = arg(False, "replace the run in --out (its metrics and checkpoints go)")
+    resume: str = arg("", "an earlier --out: continue its run from the newest loadable checkpoint")
     allow_change: bool = arg(False, "with --resume: allow flags that change the run's trajectory (all but --out, "
                                     "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
-    threads: int = arg(0, "CPU threads torch uses (0: torch's own choice, OMP_NUM_THREADS or every core, faster on "
-                          "idle cores); the cpu and smoke presets set 1: steady when other work shares the cores")
+    threads: int = arg(0, "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
-    report_to: str = arg("none", "also send each step's metrics to tensorboard (OUT/tensorboard) "
-                                 "or wandb (OUT/wandb); none: metrics.jsonl only")
+    report_to: str = arg("none", "also to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
     # model
     model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
     chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
@@ -115,13 +106,14 @@ class Config:
     task: str = arg("countdown", "countdown, math or logic")
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
+    data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
-    short_prompt: bool = arg(False, "terse prompts without the system line (for the byte-level tiny model)")
-    eval_every: int = arg(20, "held-out accuracy every this many steps (0: only at the start and the end)")
-    eval_size: int = arg(64, "held-out problems (the first rows of the data; none with --eval-data)")
+    short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
+    eval_every: int = arg(20, "held-out accuracy every this many steps (0: at step 0 and the last)")
+    eval_size: int = arg(64, "held-out problems (the data's first rows; none with --eval-data)")
     eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
-    eval_samples: int = arg(0, "0: greedy evaluation; k: avg@k, k answers per problem at --temperature and --top-p")
+    eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
     group_size: int = arg(8, "G, answers sampled per prompt")
@@ -129,13 +121,11 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "weights generate samples from: bf16 (a copy, refreshed after each step), "
-                                     "fp32 (the master weights); auto: bf16 on CUDA")
-    fast_generate: bool = arg(None, "a static KV cache and compiled decoding in generate (unset: on with CUDA)")
-    filter_groups: bool = arg(True, "drop groups whose rewards are all equal and draw more (DAPO dynamic sampling)")
+    sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
+    fast_generate: bool = arg(None, "a static KV cache, compiled decoding (unset: on with CUDA)")
+    filter_groups: bool = arg(True, "DAPO dynamic sampling: drop equal-reward groups, draw more")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
-    overlong_filter: bool = arg(False, "a truncated answer (no end token within --max-new-tokens) trains nothing: "
-                                       "DAPO's overlong filtering")
+    overlong_filter: bool = arg(False, "DAPO's overlong filter: a truncated answer trains nothing")
     # GRPO
     clip_low: float = arg(0.2, "PPO clip eps below 1")
     clip_high: float = arg(0.28, "PPO clip eps above 1 (DAPO clip-higher)")
@@ -145,17 +135,14 @@ class Config:
     loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens; seq: GRPO's "
                                 "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
-    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code: per group; with --scope batch "
-                              "this project's whole-batch variant) or gradnorm")
+    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code; its scope: --scope) or gradnorm")
     rho: float = arg(0.2, "share of the response tokens kept")
-    scope: str = arg("auto", "where the top rho is taken: group (within each prompt's G answers: GMTS's authors) or "
-                             "batch (the whole batch: 80/20, ETS; with gmts, this project's variant); auto: group for "
-                             "gmts, batch for the others")
+    scope: str = arg("auto", "where the top rho is taken: group (each prompt's G answers: GMTS's authors) or batch "
+                             "(80/20, ETS; with gmts, this project's variant); auto: group for gmts, else batch")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
-    warmup_steps: int = arg(10, "linear lr warm-up, in update slots (steps x --inner-updates, "
-                                "counted whether or not the optimiser steps)")
-    lr_decay: bool = arg(True, "after the warm-up, decay the lr linearly to ~0 at the last step (off: constant)")
+    warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
+    lr_decay: bool = arg(True, "after warm-up, a linear lr decay to ~0 at the end (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
@@ -186,7 +173,7 @@ PRESETS = {
 }
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill: answers start in <think>
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
 SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS Framework1's
 BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."  # Framework2's, after a space
@@ -241,17 +228,14 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
 def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
             sampler_logp: bool = False) -> dict:
-    """Sample group_size answers per prompt string (greedy=True: one greedy answer, for evaluation).
-    Returns, on the model's device:
+    """group_size answers per prompt string (greedy=True: one greedy answer, for evaluation), on the model's device:
       prompt_ids, prompt_mask  (N, P)  the prompts, left padded, each repeated G times
       comp_ids, resp_mask      (N, T)  the answers and their valid positions (completion_mask)
       truncated                (N,)    answers that hit max_new_tokens without an end token
       texts                    N str   the answers, decoded up to their end
-      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
-                                       at each drawn token (before top-k/p, as the learner's; 0 after
-                                       the end), to compare sampler and learner precision
-    fast: a static KV cache, its length rounded up to 64 (few shapes; generate compiles its step on
-    CUDA)."""
+      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T) at each
+                                       drawn token (pre-top-k/p, as the learner's; 0 after the end)
+    fast: a static KV cache, its length rounded up to 64 (few shapes), compiled decoding on CUDA."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -265,13 +249,11 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     if fast:
         knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
     end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
-                           pad_token_id=tok.pad_token_id, **knobs)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
-    # generate() fills every knob this call leaves unset from the checkpoint's generation_config
-    # (Qwen instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, ...): it would sample from another
-    # distribution than the policy we train. So `gen` is complete, and the model's default is blanked
-    # for the call and put back after it.
+    # generate() fills each knob left unset from the checkpoint's generation_config (Qwen instruct:
+    # top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling another distribution than our
+    # policy: `gen` is complete, and the model's default is blanked for the call and put back after.
     was_training = model.training
     saved = model.generation_config
     model.eval()
@@ -293,12 +275,10 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     return batch
 
 # ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
-# Each task: a prompt and a verifier, collected in TASKS; sample_groups (train's steps 1-4) calls both.
-# Verifiers are pure, cap every length before parsing, use no eval/exec and never raise (a bug costs
-# a reward, not a run). The problem generators and data loaders are in the supporting code.
+# Each task's prompt and verifier, in TASKS. Verifiers are pure, cap every length before parsing,
+# use no eval/exec and never raise (a bug costs a reward, not a run). Task data: supporting code.
 def _never_raise(fn, fallback=0.0):
-    """A last-resort net around a verifier (expected failures are handled inside it): an
-    exception -> fallback."""
+    """A verifier's last-resort net (it handles expected failures itself): exception -> fallback."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -307,8 +287,7 @@ def _never_raise(fn, fallback=0.0):
     return functools.wraps(fn)(wrapped)
 
 def _last_answer(text: str):
-    """Content of the last complete <answer>...</answer> pair, or None. str.rfind: linear time,
-    no regex backtracking."""
+    """The last complete <answer>...</answer>'s content or None (rfind: linear, no backtracking)."""
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, max(end, 0))
     if end < 0 or start < 0:
@@ -323,9 +302,8 @@ _CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads 
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
     """Exact value of a whitelisted tree, collecting its int literals. Anything else raises
-    ValueError: ** // % (they pass the character filter), unary + and - (the numbers are given
-    positive, so -a would be a number not in the list; a - b is enough), names, calls, floats
-    ("2.5" is not the numbers 2 and 5), bools, strings."""
+    ValueError: ** // % (they pass the character filter), unary + and - (the numbers are positive:
+    -a is unlisted; a - b does it), names, calls, floats ("2.5" is not 2 and 5), bools, strings."""
     if depth > 60:
         raise ValueError("too deep")
     if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -342,12 +320,10 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
 
 @functools.partial(_never_raise, fallback=None)
 def countdown_value(completion: str, nums: list):
-    """Exact value of the last <answer> if it is an equation that uses each given number once,
-    else None (no answer tag, '=' in it: not allowed, as in TinyZero; other characters, other
-    numbers, bad syntax)."""
+    """Exact value of the last <answer> if an equation using each given number once, else None (no
+    tag; '=', not allowed as in TinyZero; other characters or numbers; bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
-    # cap before ast.parse, which recurses on nesting
-    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
+    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
         return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
@@ -380,8 +356,7 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of an answer like '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}',
-    '\\frac{-20}{2}', '3/4'; None if not a number."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...; else None."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -404,16 +379,14 @@ def parse_number(s: str):
         if value is None:
             return None
         return sign * value
-    # a fraction: either side may carry its own sign (\frac{-20}{2}, \frac{20}{-2})
-    top = _decimal(parts[0].strip(), signed=True)
+    top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side (\frac{-20}{2}, \frac{20}{-2})
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
         return None
     return sign * top / bottom
 
 def _last_boxed(text: str, tries=5, cap=100):
-    """Content of the last closed \\boxed{...}: a bounded forward brace scan from each of the
-    last few openings."""
+    """The last closed \\boxed{...}'s content, by bounded brace scans from the last few openings."""
     end = len(text)
     for _ in range(tries):
         i = text.rfind("\\boxed{", 0, end)
@@ -429,8 +402,7 @@ def _last_boxed(text: str, tries=5, cap=100):
     return None
 
 def _last_number(text: str):
-    """The last run of digits, commas and points in the text (at most ~60 characters, with a
-    '-' just before it), or None."""
+    """The last run of digits, commas, points (<= ~60 characters; a '-' before it kept), or None."""
     last_digit = max(text.rfind(d) for d in "0123456789")  # ten C-speed scans, no regex
     if last_digit < 0:
         return None
@@ -474,9 +446,8 @@ _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: ro
 
 @_never_raise
 def logic_reward(completion: str, solution: dict) -> float:
-    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave' with the right
-    roles (any case; entries may be split by , ; or whitespace incl. newlines); 0.1: an answer
-    that is wrong or malformed; 0.0: none."""
+    """1.0: the last <answer> names everyone exactly once as 'Name: knight|knave', the roles right
+    (any case; split by , ; or whitespace incl. newlines); 0.1: wrong or malformed; 0.0: none."""
     ans = _last_answer(completion)
     if ans is None:
         return 0.0
@@ -491,8 +462,7 @@ def logic_reward(completion: str, solution: dict) -> float:
     return 1.0 if said == truth else 0.1
 
 # -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
-_FORMAT = ("Show your work in <think> </think> tags. And return the final answer in "
-           "<answer> </answer> tags")
+_FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
 def countdown_prompt(row: dict, short=False) -> str:
     nums = row["nums"]
@@ -517,9 +487,8 @@ def logic_prompt(row: dict, short=False) -> str:
             f"who always lies. You meet {len(row['names'])} inhabitants: "
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
-TASKS = {  # sample_groups calls "prompt" and "reward"; "load", the data loader, is added in the supporting code
-    "countdown": {"prompt": countdown_prompt,
-                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
+TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
+    "countdown": {"prompt": countdown_prompt, "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"], row.get("latex", False))},
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
@@ -532,11 +501,9 @@ def get_task(name: str) -> dict:
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers; (N,) -> (N,).
-    The POPULATION std (divide by G: the group is all we compare against) gives the clean binary-reward
-    values A = +sqrt((G-k)/k), -sqrt(k/(G-k)) for k of G correct (TRL's unbiased std scales them by
-    sqrt((G-1)/G)). A group whose rewards are all equal gets exactly 0 (not 1e-17, never NaN).
-    std_normalize=False: Dr. GRPO's r - mean."""
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,). The POPULATION std
+    (divide by G: the group is all we compare to) gives step 5's clean binary values (TRL's unbiased std scales them by
+    sqrt((G-1)/G)). A uniform group gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -550,9 +517,8 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(dim=1).values != r.min(dim=1).values
 
 def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] and keep the first
-    B informative groups -> (batch, rewards, adv), every per-answer entry carried. With no informative
-    group the first batch is returned as it is (all A = 0)."""
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...], keep the first B
+    informative groups -> (batch, rewards, adv), every per-answer entry; none: the first batch (all A = 0)."""
     rewards = torch.cat([part[1] for part in parts])  # (N_all,)
     advs = torch.cat([part[2] for part in parts])  # (N_all,)
     keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
@@ -569,7 +535,6 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
     return batch, rewards[idx], advs[idx.to(advs.device)]
 
 # ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
-
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
 # A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
@@ -587,10 +552,8 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
 #        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
-#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm
-#    (grad_norm is computed by token_stats).
-# 4. How it relates to entropy WITHIN an answer (omega is the same for every token of answer i
-#    when r = 1 and beta = 0), in two separate statements:
+#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm (token_stats)
+# 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens when r = 1, beta = 0):
 #    a. Pointwise, for the token actually sampled:
 #           (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2,
 #       so the norm is set by p_y, not by H: a rare token sampled at a near-certain position has a
@@ -598,28 +561,23 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    b. In expectation over y ~ p (Shannon entropy >= Renyi-2 entropy):
 #           E||onehot(y) - p||^2 = 1 - sum_j p_j^2 <= 1 - exp(-H),
 #       so a near-certain position (H ~ 0) has a near-zero logit gradient ON AVERAGE.
-#    Entropy ranks positions by (b) and misses the tokens of (a); gradnorm (below) scores each token
-#    by its exact norm.
+#    Entropy ranks positions by (b), missing (a)'s tokens; gradnorm scores each by its exact norm.
 # 5. Why omega matters ACROSS answers: it differs between them. With binary rewards and k of G
 #    answers correct, A = +sqrt((G-k)/k) for the correct and -sqrt(k/(G-k)) for the wrong ones
 #    (G = 8, k = 1: +2.65 vs -0.38), A = 0 for a group whose answers all got the same reward, and
 #    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
 #    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
-# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for the per-token norm of step 3)
-#    and keeps about the top rho of each prompt's group: of a group's n valid tokens, sorted by score
-#    ascending, the lowest max(1, ceil((1 - rho) n)) are dropped, and a score of 0 (H_t = 0
-#    included) is never kept (the authors' code: module docstring, "Provenance"). 'gradnorm' uses
-#    the loss's exact logit-gradient norm ||dL/dz|| = |omega| * grad_norm instead (our ablation; it
-#    costs the same vocabulary reduction as H).
-# Where the authors leave it open this code: uses the rollout temperature T for p, H and log p;
-# recomputes omega (with the current ratio and clip) before every inner update; computes in fp32.
+# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's per-token norm) and
+#    keeps about the top rho of each prompt's group (group_keep's budget; a score of 0, H_t = 0
+#    included, is never kept: the authors' code, see "Provenance"). 'gradnorm' uses the exact norm
+#    ||dL/dz|| = |omega| * grad_norm instead (our ablation, for the same vocabulary reduction as H).
+# Left open by the authors: p, H, log p at the rollout temperature T; omega, fp32: deviations 2, 8.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
     """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
     logp      = log p_y,  p = softmax(logits / T)
     entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)
-    """
+    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)"""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
@@ -627,7 +585,7 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     y = tokens.unsqueeze(-1)  # (..., 1)
     logp = logp_all.gather(-1, y).squeeze(-1)  # log p_y, (...)
     p_y = logp.exp()  # (...)
-    # p_rest is p with p_y set to 0: its sums run over j != y, and y's own term is added back to them.
+    # p_rest is p with p_y set to 0: its sums run over j != y; y's own term is added back to them.
     p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
     # H = -sum_j p_j log p_j = -(sum_{j != y} p_j log p_j + p_y log p_y)
     entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
@@ -650,9 +608,8 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
 
 @torch.no_grad()
 def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 at invalid positions: one no-grad forward
-    in micro-batches, the lm_head applied to `chunk` valid tokens at a time (~3 (chunk, V) fp32
-    buffers, whatever N * T is)."""
+    """(logp, entropy, grad_norm), each (N, T) fp32, 0 where invalid: a no-grad forward in micro-batches,
+    the lm_head on `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers for any N * T)."""
     head = model.get_output_embeddings()
     mask = batch["resp_mask"]  # (N, T)
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
@@ -672,23 +629,20 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, 
 def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
               temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
     """log p_y WITH autograd, chunked: each chunk's (C, V) logits are recomputed in backward
-    (activation checkpointing), so the head's memory is bounded by the chunk, not by the number
-    of tokens. (M, d) -> (M,)."""
+    (activation checkpointing), bounding the head's memory by the chunk, not M. (M, d) -> (M,)."""
     from torch.utils.checkpoint import checkpoint
 
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False)
-             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 @torch.no_grad()
 def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                   chunk: int) -> torch.Tensor:
-    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on exactly the code path of
-    loss_backward (same rows per micro-batch, same chunked head): a model whose weights equal the
-    policy's gives the policy's log-probs bit for bit. The KL reference uses it (deviation 7)."""
+    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on loss_backward's exact code path (same rows per
+    micro-batch, same chunked head): equal weights, equal log-probs to the bit. For the KL reference (deviation 7)."""
     head = model.get_output_embeddings()
     out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
     active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
@@ -703,8 +657,7 @@ def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, mi
     return out
 
 # ==== Scores and top-rho selection [paper: GMTS's score H * |omega|; 80/20's entropy score] =======
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
-                clip_high: float) -> torch.Tensor:
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
     above = (adv > 0) & (ratio > 1 + clip_high)
     below = (adv < 0) & (ratio < 1 - clip_low)
@@ -724,10 +677,9 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
 
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float, kl_beta: float = 0.0,
           ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0, kl_denom: float = 1.0) -> torch.Tensor:
-    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip
-    leaves the gradient alive (0 where it is active), plus with kl_beta > 0 the KL term's weight
-    kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta. w, denom, kl_denom: loss_weights;
-    their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
+    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip leaves the
+    gradient alive (else 0), plus the KL term's kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta.
+    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
     om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
@@ -746,10 +698,9 @@ def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om
         return entropy
     if method == "gmts":  # H_t * |omega_t| (GMTS; H >= 0)
         return (entropy * om).abs()
-    if method == "gradnorm":  # the loss's exact logit-gradient norm ||dl/dz|| (derivation step 3; our ablation)
+    if method == "gradnorm":  # ||dL/dz||, the loss's exact logit-gradient norm (step 3; ours)
         return om.abs() * grad_norm
-    raise ValueError(f"unknown selection method {method!r}; "
-                     f"choose one of: {', '.join(CHOICES['select'])}")
+    raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
 
 def group_keep(counts: torch.Tensor, rho: float) -> torch.Tensor:
     """The authors' budget: of a group's n valid tokens drop max(1, ceil((1 - rho) n)) (so one even at rho = 1),
@@ -766,15 +717,14 @@ def keep_budget(mask: torch.Tensor, rho: float, group_size: int = 0) -> int:
     if group_size:
         return int(group_keep(mask.reshape(-1, group_size * mask.shape[-1]).sum(1), rho).sum())
     n = int(mask.sum())
-    # rho * n in exact arithmetic on rho as written: in floats 0.07 * 100 is 7.000000000000001,
-    # which would round up to 8 tokens.
+    # rho * n exactly, on rho as written: in floats 0.07 * 100 is 7.000000000000001, up to 8 tokens
     return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))
 
 def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torch.Tensor:
     """The authors' per-group selection, vectorised: each group's scores sorted ascending (stable: of equal
     scores the earlier comes first), group_keep's lowest dropped. vals, groups (n,) -> keep (n,) bool."""
     order = torch.sort(vals, stable=True).indices  # by score
-    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: each group's lowest first
+    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: lowest first
     _, counts = torch.unique_consecutive(groups[order], return_counts=True)  # (B,)
     starts = counts.cumsum(0) - counts
     rank = torch.arange(len(order), device=vals.device) - starts.repeat_interleave(counts)  # 0: a group's lowest
@@ -785,11 +735,10 @@ def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torc
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
                   group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
     """The top valid tokens by score: (N, T) -> (N, T) bool; masked-out tokens are never kept, NaN ranks lowest.
-    The scope: group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier
-    position (any rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows
-    (keep_groups' layout) by the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within
-    each label instead. nonzero=True (gmts, gradnorm) then drops kept tokens whose score is 0 (their gradient
-    is exactly 0), so they may keep fewer."""
+    group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier position (any
+    rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows (keep_groups' layout) by
+    the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within each label instead. nonzero
+    (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9), so they may keep fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
@@ -803,7 +752,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
     if groups is not None:
         keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)
     else:
-        # Highest first. A stable sort keeps equal scores in position order: ties go to the earlier token.
+        # Highest first; the stable sort keeps equal scores in order: ties to the earlier token.
         order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
         keep = torch.zeros_like(vals, dtype=torch.bool)
         keep[order[:keep_budget(mask, rho)]] = True
@@ -815,10 +764,9 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
 # ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
-    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool).
-    On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp comes from token_stats'
-    code path, not head_logp's, so on a first inner update r is 1 only up to float rounding (~1e-6)."""
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp): (M,) inputs
+    -> (loss (M,), clip active (M,) bool). On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp
+    takes token_stats' code path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -826,8 +774,7 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman, "Approximating KL divergence"):
-    exp(ref - logp) - (ref - logp) - 1, >= 0, exactly 0 where the two agree, and
-    E_{y ~ pi_theta}[k3] = KL. Its gradient w.r.t. logp is 1 - exp(ref - logp). (M,)."""
+    exp(d) - d - 1, d = ref - logp: >= 0, 0 where the two agree, E_{y ~ pi_theta}[k3] = KL. (M,)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
@@ -836,9 +783,8 @@ def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
                      clip_high: float, kl_beta: float) -> tuple:
     """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
         sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
-    -> (loss, counts): counts["clipped"] the kept tokens whose clip is active, counts["live"] the
-    tokens whose gradient is not 0 (kept with A != 0 and an inactive clip; with KL also those where
-    1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
+    -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["live"] the tokens with a gradient
+    (kept with A != 0 and an inactive clip; with KL also where 1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
     pg, clip_m = grpo_token_loss(logp, old_logp, adv, clip_low, clip_high)  # (M,)
     loss = (pg * kept * w).sum() / denom
     counts = dict(clipped=int((clip_m & kept).sum()), live=int((kept & ~clip_m & (adv != 0)).sum()), kl=0.0)
@@ -849,21 +795,17 @@ def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
         counts["live"] += int((torch.exp(ref_logp - logp.detach()) != 1).sum())
     return loss, counts
 
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
-                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
-                  clip_high: float, micro_batch: int, chunk: int, kl_beta: float = 0.0,
-                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None, w: torch.Tensor = None,
-                  kl_denom: float = None) -> dict:
-    """Accumulate into .grad the gradient of micro_batch_loss over the batch, one micro-batch of
-    answers at a time; denom, w (N, T) and kl_denom are loss_weights' (defaults: w = 1, kl_denom = the
-    valid tokens). The masks, each (N, T):
-      valid     the response tokens the loss may use (default: resp_mask; --overlong-filter drops
-                truncated answers), KL's tokens
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor, denom: float,
+                  *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
+                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
+                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
+    """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time; denom,
+    w (N, T), kl_denom: loss_weights' (defaults w = 1, kl_denom = the valid tokens). Masks, (N, T):
+      valid     the loss's tokens, KL's too (default resp_mask; --overlong-filter: none truncated)
       sel_mask  the kept tokens, the policy term's
       need      the tokens whose log-prob is computed: the kept ones, with KL every valid one
-    Only `need` goes through the lm_head (the other tokens have zero gradient: leaving them out is
-    exact). Returns the loss, clip_frac (over the kept tokens), kl (per valid token) and `live`,
-    the tokens with a non-zero gradient (policy_update's step rule, deviation 6)."""
+    Only `need` enters the lm_head (the others' gradient is 0: leaving them out is exact) -> loss,
+    clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
     head = model.get_output_embeddings()
     if valid is None:
         valid = batch["resp_mask"]
@@ -897,15 +839,12 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel, kl=totals["kl"] / n_valid,
                 live=totals["live"])
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
-                  old_logp: torch.Tensor, denom: float, *, temperature: float, clip_low: float,
-                  clip_high: float, micro_batch: int, chunk: int, max_grad_norm: float,
-                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None,
-                  valid: torch.Tensor = None, w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """One optimiser step on the kept tokens (the arguments as loss_backward's). The step rule, the
-    same for every method (deviation 6): step iff some token has a non-zero gradient (A = 0
-    everywhere, with the policy still at its reference, moves neither the weights nor the Adam
-    moments) and the gradient is finite."""
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
+                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
+                  max_grad_norm: float, kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
+                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
+    """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's step rule, so A = 0
+    everywhere, with the policy at its reference, moves neither the weights nor the Adam moments."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
                           clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,
@@ -925,9 +864,9 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
 
 # ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total`: min(1, (i + 1) / warmup, (total - i) / (total - warmup)),
-    a linear warm-up over `warmup` slots, then a linear decay to 1 / (total - warmup) at the last slot (decay=False
-    drops the last term; TRL's default is also linear). A slot is one inner update of a GRPO step, stepped or not."""
+    """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
+    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear too)."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -954,14 +893,12 @@ class Run:
     fast: bool  # generate with a static KV cache (compiled on CUDA); off after a failure
     start: int  # the first step to run (1 for a new run)
     skipped: int  # updates skipped so far for a non-finite loss or gradient
-    report: object = None  # report(rec) sends a metrics record to --report-to's tracker (record_start opens it)
+    report: object = None  # sends a metrics record to --report-to's tracker (record_start opens it)
 
 def start_run(cfg: Config, log=print) -> Run:
     """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
-    model itself or a bf16 copy). The run folder's part is in the supporting code: open_run claims the
-    folder and loads the data and the model (a resume: its newest checkpoint, with the optimiser
-    state); record_start writes the run's config and, for a new run, step 0 (the starting model's
-    held-out accuracy) and ckpt-000000."""
+    model itself or a bf16 copy). The run folder's side, in the supporting code: open_run (the folder,
+    the data, the model or a resume's checkpoint), record_start (the config, step 0, ckpt-000000)."""
     device = pick_device(cfg.device)
     if cfg.threads > 0:  # before any work
         torch.set_num_threads(cfg.threads)
@@ -978,23 +915,21 @@ def start_run(cfg: Config, log=print) -> Run:
     fast = cfg.fast_generate
     if fast is None:
         fast = device.type == "cuda"
-    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # build_prompts reads the run's prompt style there
+    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # build_prompts reads "style" there
     run = Run(model=model, tok=tok, opt=opt, task=task, draw=data.draw, eval_rows=data.held,
               chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate reads a bf16 copy
-        for p in run.sampler.parameters():  # parameters only: RoPE's inv_freq stays fp32, as from_pretrained(bf16)
+        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate's bf16 copy
+        for p in run.sampler.parameters():  # RoPE's inv_freq buffer stays fp32, as in a bf16 load
             p.data = p.data.to(torch.bfloat16)
     return run
 
 def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
-    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts). One rollout batch of
-    B prompts x G answers. With --filter-groups (DAPO's dynamic sampling, deviation 5) more are drawn
-    until B groups are informative (rewards not all equal) or --max-resample batches are drawn, and
-    keep_groups joins the first B informative groups (the first batch as it is, all A = 0, if no
-    group is). parts: every rollout batch drawn, as (batch, rewards, adv), for the step's metrics."""
+    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts), B prompts x G answers:
+    with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
+    are drawn, joined by keep_groups; parts: each batch drawn, (batch, rewards, adv), for metrics."""
     B, G = cfg.prompts_per_step, cfg.group_size
     max_batches = 1
     if cfg.filter_groups:
@@ -1028,9 +963,8 @@ def selection_rule(cfg: Config) -> tuple:
     return cfg.rho, cfg.group_size if per_group else 0
 
 def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
-    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select) with selection_rule's rho
-    and scope; gmts and gradnorm never keep a score-0 token (deviation 9). score_fn (logp, entropy, grad_norm,
-    om) -> scores, if given, replaces token_scores: the notebook's own."""
+    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select), selection_rule's rho and
+    scope, nonzero for gmts and gradnorm (deviation 9); a given score_fn(logp, entropy, grad_norm, om) replaces it."""
     rho, group_size = selection_rule(cfg)
     if score_fn is not None:
         return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, rho, group_size=group_size)
@@ -1038,11 +972,10 @@ def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=Non
     return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection, steps 1-8 of the module docstring -> the output folder. score_fn
-    (logp, entropy, grad_norm, om) -> (N, T) scores, if given, replaces token_scores(cfg.select, ...):
-    the notebook trains its own score through it."""
+    """GRPO with token selection (the docstring's steps 1-8) -> the output folder. score_fn, if
+    given, replaces token_scores (step_selection): the notebook trains its own score through it."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
-    cfg = resolved_paths(cfg)  # absolute paths in run_config.json: a resume from any folder finds them
+    cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
@@ -1069,8 +1002,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            # 6. omega = -dL/dlogp of step 7's loss L (derivation step 1), the scores, and the top rho of
-            # each prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
+            # 6. omega (-dL/dlogp of step 7's loss: derivation step 1), scores, the top rho of each
+            # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
             rho, group_size = selection_rule(cfg)
             norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
             ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
@@ -1088,7 +1021,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                                   valid=valid, **norm)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
-        check_weights(model, batch, step, cfg.out)  # non-finite weights stop the run before a checkpoint
+        check_weights(model, batch, step, cfg.out)  # non-finite weights: stop before a checkpoint
         # 8. log, evaluate, checkpoint
         rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
                           run.skipped, t0, t_roll)
@@ -1106,19 +1039,14 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
-# ##################################################################################################
-# Supporting code [plumbing]: what lets the method above run on its own. A reader of the paper may stop
-# here. Problem generators and data loaders, model loading, evaluation, the run folder and its checkpoints,
-# trackers, config checks, the command line.
-# ##################################################################################################
+# ######## Supporting code [plumbing]: what lets the method above run. A reader of the paper may stop here. ########
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 
 def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough that Python reads the
-    text back the same; None for a division by zero."""
+    """(value, text, precedence) of `x op y`, parenthesised just enough to read back the same; None for x / 0."""
     value = _OPS[op](x[0], y[0])
     if value is None:
         return None
@@ -1129,9 +1057,8 @@ def _combine(x: tuple, y: tuple, op: str):
     return value, f"{left} {op} {right}", p
 
 def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums[0] s1 nums[1] s2 ... with each s in '+-', read left to right:
-    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2'). The easy variant's solutions (and the lab's warm-up
-    answers) are such chains."""
+    """(value, text) of nums[0] s1 nums[1] s2 ..., each s in '+-', left to right: ([4, 3, 2], '+-')
+    -> (5, '4 + 3 - 2'). The easy variant's solutions and the lab's warm-up answers are such chains."""
     value = nums[0]
     text = str(nums[0])
     for sign, x in zip(signs, nums[1:]):
@@ -1154,32 +1081,27 @@ def _random_expression(rng: random.Random, nums: list, ops: str):
 
 def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
                       target_range=(1, 1000), ops="+-*/"):
-    """Random numbers and a random expression over them; its value is the target, so every
-    problem is solvable."""
+    """Random numbers and a random expression over them, whose value is the target: always solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
         z = _random_expression(rng, nums, ops)
         if z is not None and target_range[0] <= z[0] <= target_range[1]:
             return {"nums": nums, "target": int(z[0]), "expr": z[1]}
-    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
-                     f"{target_range}")
+    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
 
 # -- math: GSM8K-style word problems, graded by the final number --
 # A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
 # from 2..12), integer literals and the earlier steps' results s1, s2, ...
 _MATH = [
-    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?",
-     "a*b 150-s1"),
+    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?", "a*b 150-s1"),
     ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
      "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
     ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
      "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in "
-     "{c} days?", "a*b s1*c"),
+    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in {c} days?", "a*b s1*c"),
     ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
      "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are "
-     "left?", "a*b s1-c"),
+    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are left?", "a*b s1-c"),
     ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
      "many dollars are left?", "a*b c+d s1-s2"),
     ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
@@ -1283,13 +1205,12 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
             for i, claim in enumerate(claims):
                 said = _say(claim, names, i)
                 statements.append(f'{names[i]} says: "{said[0].upper() + said[1:]}."')
-            return {"names": names, "statements": statements,
-                    "solution": dict(zip(names, worlds[0]))}
+            return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or - with each of the four sign patterns
-    equally likely (numbers redrawn until the target is >= 0). A fixed guess of the signs is right about 1 time in 4."""
+    """The CPU demo's variant: 3 numbers in 1..9 in order, joined by + or -, the four sign patterns
+    equally likely (numbers redrawn until the target is >= 0): a fixed sign guess is right about 1 time in 4."""
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]
@@ -1297,17 +1218,21 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
-_GEN = {  # "easy": the smallest variant (countdown: 3 numbers in 1..9, + and -; math: 1 step; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 step; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
     "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 
-# ==== math-verify in a worker process [plumbing]: bounded in time without signal.alarm, from any thread =========
+# ==== math-verify in a worker [plumbing]: bounded in time without signal.alarm, from any thread ==
 VERIFY_TIMEOUT_S = 5.0
 _VERIFIER = {"lock": threading.Lock(), "proc": None}
 _VERIFY_WORKER = r"""
-import json, sys
+import ctypes, json, sys
+try:  # Linux: die with the parent, even mid-hang (prctl PR_SET_PDEATHSIG = 1, SIGKILL = 9)
+    ctypes.CDLL(None).prctl(1, 9)
+except (AttributeError, OSError):
+    pass
 from math_verify import parse, verify
 print("ready", flush=True)
 for line in sys.stdin:
@@ -1324,7 +1249,7 @@ def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
     can hang (\\boxed{9^{9^{9^{9}}}}): after timeout seconds the worker is killed (the next call starts one): False."""
     with _VERIFIER["lock"]:
         proc = _VERIFIER["proc"]
-        if proc is None or proc.poll() is not None:  # a small python of its own: no torch, no fork of CUDA
+        if proc is None or proc.poll() is not None:  # its own small python: no torch, no CUDA fork
             proc = subprocess.Popen([sys.executable, "-c", _VERIFY_WORKER], stdin=subprocess.PIPE, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
             _VERIFIER["proc"] = proc
@@ -1339,7 +1264,7 @@ def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
             proc.wait()
         return said == "true\n"
 
-# -- loaders: data = gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a .jsonl, .json, .csv or .parquet file --
+# -- loaders: --data gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a data file --
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
@@ -1390,13 +1315,16 @@ def _row_problem(task: str, row: dict):
         return '"solution" must name exactly the people in "names"'
     return None
 
-def _math_layout(row: dict) -> dict:
-    """A math row in a published layout (LAYOUTS) as a competition row; our own layout as it is."""
-    for q, a in LAYOUTS.values():
+def _math_layout(row: dict, columns: str = "") -> dict:
+    """A math row in --data-columns' layout or a published one (LAYOUTS) as a competition row; ours as it is."""
+    layouts = list(LAYOUTS.values())
+    if columns:
+        layouts.insert(0, tuple(columns.split(",")))
+    for q, a in layouts:
         question, answer = row.get(q), row
         for key in a.split("."):
             answer = answer.get(key) if isinstance(answer, dict) else None
-        if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat: its last turn
+        if isinstance(question, list) and question and isinstance(question[-1], dict):
             question = question[-1].get("content")
         if isinstance(answer, list) and answer:
             answer = answer[0]
@@ -1404,17 +1332,17 @@ def _math_layout(row: dict) -> dict:
             return {"question": question, "answer": answer, "latex": True}
     return row
 
-def _check_row(row, task: str) -> dict:
+def _check_row(row, task: str, columns: str = "") -> dict:
     """A row as read -> the row the task trains on (math: GSM8K's, or "latex" with a gold math-verify reads). Any
     problem raises (ValueError, RecursionError, ...): the reader's net names the file and line, or set and row."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if task == "math":
-        row = _math_layout(row)
+        row = _math_layout(row, columns)
     for key, (what, ok) in _SCHEMA[task].items():
         if key not in row or not ok(row[key]):
             raise ValueError(f'"{key}" must be {what}' if key in row else f'missing key "{key}"')
-    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate, which no tokenizer reads
+    json.dumps(row, ensure_ascii=False).encode("utf-8")  # a lone surrogate: no tokenizer reads it
     problem = _row_problem(task, row)
     if problem:
         raise ValueError(problem)
@@ -1428,23 +1356,12 @@ def _check_row(row, task: str) -> dict:
         raise ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:60]!r}')
     return {"question": row["question"], "answer": gold, "latex": True}
 
-def _parse_row(raw: bytes, task: str):
-    """One line of a data file -> its row, or None for a blank line. Any problem raises (ValueError,
-    RecursionError, ...): _read_jsonl's net turns it into one line naming the file and line."""
-    if len(raw) > LINE_CAP:
-        raise ValueError(f"longer than {LINE_CAP} bytes")
-    line = raw.decode("utf-8")
-    if not line.strip():
-        return None
-    return _check_row(json.loads(line), task)
-
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
-def _read_jsonl(path: str, task: str) -> tuple:
-    """(rows, their line numbers, the fingerprint of the bytes read: size and sha256) of a data file,
-    split on "\n" only (a raw U+2028 inside a string is no break). Every line is checked as it is read;
-    any problem is one ValueError "PATH line N: ..."."""
+def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
+    """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
+    only (a raw U+2028 in a string is no break); any problem in a line: ValueError "PATH line N: ..."."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
         raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a data file")
     rows = []
@@ -1457,24 +1374,27 @@ def _read_jsonl(path: str, task: str) -> tuple:
                 digest.update(raw)
                 size += len(raw)
                 try:  # one net per line
-                    row = _parse_row(raw, task)
+                    if len(raw) > LINE_CAP:
+                        raise ValueError(f"longer than {LINE_CAP} bytes")
+                    line = raw.decode("utf-8")
+                    if line.strip():  # a blank line is no row
+                        rows.append(_check_row(json.loads(line), task, columns))
+                        lines.append(i)
                 except (ValueError, RecursionError, TypeError) as e:
                     why = _WHY.get(type(e)) or error_line(e, 200)
                     raise ValueError(f"{path} line {i}: {why}") from None
-                if row is not None:
-                    rows.append(row)
-                    lines.append(i)
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
 
-def _read_set(data: str, task: str) -> tuple:
+def _read_set(data: str, task: str, columns: str = "") -> tuple:
     """(rows, names "DATA row N", the sha256 of the rows) of a hub set or local dataset folder (hf:ID[:CONFIG][:SPLIT])
     or a .json, .csv or .parquet file, read through `datasets`; every row checked."""
     try:
         import datasets
+        logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures are said in our one line
         if data_kind(data) == "hf":
             name, *rest = data.split(":")[1:]
             ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
@@ -1490,14 +1410,14 @@ def _read_set(data: str, task: str) -> tuple:
     for i, row in enumerate(ds, 1):
         where.append(f"{data} row {i}")
         try:
-            rows.append(_check_row(row, task))
+            rows.append(_check_row(row, task, columns))
         except (ValueError, RecursionError, TypeError) as e:
             raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
     if not rows:
         raise ValueError(f"{data}: no rows")
-    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}  # what a resume checks
+    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
 
-def load_rows(task: str, data="gen", n=1000, seed=0, named=False):
+def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
     hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
     None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or None each."""
@@ -1507,7 +1427,7 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False):
     if kind == "gen":
         rng = random.Random(seed)
         rows = [_GEN[task](rng, data == "easy") for _ in range(n)]
-    elif kind == "hf" and (not spec or "/" not in spec[0]):  # the task's own set: GSM8K, or TinyZero's countdown
+    elif kind == "hf" and (not spec or "/" not in spec[0]):  # the task's own hub set (`own`)
         if task == "logic" or spec not in ([], ["train"], ["test"]):
             raise ValueError(f"--data {data}: logic has no hub data set, and the split must be hf:train or hf:test")
         split = (spec or ["train"])[0]
@@ -1516,10 +1436,10 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False):
         if task == "countdown":  # one split: its first 327,680 rows train, the next 1,024 test
             rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
         random.Random(seed).shuffle(rows)
-    elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):  # through `datasets`
-        rows, where, data_print = _read_set(data, task)
+    elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):
+        rows, where, data_print = _read_set(data, task, columns)
     else:
-        rows, lines, data_print = _read_jsonl(data, task)
+        rows, lines, data_print = _read_jsonl(data, task, columns)
         where = [f"{data} line {i}" for i in lines]
     if n and n > 0:
         rows = rows[:n]
@@ -1533,9 +1453,10 @@ class Data:
     """What read_data read: the rows a run trains on and what the checks before step 0 need."""
     draw: object  # draw(n, *key) -> n training rows
     held: object  # the held-out rows, or --eval-data's {name: rows}
-    rows: list  # the rows checked before step 0: a data file's or set's every row (else the held-out ones), benchmarks'
+    rows: list  # checked before step 0: a file's or set's rows (else the held-out ones), benchmarks'
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
+    longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are evaluated instead).
@@ -1543,7 +1464,7 @@ def read_data(cfg: Config) -> Data:
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
-    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, named=True)
+    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, True, cfg.data_columns)
     held = rows[:n_held]
     checked = rows
     if where is None:  # generated or hub rows: the held-out ones stand for all
@@ -1551,7 +1472,7 @@ def read_data(cfg: Config) -> Data:
         where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(held))]
     bench = {}
     for name, spec in eval_sets(cfg.eval_data):
-        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, named=True)
+        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
         checked = checked + bench[name]
         where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
@@ -1578,7 +1499,7 @@ def read_data(cfg: Config) -> Data:
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
 
 def eval_sets(spec: str) -> list:
-    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError (one line) for a malformed entry."""
+    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
     pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
     if not all(re.fullmatch(r"[\w.-]+", name) and name not in ("acc", "len", "sample") and d for name, d in pairs):
         raise ValueError(f"--eval-data {spec}: entries NAME=DATA, NAME of letters, digits, _ . - but acc, len, sample")
@@ -1592,6 +1513,7 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
         prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
+            data.longest = max(data.longest, len(ids))
 
 def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
@@ -1641,8 +1563,7 @@ def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
 
 def resolve_model_name(name: str) -> str:
     """'Qwen2.5-0.5B' -> 'Qwen/Qwen2.5-0.5B'; hub ids and local folders pass through."""
-    local_or_id = os.path.isdir(name) or "/" in name
-    if local_or_id or not name.lower().startswith("qwen"):
+    if os.path.isdir(name) or "/" in name or not name.lower().startswith("qwen"):
         return name
     return "Qwen/" + name
 
@@ -1653,13 +1574,13 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
     else:
         path = resolve_model_name(name)
-        for logger in ("huggingface_hub", "transformers"):  # a warning per retry without a network: 22 lines
+        for logger in ("huggingface_hub", "transformers"):  # a warning per retry offline: 22 lines
             logging.getLogger(logger).setLevel(logging.ERROR)
         try:
             tok = AutoTokenizer.from_pretrained(path)
             check_tokenizer(tok)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except Exception as e:  # a missing or misspelled name, no hub, a damaged folder (weights, config, tokenizer)
+        except Exception as e:  # a missing or misspelled name, no hub, damaged files
             if memory_fault(e):  # not the model's fault
                 raise
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
@@ -1674,12 +1595,12 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
     return model.to(device), tok
 
 def check_tokenizer(tok):
-    """ValueError unless tok turns text into tokens (a folder without tokenizer files loads an empty one)."""
+    """ValueError unless tok yields tokens (a folder without tokenizer files loads an empty one)."""
     if not tok("Make 9 from 4 3 2.", add_special_tokens=False)["input_ids"]:
         raise ValueError("its tokenizer turns text into no tokens (no tokenizer files?)")
 
 def check_positions(model, prompt_tokens: int, max_new_tokens: int, what: str = "a"):
-    """ValueError (one line, `what` names the prompt) if such a prompt and answer pass the model's positions."""
+    """ValueError (`what` names the prompt) if such a prompt and answer pass the model's positions."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and prompt_tokens + max_new_tokens > limit:
         raise ValueError(f"{what} {prompt_tokens}-token prompt and --max-new-tokens {max_new_tokens} exceed the "
@@ -1689,8 +1610,7 @@ class SamplerLogp:
     """A logits processor that records the sampler's log_softmax(logits / T) at each drawn token.
     generate() calls it once per new token, BEFORE that token is drawn, with the ids drawn so far:
       call 1   sees the prompt only; keeps the distribution of draw 1
-      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2
-      ...
+      call 2   sees draw 1: reads its log-prob from the kept distribution; keeps that of draw 2; ...
       finish() reads the last draw from the last kept distribution (no call comes after it)."""
 
     def __init__(self, temperature: float):
@@ -1705,8 +1625,7 @@ class SamplerLogp:
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end. The last draw (no call comes after it) is
-        read here from `pending`, unless `read` already covers comp's T columns; [:T] keeps the first T."""
+        """(N, T) log-probs of comp's tokens, 0 after the end: `read`, the last draw from `pending` if short, [:T]."""
         if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
@@ -1718,34 +1637,30 @@ PAD_ID_FILLED = ("prompt_ids", "comp_ids")
 
 def _join_rows(xs: list, key: str, pad_id: int):
     """One per-answer entry `key` of several rollout batches, joined along the answers: lists
-    concatenated, (N, W) tensors first padded to one width by the rule above."""
+    concatenated, (N, W) tensors' rows padded to one width by the rule above."""
     if isinstance(xs[0], list):
         return [x for part in xs for x in part]
-    if xs[0].dim() == 2:
-        width = max(x.shape[1] for x in xs)
-        fill = 0
-        if key in PAD_ID_FILLED:
-            fill = pad_id
-        padded = []
-        for x in xs:
-            side = (0, width - x.shape[1])  # (left, right)
-            if key in LEFT_PADDED:
-                side = (width - x.shape[1], 0)
-            padded.append(F.pad(x, side, value=fill))
-        xs = padded
-    return torch.cat(xs)
+    if xs[0].dim() == 1:
+        return torch.cat(xs)
+    fill = 0
+    if key in PAD_ID_FILLED:
+        fill = pad_id
+    side = "right"
+    if key in LEFT_PADDED:
+        side = "left"
+    rows = [row for x in xs for row in x]  # each answer's (W,) row
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Step 2 of train(): rollout() of G answers per prompt on run.sampler, with the sampler's
-    log-probs. While run.fast holds, on the fast path (static cache, compiled decoding); if that
-    raises, one line says so and this and every later step sample on the plain path."""
+    """Step 2: rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path (static cache,
+    compiled decoding) while run.fast holds; if that raises, one line says so and from this step on the plain path."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
     if run.fast:
         try:
             return rollout(run.sampler, run.tok, prompts, fast=True, **knobs)
         except Exception as e:
-            if isinstance(e, ValueError) or memory_fault(e):  # too long a prompt, or memory: the plain path fails too
+            if isinstance(e, ValueError) or memory_fault(e):  # the plain path would fail too
                 raise
             run.fast = False
             log(f"fast generation failed ({type(e).__name__}: {error_line(e, 120)}); on the plain path from now on")
@@ -1786,20 +1701,62 @@ def evaluate_run(model, run, cfg: Config) -> dict:
                 eval_sample=recs[0]["eval_sample"])
 
 # ==== The paper's setting [plumbing]: GMTS Framework1's values ===================================
-PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what it takes from Framework1, what differs
+PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what comes from Framework1, what not
     model="Qwen/Qwen2.5-Math-1.5B", task="math", data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
     chat_template="yes", steps=188, prompts_per_step=64, group_size=16, max_new_tokens=2048, lr=3e-5,
+    loss_norm="seq", max_grad_norm=1 / 64,  # their 64 prompts' sum clipped at 1 = our mean at 1/64
     warmup_steps=0, lr_decay=False, kl_beta=0.001, micro_batch=4, filter_groups=False, eval_every=0,
     eval_samples=16, out="out/paper-math", eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,amc23=hf:math-ai/"
     "amc23:test,math500=hf:HuggingFaceH4/MATH-500:test,minerva=hf:math-ai/minervamath:test,"
     "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train")
 
+def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
+    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): what stays (weights, AdamW, sampler copy,
+    KL reference) plus the larger of sampling's KV cache and the update's gradients, activations and logits."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    width = prompt_tokens + cfg.max_new_tokens  # P + T
+    act = 2 if device.type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * act  # K and V of one token
+    layer = act * (9 * c.hidden_size + 4 * c.intermediate_size)  # kept per token for backward
+    kept = layer * c.num_hidden_layers
+    if cfg.grad_ckpt:  # every layer's input, and one layer's activations at a time
+        kept = act * c.hidden_size * c.num_hidden_layers + layer
+    bf16 = cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda")
+    plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16, "KL reference": 4 * n * (cfg.kl_beta > 0)}
+    answers = cfg.prompts_per_step * cfg.group_size
+    sampling = {"KV cache": kv * answers * width, "sampling logits": 12 * answers * c.vocab_size}  # 3 (N, V) fp32
+    update = {"gradients": 4 * n, "activations": kept * cfg.micro_batch * width,
+              "logits": 12 * cfg.stats_chunk * c.vocab_size}  # token_stats' 3 fp32 (chunk, V)
+    plan.update(max(sampling, update, key=lambda part: sum(part.values())))
+    return {part: size / 2**30 for part, size in plan.items() if size}
+
+def memory_line(cfg: Config, model, prompt_tokens: int, device: torch.device, have: float = None) -> str:
+    """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond it, flags that fit."""
+    if have is None and device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if have is None:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    plan = memory_plan(cfg, model, prompt_tokens, device)
+    line = "memory plan (GiB): " + ", ".join(f"{part} {size:.2f}" for part, size in plan.items())
+    line += f" = {sum(plan.values()):.2f} of {have:.1f} on {device}"
+    if sum(plan.values()) <= have:
+        return line
+    for fix in MEMORY_FIXES:  # the first that fits
+        if sum(memory_plan(dataclasses.replace(cfg, **fix), model, prompt_tokens, device).values()) <= have:
+            flags = [f"--{k.replace('_', '-')} {v}".replace(" True", "") for k, v in fix.items()]
+            return line + f"; too much: {' '.join(flags)} fits"
+    return line + "; too much: lower --prompts-per-step, --group-size or --max-new-tokens"
+
+MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
+                {"grad_ckpt": True, "micro_batch": 1, "sampler_dtype": "fp32"})
+
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
-    """The run folder's side of start_run, before the optimiser exists: claim the folder (this process its only
-    writer), read the data (a resume: the file it started with), load the model (a resume: its newest loadable
-    checkpoint), check every row's prompt, only then delete an old run's files -> (model, tok, state, data). A folder
-    without a checkpoint holds nothing of value: a resume or a rerun starts it afresh. state: step, skipped, resumed."""
+    """The run folder's side of start_run, before the optimiser: claim the folder (this process its only writer),
+    read the data (a resume: the file it started with), load the model (a resume: its newest loadable checkpoint;
+    none: afresh), check every row's prompt, only then delete an old run's files -> (model, tok, state, data)."""
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
@@ -1819,23 +1776,22 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
     if state["resumed"]:
         return model, tok, state, data
-    for n in run_files(cfg.out):  # the old run's files go only now
+    for n in _names(cfg.out, ("metrics.jsonl", "run_config.json", "ckpt-*")):  # they go only now
         if _own(os.path.join(cfg.out, n)):
             remove(os.path.join(cfg.out, n))
     return model, tok, state, data
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
-    """The run folder's side of start_run once the optimiser exists. Before anything is written: a resume's KL
-    reference must be the weights it started from; the tracker opens (run.report). Then metrics.jsonl (a resume keeps
-    the records up to its checkpoint's step), run_config.json (the config and what a resume must find again: data
-    file, prompt format, KL reference), and for a new run step 0 (held-out accuracy, also sent on) and ckpt-000000."""
-    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),  # what a resume checks
+    """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
+    (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
+    checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
+    prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),
                   reference=weights_print(run.ref) if run.ref else None)
     want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
     if want and want != prints["reference"] and not cfg.allow_change:
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
                          "differs); pass --allow-change to train against it")
-    run.report = open_tracker(cfg)  # a tracker that cannot start (wandb without a login): one line, nothing written
+    run.report = open_tracker(cfg)  # wandb without a login: one line, nothing written
     kept = ""
     if resumed:  # the steps after the checkpoint will rerun
         kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
@@ -1848,6 +1804,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | {len(run.eval_rows)} "
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
+    log(memory_line(cfg, run.model, data.longest, device))  # before any work
     if resumed:
         return
     rec = dict(step=0, **evaluate_run(run.model, run, cfg))
@@ -1862,7 +1819,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
     mask = batch["resp_mask"]  # (N, T)
     n_valid = max(int(mask.sum()), 1)
     n_sel = max(int(sel_mask.sum()), 1)
-    sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])  # every group sampled
+    sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])
     zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
     gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
     dt = time.time() - t0
@@ -1877,10 +1834,6 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
                 sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
-
-def run_files(out: str) -> list:
-    """What in `out` belongs to a run: its metrics, config and checkpoints."""
-    return _names(out, ("metrics.jsonl", "run_config.json", "ckpt-*")) if os.path.isdir(out) else []
 
 def read_run_config(out: str) -> dict:
     """The saved config of the run in `out` (--resume), or ValueError with one line."""
@@ -1917,13 +1870,12 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
 def checkpoints(out: str) -> list:
     """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
     one that holds an output of this program of its own is not a checkpoint)."""
-    names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a folder's name may hold [ ] * ?
+    names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a name may hold [ ] * ?
     return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
-    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser: loads with weights_only=True; no RNG state,
-    every step reseeds). Written to a .tmp folder and renamed; then all but the newest `keep` go, each renamed first
-    so that a half-deleted folder never looks like a checkpoint. A failed write: OSError, the .tmp removed."""
+    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; no RNG: every step reseeds), written as .tmp and
+    renamed; then all but the newest `keep` go, each renamed first (a half-deleted one is no checkpoint)."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1956,7 +1908,7 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
                 raise ValueError("state.pt holds no step and optimiser")
             log(f"resuming from {ck}")
             return model, tok, state
-        except Exception as e:  # truncated, empty or foreign files: fall back to the previous checkpoint
+        except Exception as e:  # truncated, empty or foreign files: try the previous one
             if memory_fault(e):  # not the files' fault: every checkpoint stays as it is
                 raise
             log(f"{ck} does not load ({type(e).__name__}: {error_line(e, 120)}); trying the previous checkpoint")
@@ -1964,9 +1916,8 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
 
 @torch.no_grad()
 def check_weights(model, batch: dict, step: int, out: str):
-    """After an update: weights that are not finite, or finite but so large that the distribution of the batch's
-    first answer's first token is not (the next step could not sample), end the run (RunError, exit 1) before
-    they reach a checkpoint."""
+    """After an update: weights that are not finite, or so large that the batch's first answer's first-token
+    distribution is not (the next step could not sample), end the run (RunError, exit 1) before a checkpoint."""
     finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
     if finite:  # one (1, V) row of logits: a sampling step's worth, not the whole answer's (T, V)
         h = response_hidden(model, batch, slice(0, 1))[0, :1]  # (1, d)
@@ -1976,9 +1927,8 @@ def check_weights(model, batch: dict, step: int, out: str):
                        f"in {out} are from before it")
 
 def save_final(out: str, model, tok):
-    """save_pretrained into OUT itself (AutoModelForCausalLM.from_pretrained(OUT) loads it): written to a temporary
-    folder, then each file moved in with an atomic rename, config.json last so a reader never sees a torn model.
-    check_out refused an OUT holding such files that are not a run's own."""
+    """save_pretrained into OUT itself (from_pretrained(OUT) loads it) through a temporary folder, each file moved in by
+    an atomic rename, config.json last: no reader sees a torn model (check_out refused others' such files in OUT)."""
     tmp = os.path.join(out, "final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
@@ -2002,10 +1952,10 @@ def plot_metrics(out: str):
 class RunError(RuntimeError):
     """A run that cannot go on (non-finite weights, nothing to analyse): one line, exit 1."""
 
-RUN_MARK = ".gmts-run"  # {"kind": ...} in every folder this program writes; its live writer holds flock on it
+RUN_MARK = ".gmts-run"  # {"kind": ...} in each folder this program writes; its live writer flocks it
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
                "vocab.json", "merges.txt", "chat_template.*", "README.md")
-WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),  # kind -> what it writes
+WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),
           "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
           "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
@@ -2027,9 +1977,9 @@ def _own(path: str) -> bool:
     return not os.path.isdir(path) or run_kind(path) is None
 
 def _run_around(out: str, below: bool = True):
-    """(where, folder, kind) of the nearest folder above `out` with an output of this program ("lies inside"; compare
-    folders hold their runs by design), else of one below it ("holds"), or None. Either way one would stop the other:
-    the outer's clean-up or rotation could delete the inner, whose resume the outer's marker refuses."""
+    """(where, folder, kind) of the nearest folder above `out` with an output of this program other than a compare
+    ("lies inside"), else of one below it ("holds"), or None: either would stop the other (the outer's clean-up or
+    rotation could delete the inner, whose resume the outer's marker refuses)."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
         if run_kind(parent) not in (None, "compare"):
@@ -2053,8 +2003,7 @@ def _held(out: str):
     return None
 
 def _lock(out: str, exclusive: bool) -> int:
-    """flock out's marker without waiting (exclusive: created if missing) -> its fd; ValueError if another process
-    holds it, as a live run does."""
+    """flock out's marker, no waiting (exclusive: created if missing) -> fd; ValueError if another process holds it."""
     fd = os.open(os.path.join(out, RUN_MARK), os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -2064,10 +2013,9 @@ def _lock(out: str, exclusive: bool) -> int:
     return fd
 
 def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, resume=False, more: tuple = ()):
-    """ValueError (one line) unless a `kind` output may go into `out` replacing nothing that is not its own: no other
-    live writer; no file this kind writes (or in `more`) unless the folder holds an earlier output of this kind
-    (which needs --overwrite once it holds a checkpoint or a result); not the --model folder or one holding it; in
-    the committed warm/ only warm starts."""
+    """ValueError unless a `kind` output may go into `out` replacing nothing not its own: no other live writer; no
+    file this kind writes (or in `more`) unless the folder holds an earlier output of this kind (then --overwrite
+    once it holds a checkpoint or result); not the --model folder or one holding it; in warm/ only warm starts."""
     real = os.path.realpath(out)
     warm = os.path.dirname(os.path.realpath(WARM_CPU))
     if kind != "warm" and os.path.commonpath([real, warm]) == warm:
@@ -2083,7 +2031,7 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
     if not os.path.isdir(out):
         return
     if os.path.exists(os.path.join(out, RUN_MARK)) and _held(out) is None:
-        os.close(_lock(out, exclusive=False))  # a probe: ValueError while another process writes there
+        os.close(_lock(out, exclusive=False))  # a probe: ValueError while another writes there
     found = run_kind(out)
     clash = _names(out, WRITES[kind] + tuple(more))
     if not found and clash:
@@ -2092,7 +2040,7 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
     if found and found != kind:
         raise ValueError(f"--out {out} holds a {found} output of this program, not a {kind} one; choose another --out")
     worth = clash
-    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value: a rerun starts it afresh
+    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value
         worth = checkpoints(out)
     if found and worth and not (resume or overwrite):
         hint = {"gmts": f"continue it with --resume {out}, or "}.get(kind, "")
@@ -2123,8 +2071,7 @@ def release_all():
     _HELD.clear()
 
 def claim_run(cfg: Config) -> dict:
-    """check_out, claim_out, check_out again under the lock (another run may have ended in between) -> the
-    saved run_config.json of a --resume, else {}."""
+    """check_out, claim_out, check_out under the lock (a run may have ended meanwhile) -> a resume's config or {}."""
     if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
         raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
@@ -2135,7 +2082,7 @@ def claim_run(cfg: Config) -> dict:
     return read_run_config(cfg.out)
 
 def weights_print(model) -> str:
-    """The sha256 of a model's weights, every parameter's bytes in order: the KL reference's fingerprint."""
+    """The KL reference's fingerprint: the sha256 of every parameter's bytes, in order."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().float().cpu().numpy())
@@ -2143,8 +2090,8 @@ def weights_print(model) -> str:
 
 def prompt_print(tok, chat_template: str) -> dict:
     """The prompt format: chat template or not, and the template's sha256."""
-    return {"chat": use_chat(tok, chat_template), "template_sha256": hashlib.sha256(str(tok.chat_template).encode())
-            .hexdigest()}
+    digest = hashlib.sha256(str(tok.chat_template).encode()).hexdigest()
+    return {"chat": use_chat(tok, chat_template), "template_sha256": digest}
 
 @contextlib.contextmanager
 def writing(path: str):
@@ -2174,8 +2121,7 @@ def write_file(path: str, text: str):
     os.replace(path + ".tmp", path)
 
 # ==== Step lines, the progress bar and trackers [plumbing] ========================================
-SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
-         "eval_acc")
+SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
 
 def step_line(rec: dict) -> str:
     """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
@@ -2187,9 +2133,8 @@ def step_line(rec: dict) -> str:
     return " | ".join(fields)
 
 def step_printer(total: int, start: int, log=print):
-    """show(line, keep) prints one step's line. On a terminal (log prints, stdout a TTY) a tqdm
-    bar counts the steps and carries the latest line; lines with keep=True (the evaluations) stay
-    above it. Elsewhere every line is logged as it is. show(None, _) closes the bar."""
+    """show(line, keep) prints a step's line: on a terminal (log prints to a TTY) a tqdm bar counts steps and carries
+    the latest line, keep=True ones (evaluations) above it; elsewhere all are logged. show(None, _) closes it."""
     if log not in (print, say) or not sys.stdout.isatty():
         def show(line, keep):
             if line is not None:
@@ -2218,8 +2163,8 @@ def check_tracker(name: str):
         raise ValueError(f"--report-to {name} needs the {name} package (pip install {name})") from None
 
 def open_tracker(cfg: Config):
-    """report(rec) sends a metrics record's numbers to --report-to's tracker (tensorboard or wandb, writing under
-    --out), report(None) closes it. ValueError (one line) if the tracker cannot start: wandb without a login."""
+    """report(rec) sends a record's numbers to --report-to's tracker (tensorboard or wandb, under --out),
+    report(None) closes it. ValueError if the tracker cannot start (wandb without a login)."""
     if cfg.report_to == "none":
         return lambda rec: None
     try:
@@ -2248,7 +2193,7 @@ def open_tracker(cfg: Config):
 
 # ==== Config checks [plumbing]: every value a run cannot use is refused before any work ===========
 def die(msg, code: int = 2):
-    """Bad input: one line on stderr (error_line of a message or an exception), a non-zero exit, never a traceback."""
+    """Bad input: one line on stderr (error_line), a non-zero exit, never a traceback."""
     print(f"gmts: error: {error_line(msg)}", file=sys.stderr)
     sys.exit(code)
 
@@ -2269,25 +2214,23 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
 ]
 
 def check_config(cfg: Config, writes: bool = True):
-    """Raise ValueError (one line) for any value no run can use, before any work is done. writes=False: the
-    command writes nothing, so --out is not checked."""
-    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: told apart below
+    """ValueError for any value no run can use, before any work; writes=False (the command writes nothing): no --out."""
+    types = {bool: bool, int: int, float: (int, float), str: str}  # bool is an int: see `typed`
     for f in dataclasses.fields(Config):  # a hand-edited run_config.json can hold any JSON value
         v = getattr(cfg, f.name)
         typed = isinstance(v, types[f.type]) and isinstance(v, bool) == (f.type is bool)
         unset = v is None and f.default is None  # --fast-generate left to the device
         if not (typed or unset):
             raise ValueError(f"--{f.name.replace('_', '-')} must be of type {f.type.__name__}, got {v!r}")
-    for name, allowed in CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got "
-                             f"{getattr(cfg, name)!r}")
-    for names, ok, want in RULES:
+    choices = [([name], allowed.__contains__, "one of " + ", ".join(allowed)) for name, allowed in CHOICES.items()]
+    for names, ok, want in choices + RULES:  # as RULES: (fields, test, what their values must be)
         for name in names:
             if not ok(getattr(cfg, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
     get_task(cfg.task)
     eval_sets(cfg.eval_data)
+    if cfg.data_columns and (cfg.task != "math" or not re.fullmatch(r"[^,]+,[^,]+", cfg.data_columns)):
+        raise ValueError(f"--data-columns {cfg.data_columns!r}: QUESTION,ANSWER columns of a math data set")
     if cfg.prompt_style != "ours" and cfg.task != "math":
         raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
     if data_kind(cfg.data) == "gen" and cfg.eval_size > 100_000:
@@ -2304,15 +2247,14 @@ def check_out_path(out: str):
         if os.path.islink(parent):
             raise ValueError(f"--out {out!r}: {parent} is a symbolic link to nothing (dangling, or a loop)")
         parent = os.path.dirname(parent)
-    with contextlib.suppress(OSError):  # a real write: os.access says yes to root where nobody can write (/proc)
+    with contextlib.suppress(OSError):  # a real write: os.access says yes to root even on /proc
         if out:  # (a file is no folder: NotADirectoryError)
             tempfile.TemporaryFile(dir=parent).close()
             return
     raise ValueError(f"--out {out!r} is not a folder that can be written")
 
 # ==== CLI and signals [plumbing] ==================================================================
-
-# A resume may change these freely; every other field changes the trajectory and needs --allow-change.
+# A resume may change these freely; every other field changes the trajectory (--allow-change).
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
         "threads", "eval_samples"}
 
@@ -2344,7 +2286,7 @@ def parse_args(argv=None) -> Config:
         saved = read_run_config(pre.resume)
         check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
-    p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run continues in its own folder
+    p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run goes on in its folder
     cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
     for k in sorted(names - FREE):
         if cfg.resume and not same_value(k, getattr(cfg, k), saved[k]) and not cfg.allow_change:
@@ -2353,19 +2295,30 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def resolved_paths(cfg: Config) -> Config:
-    """cfg with its paths absolute: --model where it names a folder, --data where it names a file, --out. parse_args
-    and train (for configs made in Python) apply it: a resume from any working folder finds the same files."""
-    model, data, out = cfg.model, cfg.data, cfg.out
+    """cfg with its paths absolute (--model if a folder, --data and --eval-data's sets if a file or dataset folder,
+    --out), as parse_args and train (configs made in Python) apply it: a resume from any folder finds the files."""
+    model, data, eval_data, out = cfg.model, cfg.data, cfg.eval_data, cfg.out
     if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
         model = os.path.abspath(model)
-    if isinstance(data, str) and data_kind(data) == "file":
-        data = os.path.abspath(data)
+    if isinstance(data, str):
+        data = absolute_data(data)
+    if isinstance(eval_data, str):
+        eval_data = ",".join(f"{name}={absolute_data(d)}" for name, d in eval_sets(eval_data))
     if isinstance(out, str) and out:
         out = os.path.abspath(out)
-    return dataclasses.replace(cfg, model=model, data=data, out=out)
+    return dataclasses.replace(cfg, model=model, data=data, eval_data=eval_data, out=out)
+
+def absolute_data(data: str) -> str:
+    """A --data value with its local file, or hf:FOLDER[:...]'s dataset folder, made absolute."""
+    parts = data.split(":")
+    if data_kind(data) == "file":
+        return os.path.abspath(data)
+    if data_kind(data) == "hf" and len(parts) > 1 and "/" in parts[1] and os.path.isdir(parts[1]):  # as load_rows
+        return ":".join(["hf", os.path.abspath(parts[1]), *parts[2:]])
+    return data
 
 def same_value(field: str, a, b) -> bool:
-    """A resume's test of a field against the saved one; paths are the same where they lead to one place."""
+    """A resume's test of a field against the saved one; paths are equal where they lead to one place."""
     if field in ("model", "data") and isinstance(a, str) and isinstance(b, str):
         return os.path.realpath(a) == os.path.realpath(b)
     return a == b
@@ -2421,10 +2374,10 @@ def say(*parts, **kwargs):
     try:
         print(*parts, flush=True, **kwargs)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to print goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the rest goes nowhere
 
 def ignore_stops():
-    """From here on a stop signal changes nothing (after the first one, after a run, in the teardown)."""
+    """From here on a stop signal changes nothing (after the first, after a run, in the teardown)."""
     for sig in STOP:
         signal.signal(sig, signal.SIG_IGN)
 
@@ -2460,7 +2413,7 @@ def _main(argv):
         check_config(cfg)
         out = cfg.out
         steps = cfg.steps
-        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}  # the class: defaults
+        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
         say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
         train(cfg, log=say)
         say("", end="")  # an interrupt swallowed at the very end still counts
@@ -2469,7 +2422,7 @@ def _main(argv):
         if finished(out, steps, started):  # the signal came after the final model was saved
             return
         die(f"interrupted; {interrupted_state(out)}", 130)
-    except Exception as e:  # memory; bad input (flags, data, a folder that holds a run); a model that cannot load
+    except Exception as e:  # memory; bad input (flags, data, --out); a model that cannot load
         fail(e, f"; {interrupted_state(out)}")
     finally:
         release_all()
@@ -2491,5 +2444,5 @@ def interrupted_state(out) -> str:
     return f"{out} keeps {os.path.basename(done[-1])}: continue with --resume {out}"
 
 if __name__ == "__main__":
-    ignore_stops()  # torch has imported: handling_signals takes over, and the teardown after it ignores them
+    ignore_stops()  # torch imported: handling_signals takes over, then the teardown ignores them
     main()

@@ -9,8 +9,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
+import contextlib
 import csv
 import json
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -251,7 +254,8 @@ def test_each_published_layout_is_read_without_flags(tmp_path, verifier):
         ("Convert $(0,3)$ to polar coordinates.", "\\left( 3, \\frac{\\pi}{2} \\right)"),
         ("How many vertical asymptotes does $y=\\frac{2}{x^2+x-6}$ have?", "2"))
     assert gmts.load_rows("math", write_aime(tmp_path), 0) == rows(
-        ("Find $xy$ if $\\log_x(y^x)=\\log_y(x^{4y})=10$.", "25"), ("Count the $n \\le 2024$ for which Bob wins.", "809"))
+        ("Find $xy$ if $\\log_x(y^x)=\\log_y(x^{4y})=10$.", "25"),
+        ("Count the $n \\le 2024$ for which Bob wins.", "809"))
     assert gmts.load_rows("math", write_minerva(tmp_path), 0) == rows(
         ("Give the wavelength in Angstroms, to two significant figures.", "9.6"),
         ("Compute the star's radius in centimeters.", "8.7 \\times 10^{8}"))
@@ -295,7 +299,8 @@ def test_a_hub_id_and_a_dataset_folder_take_the_same_datasets_call(tmp_path, mon
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
     folder = str(tmp_path / "MATH-500")
     rows, where, data_print = gmts.load_rows("math", f"hf:{folder}:test", 0, named=True)
-    assert [r["answer"] for r in rows] == ["34", "4"] and where == [f"hf:{folder}:test row 1", f"hf:{folder}:test row 2"]
+    assert [r["answer"] for r in rows] == ["34", "4"]
+    assert where == [f"hf:{folder}:test row 1", f"hf:{folder}:test row 2"]
     assert calls == [((folder,), {"split": "test"})] and len(data_print["sha256"]) == 64
     with pytest.raises(ValueError, match=r"^could not load hf:someone/sets:main:test from the hub \(no network\?\)"):
         gmts.load_rows("math", "hf:someone/sets:main:test", 0)
@@ -363,10 +368,13 @@ def test_the_preset_takes_framework1_s_values():
     cfg = gmts.parse_args(["--preset", "paper-math"])
     framework1 = dict(model="Qwen/Qwen2.5-Math-1.5B", task="math", prompt_style="qwen-math", prompts_per_step=64,
                       group_size=16, max_new_tokens=2048, lr=3e-5, warmup_steps=0, lr_decay=False, weight_decay=0.0,
-                      max_grad_norm=1.0, kl_beta=0.001, clip_low=0.2, clip_high=0.28, micro_batch=4, seed=0,
+                      max_grad_norm=1 / 64, kl_beta=0.001, clip_low=0.2, clip_high=0.28, micro_batch=4, seed=0,
                       filter_groups=False, overlong_filter=False, temperature=1.0, top_p=1.0, top_k=0,
                       inner_updates=1, select="gmts", rho=0.2, eval_samples=16, steps=188)
     assert {k: getattr(cfg, k) for k in framework1} == framework1
+    # GRPO's per-answer mean; their loss sums it over the 64 prompts with the norm clipped at 1.0, which is our mean
+    # clipped at 1/64 (AdamW divides the factor out): NOTES, "GMTS as its authors wrote it"
+    assert cfg.loss_norm == "seq" and gmts.selection_rule(cfg) == (0.2, 16)  # and GMTS per prompt group
     assert cfg.data == "hf:hiyouga/math12k:train" and [n for n, _ in gmts.eval_sets(cfg.eval_data)] == [
         "aime24", "amc23", "math500", "minerva", "olympiadbench"]
 
@@ -421,3 +429,86 @@ def test_bad_rows_and_benchmark_files_are_one_line_and_exit_2(tmp_path, capsys, 
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gmts: error: ") and needle in lines[0], err
     assert not (tmp_path / "o" / "ckpt-000000").exists()  # refused before step 0
+
+
+# ---- what the line budget of the first pass left out ----------------------------------------------------------------
+def test_data_columns_read_a_layout_of_its_own(tmp_path, verifier, capsys):
+    """--data-columns QUESTION,ANSWER (a.b: a key inside a) maps a file the published layouts do not cover; a value
+    that is not two columns, or on another task, is one line, exit 2."""
+    path = _jsonl(tmp_path / "own.jsonl", [{"query": "What is $2+2$?", "meta": {"gold": "4"}},
+                                            {"query": "Simplify $\\frac{2}{4}$.", "meta": {"gold": "\\frac12"}}])
+    cfg = gmts.parse_args(["--task", "math", "--data", path, "--data-columns", "query,meta.gold", "--eval-size", "1"])
+    data = gmts.read_data(cfg)
+    assert data.held == [{"question": "What is $2+2$?", "answer": "4", "latex": True}]
+    assert data.draw(1, 0) == [{"question": "Simplify $\\frac{2}{4}$.", "answer": "\\frac12", "latex": True}]
+    with pytest.raises(ValueError, match='missing key "question"'):  # without the flag: a layout it does not know
+        gmts.load_rows("math", path, 0)
+    for flags in (["--task", "math", "--data-columns", "query"], ["--data-columns", "a,b"]):
+        with pytest.raises(SystemExit) as e:
+            gmts.main([*flags, "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "--data-columns" in err, err
+
+
+def test_benchmark_files_and_dataset_folders_are_stored_absolute(tmp_path, monkeypatch):
+    """As --data's file: a resume from another working folder finds --eval-data's files and hf: dataset folders."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sets").mkdir()
+    (tmp_path / "a.jsonl").write_text("")
+    cfg = gmts.parse_args(["--task", "math", "--data", "hf:./sets:train", "--eval-data",
+                           "a=a.jsonl,b=hf:./sets,c=hf:x/y,d=hf:sets"])  # d: no slash, the task's own hub set
+    assert cfg.data == f"hf:{tmp_path / 'sets'}:train"
+    assert cfg.eval_data == f"a={tmp_path / 'a.jsonl'},b=hf:{tmp_path / 'sets'},c=hf:x/y,d=hf:sets"  # hub ids stay
+    assert gmts.resolved_paths(cfg) == cfg
+
+
+def test_the_verifier_worker_dies_with_its_parent(tmp_path):
+    """A parent killed while its worker hangs in sympy (\\boxed{9^{9^{9^{9}}}}) leaves no worker running."""
+    code = ("import threading, time, os, gmts\n"
+            "threading.Thread(target=gmts.latex_equal, args=('1', '9^{9^{9^{9}}}', 60), daemon=True).start()\n"
+            "while gmts._VERIFIER['proc'] is None: time.sleep(0.05)\n"
+            "print(gmts._VERIFIER['proc'].pid, flush=True)\n"
+            "time.sleep(60)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                              cwd=os.path.dirname(os.path.abspath(gmts.__file__)))
+    pid = int(parent.stdout.readline())
+    time.sleep(2)  # the worker is up and inside the hang
+    os.kill(pid, 0)  # alive
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.1)
+    raise AssertionError(f"the worker {pid} outlived its parent by 10 s")
+
+
+def test_the_memory_plan_by_hand(tiny_model):
+    """memory_plan's parts for the tiny model on a CPU (4-byte activations, no sampler copy) against the formulas
+    written out: the KV cache beats the update here; a device too small gets the first fix that fits, or the
+    flags to lower when none does."""
+    model, _ = tiny_model
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    cfg = gmts.Config(prompts_per_step=64, group_size=16, max_new_tokens=100, kl_beta=0.1, micro_batch=2)
+    plan = gmts.memory_plan(cfg, model, 28, torch.device("cpu"))
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert plan == pytest.approx({"weights": 4 * n / 2**30, "AdamW": 8 * n / 2**30, "KL reference": 4 * n / 2**30,
+                                  "KV cache": kv * 64 * 16 * 128 / 2**30,
+                                  "sampling logits": 12 * 64 * 16 * c.vocab_size / 2**30}, rel=1e-12)
+    small = gmts.Config(prompts_per_step=1, group_size=2, max_new_tokens=100, micro_batch=64)
+    need = sum(gmts.memory_plan(small, model, 28, torch.device("cpu")).values())
+    with_ckpt = gmts.dataclasses.replace(small, grad_ckpt=True)
+    ckpt = sum(gmts.memory_plan(with_ckpt, model, 28, torch.device("cpu")).values())
+    assert ckpt < need  # with 2 layers, checkpointing keeps one layer's activations at a time
+    line = gmts.memory_line(small, model, 28, torch.device("cpu"), have=ckpt)
+    assert line.startswith("memory plan (GiB): weights") and line.endswith("too much: --grad-ckpt fits"), line
+    line = gmts.memory_line(small, model, 28, torch.device("cpu"), have=ckpt * 0.99)
+    assert line.endswith("too much: --grad-ckpt --micro-batch 1 fits"), line
+    assert gmts.memory_line(small, model, 28, torch.device("cpu"), have=1e-9).endswith("--max-new-tokens")
+    assert "too much" not in gmts.memory_line(small, model, 28, torch.device("cpu"), have=need)

@@ -148,8 +148,8 @@ MUTANTS = {
         "with no informative group keep_groups returns the LAST rollout batch, not the first",
         T + "test_keep_groups_keeps_the_first_b_informative_groups"),
     "join_prompts_right_padded": (
-        "            side = (width - x.shape[1], 0)",
-        "            side = (0, width - x.shape[1])",
+        '        side = "left"',
+        '        side = "right"',
         "_join_rows pads prompts on the right (they are left padded)",
         T + "test_keep_groups_keeps_the_first_b_informative_groups"),
     # ---- token statistics

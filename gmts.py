@@ -85,7 +85,7 @@ def arg(default, help: str):
 @dataclass
 class Config:
     # run
-    out: str = arg("out", "output folder: metrics.jsonl, checkpoints, the final model")
+    out: str = arg("out/run", "output folder: metrics.jsonl, checkpoints, the final model")
     overwrite: bool = arg(False, "replace the run in --out (its metrics and checkpoints go)")
     resume: str = arg("", "an earlier --out: continue its run from the newest loadable checkpoint")
     allow_change: bool = arg(False, "with --resume: allow flags that change the run's trajectory (all but --out, "

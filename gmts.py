@@ -1039,7 +1039,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     return cfg.out
 
-# ######## Supporting code [plumbing]: what lets the method above run. A reader of the paper may stop here. ########
+# Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]

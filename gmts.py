@@ -132,7 +132,7 @@ class Config:
     kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
     std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
-    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept tokens; seq: GRPO's "
+    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept budget; seq: GRPO's "
                                 "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
     select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code; its scope: --scope) or gradnorm")
@@ -542,7 +542,7 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #     L = sum_{t in S} w_t * l_t / D  +  beta * sum_{t valid} w_t * k3_t / D_kl
 #     k3 = e^d - d - 1,  d = log pi_ref(y) - log pi_theta(y)
 # w, D, D_kl are --loss-norm's normaliser (loss_weights): all w = 1, D = D_kl = the valid tokens;
-# selected D = the kept ones; seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
+# selected D = the kept budget; seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
 # 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
 #    or (A < 0 and r < 1 - eps_l): "the clip is active", I_t = 0 (else I_t = 1). Otherwise
 #    dl/dlogp_y = -r * A (dr/dlogp_y = r), and dk3/dlogp_y = 1 - e^d = 1 - pi_ref / pi_theta. So for
@@ -999,13 +999,13 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         ref_logp = None
         if run.ref is not None:
             ref_logp = response_logp(run.ref, batch, valid, cfg.temperature, mb, chunk)
+        rho, group_size = selection_rule(cfg)
+        norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. omega (-dL/dlogp of step 7's loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
-            rho, group_size = selection_rule(cfg)
-            norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
             ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
             if run.ref is not None:
                 ref_ratio = torch.exp(ref_logp - logp)
@@ -1508,8 +1508,8 @@ def eval_sets(spec: str) -> list:
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
     every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
+    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
     for i in range(0, len(data.rows), chunk):
-        task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
         prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")

@@ -30,7 +30,7 @@ gmts.parse_args:
            python gmts.py --preset cpu --task math --model warm/math (data easy, filter off, as the preset).
   compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes; a table of
            final held-out accuracy and a plot. A method may name its scope (gmts.py's --scope): gmts@batch is
-           this project's whole-batch GMTS, gmts (= gmts@group) the authors' per-group one; so may analyze's --arms.
+           this project's whole-batch GMTS, gmts (--scope auto: group) the authors'; so may analyze's --arms.
   analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio, per method,
            with and without dynamic sampling), and how each score ranks tokens by their true gradient norm.
            With --rhos R1,R2,...: the kept-gradient curve instead, the same cosine and ratio and the share of
@@ -800,7 +800,7 @@ def main(argv=None):
     p.add_argument("--rhos", default="", help="analyze: a comma list of rho values: the kept-gradient curve "
                    "(OUT/retention.json) instead of the one-rho table")
     p.add_argument("--arms", default=",".join(ANALYZED), help="analyze: comma list of METHOD or METHOD@SCOPE "
-                   "(gmts@batch: the whole-batch variant); a method alone ranks at its default scope")
+                   "(gmts@batch: the whole-batch variant); a method alone ranks at --scope (auto: its default)")
     with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
         lab, rest = p.parse_known_args(argv)
         for flag, command in OWN_FLAGS.items():  # a flag another command reads would be ignored in silence
@@ -860,8 +860,10 @@ def _main(lab, rest):
             methods = [m.strip() for m in lab.methods.split(",") if m.strip()]
             return compare(cfg, methods, lab.seeds, lab.workers, log=gmts.say)
         arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
-        for arm in arms:
-            parse_arm(arm, "--arms")
+        for arm in arms or [","]:  # none: one line, as a malformed arm; the one-rho table scores ANALYZED only
+            if parse_arm(arm, "--arms")[0] not in ANALYZED and not lab.rhos:
+                raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
+                                 f"({', '.join(ANALYZED)}; with --rhos: any)")
         if lab.command == "analyze" and lab.rhos:
             return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), log=gmts.say, arms=arms)
         return analyze(cfg, lab.batches, log=gmts.say, arms=arms) if lab.command == "analyze" else decoy_main(cfg)

@@ -328,10 +328,10 @@ def die(msg, code: int = 2):
     sys.exit(code)
 
 
-def fail(e: Exception, code: int, kept: str):
-    """die for an exception: memory first (exit 1, then `kept`: what the run keeps), else its one line and `code`."""
+def fail(e: Exception, code: int, keeps: str):
+    """die for an exception: memory first (exit 1, then `keeps`: what the run keeps), else its one line and `code`."""
     why = gmts.memory_fault(e, LOWER)
-    die(why + kept if why else e, 1 if why else code)
+    die(why + keeps if why else e, 1 if why else code)
 
 
 def kept(out: str) -> str:

@@ -465,6 +465,11 @@ PROMISES = [
      "is not a folder that can be written", {}),
     ("compare --rhos", 7, L, ["compare", "--preset", "smoke", "--rhos", "0.1", "--out", "{tmp}/c"], 2,
      "--rhos is analyze's flag", NO_POOL),
+    ("analyze --arms all (the one-rho table scores ANALYZED)", 7, L, ["analyze", "--preset", "smoke", "--arms", "all",
+                                                                       "--out", "{tmp}/a"], 2,
+     "is not scored by the one-rho table", {}),
+    ("analyze --arms , (no arm)", 7, L, ["analyze", "--preset", "smoke", "--arms", ",", "--rhos", "0.1",
+                                          "--out", "{tmp}/a"], 2, "is not METHOD or METHOD@SCOPE", {}),
     ("report a=X a=Y", 7, L, ["report", "a={tmp}", "a={tmp}", "--png", "{tmp}/r.png"], 2, "a title of its own", {}),
 ]
 MAINS = {G: (lambda argv: gmts.main(argv), "gmts: error: "), T: (lambda argv: gmts_trl.main(argv), "gmts_trl: error: "),

@@ -114,6 +114,8 @@ class Config:
     eval_size: int = arg(64, "held-out problems (the data's first rows; none with --eval-data)")
     eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
     eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
+    max_prompt_tokens: int = arg(0, "refuse rows whose prompt has more tokens, before step 0 "
+                                    "(0: only the model's positions bound it)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
     group_size: int = arg(8, "G, answers sampled per prompt")
@@ -123,6 +125,8 @@ class Config:
     top_k: int = arg(0, "top-k sampling; 0 disables it")
     sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache, compiled decoding (unset: on with CUDA)")
+    rollout_rows: int = arg(0, "answers per generate() call, whole groups (0: all B*G at once); "
+                               "fewer bound the KV cache and the prefill")
     filter_groups: bool = arg(True, "DAPO dynamic sampling: drop equal-reward groups, draw more")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
     overlong_filter: bool = arg(False, "DAPO's overlong filter: a truncated answer trains nothing")
@@ -144,6 +148,8 @@ class Config:
     warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
     lr_decay: bool = arg(True, "after warm-up, a linear lr decay to ~0 at the end (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
+    adam_eps: float = arg(1e-8, "AdamW eps (torch's 1e-8; paper-math 1e-8 / 64: their sum's "
+                                "update on our mean)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
@@ -170,6 +176,21 @@ PRESETS = {
     "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
                   prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
                   lr=1e-4, threads=1, out="out/smoke"),
+    # GMTS Framework1's values (NOTES, "The paper's setting": what is theirs, what not). They
+    # sum the 64 prompts' losses and clip at 1; our mean, clipped at 1/64, with eps / 64: their
+    # update (test_one_step_equals_the_authors_update).
+    "paper-math": dict(model="Qwen/Qwen2.5-Math-1.5B", task="math",
+                       data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
+                       chat_template="yes", steps=188, prompts_per_step=64, group_size=16,
+                       max_new_tokens=2048, lr=3e-5, loss_norm="seq", max_grad_norm=1 / 64,
+                       adam_eps=1e-8 / 64, warmup_steps=0, lr_decay=False, kl_beta=0.001,
+                       micro_batch=4, filter_groups=False, eval_every=0, eval_samples=16,
+                       out="out/paper-math",
+                       eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,"
+                                 "amc23=hf:math-ai/amc23:test,"
+                                 "math500=hf:HuggingFaceH4/MATH-500:test,"
+                                 "minerva=hf:math-ai/minervamath:test,"
+                                 "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train"),
 }
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
@@ -909,7 +930,8 @@ def start_run(cfg: Config, log=print) -> Run:
         ref = ref.eval().requires_grad_(False)
     if cfg.grad_ckpt:
         model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            eps=cfg.adam_eps)
     if "opt" in state:  # a resume
         opt.load_state_dict(state["opt"])
     fast = cfg.fast_generate
@@ -1506,14 +1528,23 @@ def eval_sets(spec: str) -> list:
     return pairs
 
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
-    """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
-    every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
+    """ValueError naming the first row whose prompt does not render or, with its answer, passes the
+    model's positions, or every row past --max-prompt-tokens (refused, never cut; data.longest: the
+    plan's P): every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
     task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
+    long = []  # the rows past --max-prompt-tokens, all named in one line
     for i in range(0, len(data.rows), chunk):
         prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
             data.longest = max(data.longest, len(ids))
+            if 0 < cfg.max_prompt_tokens < len(ids):
+                long.append(f"{where} ({len(ids)})")
+    if long:
+        more = f" and {len(long) - 20} more" if len(long) > 20 else ""
+        raise ValueError(f"{len(long)} prompts have more tokens than --max-prompt-tokens "
+                         f"{cfg.max_prompt_tokens}: {', '.join(long[:20])}{more}; raise it or "
+                         "drop them")
 
 def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
     """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
@@ -1652,8 +1683,20 @@ def _join_rows(xs: list, key: str, pad_id: int):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Step 2: rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path (static cache,
-    compiled decoding) while run.fast holds; if that raises, one line says so and from this step on the plain path."""
+    """Step 2: G answers per prompt (_sample_call); --rollout-rows R: max(R // G, 1) prompts per
+    generate() call, whose answers join as rollout batches do (_join_rows)."""
+    per = len(prompts)
+    if cfg.rollout_rows:
+        per = max(cfg.rollout_rows // cfg.group_size, 1)
+    parts = [_sample_call(run, prompts[i:i + per], cfg, log) for i in range(0, len(prompts), per)]
+    if len(parts) == 1:
+        return parts[0]
+    return {key: _join_rows([p[key] for p in parts], key, run.tok.pad_token_id) for key in parts[0]}
+
+def _sample_call(run, prompts: list, cfg: Config, log=print) -> dict:
+    """rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path
+    (static cache, compiled decoding) while run.fast holds; if that raises, one line says so and
+    from this step on the plain path."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
     if run.fast:
@@ -1695,59 +1738,86 @@ def evaluate_run(model, run, cfg: Config) -> dict:
     eval_NAME with eval_acc and eval_len their means. Never used to pick a checkpoint."""
     sets = run.eval_rows if isinstance(run.eval_rows, dict) else {"acc": run.eval_rows}
     recs = [evaluate(model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
-                     samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p) for rows in sets.values()]
+                     batch_size=cfg.rollout_rows or 64, samples=cfg.eval_samples,
+                     temperature=cfg.temperature, top_p=cfg.top_p) for rows in sets.values()]
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
                 eval_sample=recs[0]["eval_sample"])
 
-# ==== The paper's setting [plumbing]: GMTS Framework1's values ===================================
-PRESETS["paper-math"] = dict(  # NOTES, "The paper's setting": what comes from Framework1, what not
-    model="Qwen/Qwen2.5-Math-1.5B", task="math", data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
-    chat_template="yes", steps=188, prompts_per_step=64, group_size=16, max_new_tokens=2048, lr=3e-5,
-    loss_norm="seq", max_grad_norm=1 / 64,  # their 64 prompts' sum clipped at 1 = our mean at 1/64
-    warmup_steps=0, lr_decay=False, kl_beta=0.001, micro_batch=4, filter_groups=False, eval_every=0,
-    eval_samples=16, out="out/paper-math", eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,amc23=hf:math-ai/"
-    "amc23:test,math500=hf:HuggingFaceH4/MATH-500:test,minerva=hf:math-ai/minervamath:test,"
-    "olympiadbench=hf:Hothan/OlympiadBench:OE_TO_maths_en_COMP:train")
-
+# ==== The paper's setting [plumbing]: the memory plan of a step ==============================
 def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
-    """The GiB of each part of a step's peak (NOTES, "The paper's setting"): what stays (weights, AdamW, sampler copy,
-    KL reference) plus the larger of sampling's KV cache and the update's gradients, activations and logits."""
-    c = model.config
+    """{part: GiB} of a step's peak (NOTES, "The memory plan"): what stays (fp32 weights,
+    AdamW, the bf16 sampler copy, the KL reference) plus the largest phase: sampling (one
+    generate() call's KV cache, and the larger of its prefill, every prompt of the call through
+    one forward, and its per-token logits), the statistics pass, the update (gradients, what
+    backward keeps, the loss head's chunk), AdamW's step, or evaluation. Sizes from the config,
+    with fallbacks: GPT-2's n_embd, n_layer, n_head (transformers maps them), d_ff n_inner or
+    4 d, K and V for every head without num_key_value_heads; {} if one is missing: unknown."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
+    V = getattr(c, "vocab_size", None)
+    if not all(isinstance(x, int) and x > 0 for x in (d, layers, heads, V)):
+        return {}
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or d // heads
+    d_ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d
     n = sum(p.numel() for p in model.parameters())
-    width = prompt_tokens + cfg.max_new_tokens  # P + T
     act = 2 if device.type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * act  # K and V of one token
-    layer = act * (9 * c.hidden_size + 4 * c.intermediate_size)  # kept per token for backward
-    kept = layer * c.num_hidden_layers
+    width = prompt_tokens + cfg.max_new_tokens  # P + T
+    kv = 2 * layers * kv_heads * head_dim * act  # K and V of one token
+    layer = act * (9 * d + 4 * d_ff)  # kept per token and layer for backward
+    kept = layer * layers
     if cfg.grad_ckpt:  # every layer's input, and one layer's activations at a time
-        kept = act * c.hidden_size * c.num_hidden_layers + layer
+        kept = act * d * layers + layer
+    forward = act * (2 * d + 3 * d_ff)  # a no-grad forward's widest moment per token: the MLP
     bf16 = cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda")
-    plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16, "KL reference": 4 * n * (cfg.kl_beta > 0)}
-    answers = cfg.prompts_per_step * cfg.group_size
-    sampling = {"KV cache": kv * answers * width, "sampling logits": 12 * answers * c.vocab_size}  # 3 (N, V) fp32
-    update = {"gradients": 4 * n, "activations": kept * cfg.micro_batch * width,
-              "logits": 12 * cfg.stats_chunk * c.vocab_size}  # token_stats' 3 fp32 (chunk, V)
-    plan.update(max(sampling, update, key=lambda part: sum(part.values())))
+    plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16,
+            "KL reference": 4 * n * (cfg.kl_beta > 0)}
+    G, mb = cfg.group_size, cfg.micro_batch
+    rows = cfg.prompts_per_step * G  # answers per generate() call: sample_answers'
+    if cfg.rollout_rows:
+        rows = min(cfg.prompts_per_step, max(cfg.rollout_rows // G, 1)) * G
+    k = max(cfg.eval_samples, 1)
+    evals = max((cfg.rollout_rows or 64) // k, 1) * k  # evaluate's rollout
+    chunk = min(cfg.stats_chunk, mb * cfg.max_new_tokens)  # head rows at once: at most the tokens
+    phases = [{"KV cache": kv * rows * width,  # prefill and decoding come one after the other
+               "prefill" if forward * prompt_tokens > 12 * V else "sampling logits":
+               rows * max(forward * prompt_tokens, 12 * V)},  # 3 (rows, V) fp32 per token
+              {"statistics forward": forward * mb * width, "statistics logits": 16 * chunk * V},
+              {"gradients": 4 * n, "activations": kept * mb * width, "loss head": 16 * chunk * V},
+              {"gradients": 4 * n, "AdamW step": 4 * n},  # its foreach sqrt(v) temporary
+              {"eval KV cache": kv * evals * width,
+               "eval prefill": evals * max(forward * prompt_tokens, 12 * V)}]
+    plan.update(max(phases, key=lambda part: sum(part.values())))
     return {part: size / 2**30 for part, size in plan.items() if size}
 
 def memory_line(cfg: Config, model, prompt_tokens: int, device: torch.device, have: float = None) -> str:
-    """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond it, flags that fit."""
+    """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond
+    it, the first that fits of MEMORY_FIXES and --rollout-rows halved (alone, then with them)."""
     if have is None and device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory / 2**30
     if have is None:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     plan = memory_plan(cfg, model, prompt_tokens, device)
+    if not plan:
+        return (f"memory plan: unknown for this architecture ({type(model.config).__name__} "
+                "names no hidden size, layer count, head count or vocabulary size)")
     line = "memory plan (GiB): " + ", ".join(f"{part} {size:.2f}" for part, size in plan.items())
     line += f" = {sum(plan.values()):.2f} of {have:.1f} on {device}"
     if sum(plan.values()) <= have:
         return line
-    for fix in MEMORY_FIXES:  # the first that fits
+    N = cfg.prompts_per_step * cfg.group_size
+    rows = [N >> i for i in range(1, N.bit_length()) if N >> i >= cfg.group_size]
+    fixes = [*MEMORY_FIXES[:2], *({"rollout_rows": r} for r in rows),
+             *(dict(fix, rollout_rows=r) for fix in MEMORY_FIXES[1:] for r in rows)]
+    for fix in fixes:  # the first that fits
         if sum(memory_plan(dataclasses.replace(cfg, **fix), model, prompt_tokens, device).values()) <= have:
             flags = [f"--{k.replace('_', '-')} {v}".replace(" True", "") for k, v in fix.items()]
             return line + f"; too much: {' '.join(flags)} fits"
-    return line + "; too much: lower --prompts-per-step, --group-size or --max-new-tokens"
+    lower = "--prompts-per-step, --group-size, --eval-samples or --max-new-tokens"
+    return line + f"; too much: lower {lower}"
 
 MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
                 {"grad_ckpt": True, "micro_batch": 1, "sampler_dtype": "fp32"})
@@ -2201,12 +2271,15 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
     (["rho", "top_p"], lambda v: 0 < v <= 1, "in (0, 1]"),
     (["lr"], lambda v: 0 < v <= 1, "in (0, 1] (a larger step leaves non-finite weights)"),
     (["temperature"], lambda v: 1e-4 <= v < math.inf, "finite and >= 1e-4 (logits / T must stay finite)"),
-    (["max_grad_norm"], lambda v: 0 < v < math.inf, "finite and > 0"),
+    (["max_grad_norm", "adam_eps"], lambda v: 0 < v < math.inf, "finite and > 0"),
     (["clip_low", "clip_high"], lambda v: 0 <= v < 1, "in [0, 1)"),
     (["kl_beta", "weight_decay"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
     (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size",
       "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
-    (["save_every", "eval_every", "warmup_steps", "top_k", "eval_samples"], lambda v: v >= 0, ">= 0"),
+    (["save_every", "eval_every", "warmup_steps", "top_k", "max_prompt_tokens", "rollout_rows"],
+     lambda v: v >= 0, ">= 0"),
+    (["eval_samples"], lambda v: 0 <= v <= 1024,
+     "in [0, 1024] (a rollout holds max(64, k) answers)"),
     (["threads"], lambda v: 0 <= v <= 1024, "in [0, 1024] (0: torch's own choice)"),
     (["group_size"], lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
     (["seed"], lambda v: 0 <= v < 2**32, "in [0, 2**32) (a step seeds with seed * 1000003 + step)"),

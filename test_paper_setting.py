@@ -12,6 +12,7 @@ os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 import contextlib
 import csv
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -396,6 +397,124 @@ def test_two_steps_on_the_preset_s_path_with_two_benchmarks(tmp_path, capsys):
     assert cfg["prompt_style"] == "qwen-math" and cfg["kl_beta"] == 0.001 and cfg["eval_samples"] == 2
 
 
+# ---- the preset's update is the authors' (issue 42 item 4) ---------------------------------------
+def _preset_batch(tok, informative, B=64, G=16, seed=0):
+    """A rollout batch as sample_groups returns it: B prompts x G answers of the byte-level tiny
+    tokenizer, every answer 16 (an end token last) or 32 tokens (cut), rewards binary: half of each
+    of the first `informative` groups right, the other groups all wrong."""
+    g = torch.Generator().manual_seed(seed)
+    N, P, T = B * G, 6, 32
+    prompt_ids = torch.full((N, P), tok.pad_token_id)
+    prompt_mask = torch.zeros(N, P, dtype=torch.bool)
+    for b in range(B):
+        n = int(torch.randint(3, P + 1, (1,), generator=g))
+        prompt_ids[b * G:(b + 1) * G, P - n:] = torch.randint(0, 256, (n,), generator=g)
+        prompt_mask[b * G:(b + 1) * G, P - n:] = True
+    comp = torch.randint(0, 256, (N, T), generator=g)
+    short = torch.arange(N) % 3 == 0
+    comp[short, 15] = tok.convert_tokens_to_ids("<|im_end|>")
+    comp[short, 16:] = tok.pad_token_id
+    resp_mask, truncated = gmts.completion_mask(comp, gmts.end_token_ids(tok))
+    rewards = torch.zeros(N)
+    for b in range(informative):
+        rewards[b * G:b * G + G // 2] = 1.0
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, comp_ids=comp, resp_mask=resp_mask,
+                 truncated=truncated, texts=[""] * N, sampler_logp=torch.zeros(N, T))
+    return batch, rewards
+
+
+def _authors_update(model, batch, rewards, kept, old_logp, ref_logp, G=16, micro=4, lr=3e-5,
+                    beta=0.001, clip_low=0.2, clip_high=0.28):
+    """A literal reading of GMTS-Framework1's update_policy (grpo_tools/grpo.py), method grpo, one
+    mini-batch of all the prompts: A' = (r - mean) / (population std + 1e-6) / (G |o_i|) in
+    float64; micro answers at a time, the SUM over tokens of -min(r A', clip(r) A') on the kept
+    tokens (A' = 0 elsewhere) plus beta k3 / (G |o_i|) on all, backward; the gradient norm clipped
+    at 1.0; torch's AdamW(lr, (0.9, 0.999), eps 1e-8, weight decay 0). Given: the kept tokens
+    (their GMTS(): pinned by test_gmts' test_select_tokens_per_group_matches_the_literal_reference),
+    pi_old's and pi_ref's log-probs, and the forward (response_hidden, the head, the same rows per
+    micro-batch): what is compared is the update, not two forwards' rounding. -> the norm."""
+    import numpy as np
+    mask = batch["resp_mask"]
+    N = mask.shape[0]
+    lengths = mask.sum(1).tolist()  # |o_i|
+    adv = []
+    for b in range(N // G):
+        r = rewards[b * G:(b + 1) * G].double().numpy()
+        for j in range(G):
+            a = (r[j] - np.mean(r)) / (np.std(r) + 1e-6)
+            adv.append(a / (lengths[b * G + j] * G))
+    adv = torch.tensor(adv, dtype=torch.float32)  # A', (N,)
+    head = model.get_output_embeddings()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    for start in range(0, N, micro):
+        rows = slice(start, start + micro)
+        m = mask[rows]
+        h = gmts.response_hidden(model, batch, rows)[m]
+        logp = gmts.head_logp(h, head, batch["comp_ids"][rows][m])
+        a = adv[rows][:, None].expand_as(m)[m] * kept[rows][m]
+        ratio = (logp - old_logp[rows][m]).exp()
+        surr = torch.min(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
+        log_ratio = ref_logp[rows][m] - logp
+        n = torch.tensor(lengths[start:start + micro], dtype=torch.float32)[:, None].expand_as(m)[m]
+        kl = (log_ratio.exp() - log_ratio - 1) / (G * n)
+        (-surr + beta * kl).sum().backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))
+    opt.step()
+    return norm
+
+
+@pytest.mark.parametrize("informative", [1, 64])
+def test_one_step_equals_the_authors_update(tmp_path, monkeypatch, informative):
+    """--preset paper-math's first step (gmts.main, the real loop, a fixed rollout batch of 64 x 16)
+    against _authors_update on the same batch from the same weights: the parameters after the step
+    are EQUAL (torch.equal), eps / 64 and the clip at 1/64 making our mean their sum. With 1
+    informative group the clip does not act (their norm < 1); with 64 it does, and clip_grad_norm_'s
+    1e-6 in its denominator scales the two clipped gradients by (n + 1e-6) / (n + 64e-6), which
+    reaches the step only through eps: 799 of 90,880 parameters then differ, each by < 0.1% of a
+    step (the weight's last bit). With torch's eps 1e-8 (e3741a4) both cases differ."""
+    import copy
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "run"
+    _, tok = gmts.build_tiny()
+    batch, rewards = _preset_batch(tok, informative)
+    adv = gmts.group_advantages(rewards, 16)
+    seen = {}
+
+    def recording(name):
+        real = getattr(gmts, name)
+
+        def call(*a, **k):
+            seen.setdefault(name, real(*a, **k))  # the first call: step 1's
+            return seen[name]
+        return call
+    for name in ("batch_token_stats", "response_logp", "step_selection"):
+        monkeypatch.setattr(gmts, name, recording(name))
+    fixed = (batch, rewards, adv, [(batch, rewards, adv)])
+    monkeypatch.setattr(gmts, "sample_groups", lambda *a, **k: fixed)
+    gmts.main(["--preset", "paper-math", "--model", "tiny", "--data", write_math500(tmp_path),
+               "--eval-data", f"aime24={write_aime(tmp_path)}", "--eval-samples", "1",
+               "--max-new-tokens", "8", "--steps", "1", "--out", str(out)])
+    start = AutoModelForCausalLM.from_pretrained(out / "ckpt-000000", dtype=torch.float32)
+    ours = AutoModelForCausalLM.from_pretrained(out / "ckpt-000001", dtype=torch.float32)
+    theirs = copy.deepcopy(start).train()
+    norm = _authors_update(theirs, batch, rewards, seen["step_selection"],
+                           seen["batch_token_stats"][0], seen["response_logp"])
+    assert (norm > 1.0) == (informative == 64), norm
+    state = torch.load(out / "ckpt-000001" / "state.pt", weights_only=False)
+    assert state["opt"]["param_groups"][0]["eps"] == 1e-8 / 64  # start_run's AdamW
+    moved, apart = 0, 0
+    for (name, p), q, p0 in zip(ours.named_parameters(), theirs.parameters(), start.parameters()):
+        if informative == 1:
+            assert torch.equal(p, q), (name, float((p - q).abs().max()))
+        assert float((p - q).abs().max()) <= 1e-3 * 3e-5, name  # the clipped case: < 0.1% of a step
+        moved += int((p != p0).sum())
+        apart += int((p != q).sum())
+    n = sum(p.numel() for p in start.parameters())
+    assert moved > 0.9 * n and apart <= 0.02 * n  # a real step, not a no-op; measured: 799 apart
+    print(f"informative {informative}: norm {norm:.4f}, {apart} of {n} parameters 1 ulp apart")
+
+
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------------
 SMALL_MATH = ["--model", "tiny", "--task", "math", "--prompts-per-step", "2", "--group-size", "2",
               "--max-new-tokens", "8", "--steps", "1", "--eval-every", "0", "--save-every", "0"]
@@ -489,26 +608,72 @@ def test_the_verifier_worker_dies_with_its_parent(tmp_path):
 
 
 def test_the_memory_plan_by_hand(tiny_model):
-    """memory_plan's parts for the tiny model on a CPU (4-byte activations, no sampler copy) against the formulas
-    written out: the KV cache beats the update here; a device too small gets the first fix that fits, or the
-    flags to lower when none does."""
+    """memory_plan's terms for the tiny model on a CPU (4-byte activations, no sampler copy), each
+    phase written out and made the largest in turn: sampling (the KV cache of all B*G answers of one
+    generate() call and the prefill of their prompts), the same with --rollout-rows, evaluation
+    (--eval-samples k: max(64 // k, 1) * k answers a rollout) and the update (gradients, what the
+    layers keep, the loss head's chunk, at most the micro-batch's tokens); a device too small gets
+    the first fix that fits, or the flags to lower when none does."""
     model, _ = tiny_model
-    c = model.config
-    n = sum(p.numel() for p in model.parameters())
-    cfg = gmts.Config(prompts_per_step=64, group_size=16, max_new_tokens=100, kl_beta=0.1, micro_batch=2)
-    plan = gmts.memory_plan(cfg, model, 28, torch.device("cpu"))
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-    assert plan == pytest.approx({"weights": 4 * n / 2**30, "AdamW": 8 * n / 2**30, "KL reference": 4 * n / 2**30,
-                                  "KV cache": kv * 64 * 16 * 128 / 2**30,
-                                  "sampling logits": 12 * 64 * 16 * c.vocab_size / 2**30}, rel=1e-12)
-    small = gmts.Config(prompts_per_step=1, group_size=2, max_new_tokens=100, micro_batch=64)
-    need = sum(gmts.memory_plan(small, model, 28, torch.device("cpu")).values())
-    with_ckpt = gmts.dataclasses.replace(small, grad_ckpt=True)
-    ckpt = sum(gmts.memory_plan(with_ckpt, model, 28, torch.device("cpu")).values())
+    n = sum(p.numel() for p in model.parameters())  # d 32, 2 layers, 4 heads of 8, 2 KV, d_ff 64
+    cpu, P, T = torch.device("cpu"), 28, 100
+    kv = 2 * 2 * 2 * 8 * 4  # K and V, layers, KV heads, head size, fp32
+    forward = 4 * (2 * 32 + 3 * 64)  # a no-grad forward's widest moment per token
+    stay = {"weights": 4 * n, "AdamW": 8 * n, "KL reference": 4 * n}
+
+    def gib(parts):
+        return pytest.approx({k: v / 2**30 for k, v in parts.items()}, rel=1e-12)
+    cfg = gmts.Config(prompts_per_step=64, group_size=16, max_new_tokens=T, kl_beta=0.1,
+                      micro_batch=2)
+    assert gmts.memory_plan(cfg, model, P, cpu) == gib(dict(stay, **{
+        "KV cache": kv * 1024 * (P + T), "prefill": 1024 * forward * P}))
+    rows = gmts.dataclasses.replace(cfg, rollout_rows=100, eval_samples=64)  # 6 prompts x 16
+    assert gmts.memory_plan(rows, model, P, cpu) == gib(dict(stay, **{
+        "KV cache": kv * 96 * (P + T), "prefill": 96 * forward * P}))
+    ev = gmts.dataclasses.replace(cfg, prompts_per_step=1, group_size=2, eval_samples=48)
+    assert gmts.memory_plan(ev, model, P, cpu) == gib(dict(stay, **{
+        "eval KV cache": kv * 48 * (P + T), "eval prefill": 48 * forward * P}))
+    up = gmts.Config(prompts_per_step=1, group_size=2, max_new_tokens=T, micro_batch=64)
+    kept = 2 * 4 * (9 * 32 + 4 * 64)  # layers x fp32 x what one layer keeps per token
+    assert gmts.memory_plan(up, model, P, cpu) == gib({
+        "weights": 4 * n, "AdamW": 8 * n, "gradients": 4 * n, "activations": kept * 64 * (P + T),
+        "loss head": 16 * 1024 * 259})
+    need = sum(gmts.memory_plan(up, model, P, cpu).values())
+    with_ckpt = gmts.dataclasses.replace(up, grad_ckpt=True)
+    ckpt = sum(gmts.memory_plan(with_ckpt, model, P, cpu).values())
     assert ckpt < need  # with 2 layers, checkpointing keeps one layer's activations at a time
-    line = gmts.memory_line(small, model, 28, torch.device("cpu"), have=ckpt)
-    assert line.startswith("memory plan (GiB): weights") and line.endswith("too much: --grad-ckpt fits"), line
-    line = gmts.memory_line(small, model, 28, torch.device("cpu"), have=ckpt * 0.99)
+    line = gmts.memory_line(up, model, P, cpu, have=ckpt)
+    assert line.startswith("memory plan (GiB): weights"), line
+    assert line.endswith("too much: --grad-ckpt fits"), line
+    line = gmts.memory_line(up, model, P, cpu, have=ckpt * 0.99)
     assert line.endswith("too much: --grad-ckpt --micro-batch 1 fits"), line
-    assert gmts.memory_line(small, model, 28, torch.device("cpu"), have=1e-9).endswith("--max-new-tokens")
-    assert "too much" not in gmts.memory_line(small, model, 28, torch.device("cpu"), have=need)
+    line = gmts.memory_line(up, model, P, cpu, have=1e-9)
+    assert line.endswith("--eval-samples or --max-new-tokens"), line
+    assert "too much" not in gmts.memory_line(up, model, P, cpu, have=need)
+    big = sum(gmts.memory_plan(cfg, model, P, cpu).values())
+    half = gmts.dataclasses.replace(cfg, rollout_rows=512)
+    fits = sum(gmts.memory_plan(half, model, P, cpu).values())
+    line = gmts.memory_line(cfg, model, P, cpu, have=fits)
+    assert big > 1.5 * fits
+    assert line.endswith("too much: --rollout-rows 512 fits"), line  # sampling's own fix, first
+
+
+def test_the_memory_plan_reads_other_configs():
+    """GPT-2 (n_embd, n_layer, n_head; n_inner None: 4 d) and GPT-NeoX (no num_key_value_heads) by
+    hand; a config without the sizes: the plan is unknown, said in one line."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+    cpu, P = torch.device("cpu"), 10
+    cfg = gmts.Config(prompts_per_step=64, group_size=16, max_new_tokens=10)
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=300))
+        neox = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, num_hidden_layers=3,
+                                                num_attention_heads=4, intermediate_size=48,
+                                                vocab_size=300))
+    for model, layers, d_ff in ((gpt2, 2, 128), (neox, 3, 48)):
+        plan = gmts.memory_plan(cfg, model, P, cpu)
+        assert plan["KV cache"] == 2 * layers * 4 * 8 * 4 * 1024 * (P + 10) / 2**30  # all 4 heads
+        assert plan["prefill"] == 1024 * 4 * (2 * 32 + 3 * d_ff) * P / 2**30
+    blank = types.SimpleNamespace(config=types.SimpleNamespace(), parameters=lambda: iter(()))
+    assert gmts.memory_plan(cfg, blank, P, cpu) == {}
+    line = gmts.memory_line(cfg, blank, P, cpu)
+    assert line.startswith("memory plan: unknown for this architecture"), line

@@ -461,6 +461,12 @@ PROMISES = [
     ("--resume '' (an unset shell variable)", 4, G, ["--resume", "", *SMALL, "--steps", "1", "--out", "{tmp}/o"], 2,
      "--resume names no folder", {}),
     ("--threads 10**20", 5, G, ["--threads", str(10 ** 20)], 2, "--threads must be in [0, 1024]", {}),
+    # issue 44 item 9, issue 42 items 4 and 6: bounds stated, prompts capped before step 0
+    ("--eval-samples 10**9", 5, G, ["--eval-samples", str(10 ** 9)], 2,
+     "--eval-samples must be in [0, 1024]", {}),
+    ("--adam-eps 0", 5, G, ["--adam-eps", "0"], 2, "--adam-eps must be finite and > 0", {}),
+    ("--max-prompt-tokens below the prompts", 6, G, ["--max-prompt-tokens", "5"], 2,
+     "2 prompts have more tokens than --max-prompt-tokens 5: held-out row 0 of --data easy (", {}),
     ("--out in /proc (root may write anywhere else)", 1, G, ["--out", "/proc/gmts-x"], 2,
      "is not a folder that can be written", {}),
     ("compare --rhos", 7, L, ["compare", "--preset", "smoke", "--rhos", "0.1", "--out", "{tmp}/c"], 2,
@@ -884,3 +890,44 @@ def test_compare_starts_no_more_workers_than_runs(tmp_path, monkeypatch, capsys)
         gmts_lab.main(["compare", "--preset", "smoke", "--methods", "all", "--seeds", "1", "--workers", "8", "--out",
                        str(tmp_path / "c")])
     assert asked == [1] and "in 1 process(es)" in capsys.readouterr().out
+
+
+# ---- any causal LM starts (issue 44 item 5) ----------------------------------------------------
+
+def _byte_level_folder(folder, kind):
+    """A GPT-2-style or GPT-NeoX-style tiny model built offline, saved with a byte-level
+    tokenizer as theirs are: eos <|endoftext|>, no pad, no chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
+                              PreTrainedTokenizerFast)
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>",
+                                  bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    torch.manual_seed(0)
+    if kind == "gpt2":  # n_embd, n_layer, n_head, n_inner None (4 d): no num_key_value_heads
+        model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=len(tok),
+                                           n_positions=512, bos_token_id=256, eos_token_id=256))
+    else:  # intermediate_size, but no num_key_value_heads
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            vocab_size=len(tok), max_position_embeddings=512, bos_token_id=256, eos_token_id=256))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "neox"])
+def test_a_gpt2_or_neox_model_starts_and_trains(tmp_path, capsys, kind):
+    """gmts.main with a GPT-2-style or GPT-NeoX-style folder: its memory plan is printed (K and V
+    for every head, d_ff from n_inner's fallback or intermediate_size) and two steps run (on
+    e3741a4: AttributeError, no num_key_value_heads, before step 0)."""
+    folder = _byte_level_folder(tmp_path / kind, kind)
+    out = tmp_path / "o"
+    gmts.main([*SMALL, "--model", folder, "--steps", "2", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert "memory plan (GiB): weights" in said and "done:" in said, said
+    assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1, 2]

@@ -31,6 +31,10 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      gradient checkpointing, as gmts.py; bf16 weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of the
      same starting model, the same B x G prompts and completion length: step_ratio_gmts_trl = (new rollout + gmts
      update) / TRL's median step (steps 2..n).
+  g. the memory plan (issue 42): gmts.memory_phases' bytes for each phase of a step (sampling,
+     statistics, update, AdamW's step, evaluation) beside the measured peak of the same call on a
+     random tiny Qwen2 (--plan-hidden, 2 layers, 8 x 8 countdown answers of 96 tokens), and their
+     ratio: the CPU parts of the formula (4-byte activations, the fp32 sampler) checked.
   f. threads (issue 31): steps per second of `gmts.py --preset cpu --steps --thread-steps` (5) at --threads 1 and
      --threads 0 (torch's choice: every core), each run a fresh process with OMP_NUM_THREADS / MKL_NUM_THREADS
      taken out of its environment, so that 0 is the machine's default whatever the benchmark's own shell sets; the
@@ -589,6 +593,63 @@ def sec_threads(args, meter, dev) -> dict:
     return out
 
 
+def sec_memory_plan(args, meter, dev) -> dict:
+    """g. gmts.memory_phases' phases against measured peaks: a random tiny Qwen2 (build_tiny(
+    --plan-hidden, 2 layers)), B x G countdown prompts, each phase run as train() runs it, the peak
+    (see Method) beside the plan's bytes for what the call allocates (the update's gradients
+    included; the AdamW step measured at step 2, its moments already there)."""
+    torch.manual_seed(0)
+    model, tok = gmts.build_tiny(args.plan_hidden, 2)
+    model = model.to(dev)
+    B, G, T = (2, 4, 16) if args.quick else (8, 8, 96)
+    cfg = gmts.Config(prompts_per_step=B, group_size=G, max_new_tokens=T, micro_batch=G,
+                      stats_chunk=256, eval_samples=G, sampler_dtype="fp32")
+    task = gmts.get_task("countdown")
+    rows = gmts.load_rows("countdown", "easy", 64 // G, 0)
+    prompts = gmts.build_prompts(tok, task, rows[:B], False, True)
+    P = max(len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"])
+    stay, phases = gmts.memory_phases(cfg, model, P, dev)
+    batch = gmts.rollout(model, tok, prompts, G, T)
+    mask = batch["resp_mask"]
+    adv = torch.randn(mask.shape[0], device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def update():
+        return gmts.loss_backward(model, batch, adv, mask, old, float(mask.sum()), temperature=1.0,
+                                  clip_low=0.2, clip_high=0.28, micro_batch=cfg.micro_batch,
+                                  chunk=cfg.stats_chunk)
+    old = gmts.batch_token_stats(model, batch, 1.0, cfg.micro_batch, cfg.stats_chunk)[0]
+    update()
+    opt.step()  # AdamW's moments exist from here on, as at any step after the first
+    opt.zero_grad(set_to_none=True)
+    runs = {"sampling": lambda: gmts.rollout(model, tok, prompts, G, T),
+            "statistics": lambda: gmts.batch_token_stats(model, batch, 1.0, cfg.micro_batch,
+                                                         cfg.stats_chunk),
+            "update": update,
+            "evaluation": lambda: gmts.evaluate(model, tok, task, rows, False, True, T, samples=G)}
+    out = {}
+    for name, fn in runs.items():
+        ms, peak, _ = meter(fn)
+        if name == "update":
+            ms2, step_peak, _ = meter(opt.step)
+            opt.zero_grad(set_to_none=True)
+            plan = phases["AdamW step"]["AdamW step"] / 2**20  # the gradients were already there
+            out["AdamW step"] = dict(ms=ms2, peak_mb=step_peak, plan_mb=plan,
+                                     ratio=step_peak / plan if step_peak is not None else None)
+        plan = sum(phases[name].values()) / 2**20
+        out[name] = dict(ms=ms, peak_mb=peak, plan_mb=plan,
+                         ratio=peak / plan if peak is not None else None,
+                         parts_mb={k: v / 2**20 for k, v in phases[name].items()})
+    print(f"memory plan vs measured (P {P}, {B} x {G} answers of {T} tokens, "
+          f"hidden {args.plan_hidden}):")
+    for name, r in out.items():
+        peak = "n/a" if r["peak_mb"] is None else f"{r['peak_mb']:.2f}"
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"  {name:<12} plan {r['plan_mb']:8.2f} MB  measured {peak:>8} MB  "
+              f"measured/plan {ratio}")
+    return dict(phases=out, P=P, B=B, G=G, T=T, hidden=args.plan_hidden)
+
+
 def targets(R: dict, C: int) -> list:
     """PASS/FAIL of each target, computed from the measurements."""
     t = []
@@ -696,7 +757,8 @@ def parse_args(argv=None):
     p.add_argument("--extra", action="store_true", help="also ours@1024 in a and all@1024 (chunked) in b")
     p.add_argument("--rho", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--sections", default="abcde",
+    p.add_argument("--plan-hidden", type=int, default=256, help="section g's tiny model width")
+    p.add_argument("--sections", default="abcdeg",
                    help="which sections to run (e runs on CUDA or with --small; f, threads, only when named)")
     p.add_argument("--small", action="store_true", help="section e with a tiny Qwen2 config (CPU smoke of the path)")
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere, implies --small")
@@ -746,6 +808,7 @@ def main(argv=None):
     if dev.type == "cuda" or args.small:
         steps.append(("e", "step_model", sec_model_step))
     steps.append(("f", "threads", sec_threads))
+    steps.append(("g", "memory_plan", sec_memory_plan))
     for letter, key, fn in steps:
         if letter in args.sections:
             t = time.time()

@@ -1746,20 +1746,30 @@ def evaluate_run(model, run, cfg: Config) -> dict:
 
 # ==== The paper's setting [plumbing]: the memory plan of a step ==============================
 def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
-    """{part: GiB} of a step's peak (NOTES, "The memory plan"): what stays (fp32 weights,
-    AdamW, the bf16 sampler copy, the KL reference) plus the largest phase: sampling (one
-    generate() call's KV cache, and the larger of its prefill, every prompt of the call through
-    one forward, and its per-token logits), the statistics pass, the update (gradients, what
-    backward keeps, the loss head's chunk), AdamW's step, or evaluation. Sizes from the config,
-    with fallbacks: GPT-2's n_embd, n_layer, n_head (transformers maps them), d_ff n_inner or
-    4 d, K and V for every head without num_key_value_heads; {} if one is missing: unknown."""
+    """{part: GiB} of a step's peak (NOTES, "The memory plan"): what stays and the largest of
+    memory_phases' phases; {} when the config lacks a size (the plan is unknown)."""
+    stay, phases = memory_phases(cfg, model, prompt_tokens, device)
+    if not stay:
+        return {}
+    plan = dict(stay, **max(phases.values(), key=lambda part: sum(part.values())))
+    return {part: size / 2**30 for part, size in plan.items() if size}
+
+def memory_phases(cfg: Config, model, prompt_tokens: int, device: torch.device) -> tuple:
+    """(stay, {phase: {part: bytes}}): what stays (fp32 weights, AdamW, the bf16 sampler copy, the
+    KL reference) and each phase's own: sampling (one generate() call's KV cache, and the larger of
+    its prefill, every prompt of the call through one forward, and its per-token logits), the
+    statistics pass, the update (gradients, what backward keeps, the loss head's chunk), AdamW's
+    step, and evaluation. Sizes from the config, with fallbacks: GPT-2's n_embd, n_layer, n_head
+    (transformers maps them), d_ff n_inner or 4 d, K and V for every head without
+    num_key_value_heads; ({}, {}) if one is missing. bench_gmts.py section g checks the CPU
+    phases against measured peaks."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
     heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
     V = getattr(c, "vocab_size", None)
     if not all(isinstance(x, int) and x > 0 for x in (d, layers, heads, V)):
-        return {}
+        return {}, {}
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or d // heads
     d_ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d
@@ -1767,13 +1777,16 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
     act = 2 if device.type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA
     width = prompt_tokens + cfg.max_new_tokens  # P + T
     kv = 2 * layers * kv_heads * head_dim * act  # K and V of one token
-    layer = act * (9 * d + 4 * d_ff)  # kept per token and layer for backward
-    kept = layer * layers
+    cpu = device.type != "cuda"  # CPU attention holds (W, W) scores per head; CUDA's kernels do not
+
+    def forward(w: int) -> int:  # a no-grad forward's widest moment per token, attending to w
+        return act * (2 * d + 3 * d_ff + heads * w * cpu)
+    layer = act * (9 * d + 4 * d_ff + heads * width * cpu)  # kept per token and layer for backward
+    kept = layer * layers + forward(width)  # and backward's own temporaries, one layer at a time
     if cfg.grad_ckpt:  # every layer's input, and one layer's activations at a time
-        kept = act * d * layers + layer
-    forward = act * (2 * d + 3 * d_ff)  # a no-grad forward's widest moment per token: the MLP
+        kept = act * d * layers + layer + forward(width)
     bf16 = cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda")
-    plan = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16,
+    stay = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16,
             "KL reference": 4 * n * (cfg.kl_beta > 0)}
     G, mb = cfg.group_size, cfg.micro_batch
     rows = cfg.prompts_per_step * G  # answers per generate() call: sample_answers'
@@ -1782,16 +1795,17 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
     k = max(cfg.eval_samples, 1)
     evals = max((cfg.rollout_rows or 64) // k, 1) * k  # evaluate's rollout
     chunk = min(cfg.stats_chunk, mb * cfg.max_new_tokens)  # head rows at once: at most the tokens
-    phases = [{"KV cache": kv * rows * width,  # prefill and decoding come one after the other
-               "prefill" if forward * prompt_tokens > 12 * V else "sampling logits":
-               rows * max(forward * prompt_tokens, 12 * V)},  # 3 (rows, V) fp32 per token
-              {"statistics forward": forward * mb * width, "statistics logits": 16 * chunk * V},
-              {"gradients": 4 * n, "activations": kept * mb * width, "loss head": 16 * chunk * V},
-              {"gradients": 4 * n, "AdamW step": 4 * n},  # its foreach sqrt(v) temporary
-              {"eval KV cache": kv * evals * width,
-               "eval prefill": evals * max(forward * prompt_tokens, 12 * V)}]
-    plan.update(max(phases, key=lambda part: sum(part.values())))
-    return {part: size / 2**30 for part, size in plan.items() if size}
+    prefill = "prefill" if forward(prompt_tokens) * prompt_tokens > 12 * V else "sampling logits"
+    sampled = max(forward(prompt_tokens) * prompt_tokens, 12 * V)  # decoding: 3 (rows, V) fp32
+    phases = {"sampling": {"KV cache": kv * rows * width, prefill: rows * sampled},
+              "statistics": {"statistics forward": forward(width) * mb * width,
+                             "statistics logits": 16 * chunk * V},
+              "update": {"gradients": 4 * n, "activations": kept * mb * width,
+                         "loss head": 16 * chunk * V},
+              "AdamW step": {"gradients": 4 * n, "AdamW step": 4 * n},  # foreach sqrt(v)
+              "evaluation": {"eval KV cache": kv * evals * width,
+                             "eval " + prefill: evals * sampled}}
+    return stay, phases
 
 def memory_line(cfg: Config, model, prompt_tokens: int, device: torch.device, have: float = None) -> str:
     """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond

@@ -20,6 +20,11 @@ def test_bench_quick_writes_every_section(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     R = json.loads(out.read_text())
     assert {"meta", "stats", "loss_head", "select", "step_tiny", "step_model", "targets"} <= set(R)
+    plan = R["memory_plan"]["phases"]  # issue 42: the memory plan's phases beside measured peaks
+    assert {"sampling", "statistics", "update", "AdamW step", "evaluation"} <= set(plan)
+    for name in ("sampling", "statistics", "update"):
+        r = plan[name]
+        assert r["plan_mb"] > 0 and r["ratio"] == r["peak_mb"] / r["plan_mb"]
     assert {"naive", "ours@128", "ours@1024"} <= set(R["stats"])
     if R["meta"]["trl"]:
         assert "trl" in R["stats"]

@@ -618,7 +618,7 @@ def test_the_memory_plan_by_hand(tiny_model):
     n = sum(p.numel() for p in model.parameters())  # d 32, 2 layers, 4 heads of 8, 2 KV, d_ff 64
     cpu, P, T = torch.device("cpu"), 28, 100
     kv = 2 * 2 * 2 * 8 * 4  # K and V, layers, KV heads, head size, fp32
-    forward = 4 * (2 * 32 + 3 * 64)  # a no-grad forward's widest moment per token
+    forward = 4 * (2 * 32 + 3 * 64 + 4 * P)  # a prefill per token (CPU: 4 heads x P scores)
     stay = {"weights": 4 * n, "AdamW": 8 * n, "KL reference": 4 * n}
 
     def gib(parts):
@@ -630,11 +630,12 @@ def test_the_memory_plan_by_hand(tiny_model):
     rows = gmts.dataclasses.replace(cfg, rollout_rows=100, eval_samples=64)  # 6 prompts x 16
     assert gmts.memory_plan(rows, model, P, cpu) == gib(dict(stay, **{
         "KV cache": kv * 96 * (P + T), "prefill": 96 * forward * P}))
-    ev = gmts.dataclasses.replace(cfg, prompts_per_step=1, group_size=2, eval_samples=48)
+    ev = gmts.dataclasses.replace(cfg, prompts_per_step=1, group_size=2, eval_samples=80)
     assert gmts.memory_plan(ev, model, P, cpu) == gib(dict(stay, **{
-        "eval KV cache": kv * 48 * (P + T), "eval prefill": 48 * forward * P}))
+        "eval KV cache": kv * 80 * (P + T), "eval prefill": 80 * forward * P}))
     up = gmts.Config(prompts_per_step=1, group_size=2, max_new_tokens=T, micro_batch=64)
-    kept = 2 * 4 * (9 * 32 + 4 * 64)  # layers x fp32 x what one layer keeps per token
+    layer = 4 * (9 * 32 + 4 * 64 + 4 * (P + T))  # what one layer keeps per token, fp32
+    kept = 2 * layer + 4 * (2 * 32 + 3 * 64 + 4 * (P + T))  # 2 layers, and backward's temporaries
     assert gmts.memory_plan(up, model, P, cpu) == gib({
         "weights": 4 * n, "AdamW": 8 * n, "gradients": 4 * n, "activations": kept * 64 * (P + T),
         "loss head": 16 * 1024 * 259})
@@ -672,7 +673,7 @@ def test_the_memory_plan_reads_other_configs():
     for model, layers, d_ff in ((gpt2, 2, 128), (neox, 3, 48)):
         plan = gmts.memory_plan(cfg, model, P, cpu)
         assert plan["KV cache"] == 2 * layers * 4 * 8 * 4 * 1024 * (P + 10) / 2**30  # all 4 heads
-        assert plan["prefill"] == 1024 * 4 * (2 * 32 + 3 * d_ff) * P / 2**30
+        assert plan["prefill"] == 1024 * 4 * (2 * 32 + 3 * d_ff + 4 * P) * P / 2**30
     blank = types.SimpleNamespace(config=types.SimpleNamespace(), parameters=lambda: iter(()))
     assert gmts.memory_plan(cfg, blank, P, cpu) == {}
     line = gmts.memory_line(cfg, blank, P, cpu)

@@ -678,3 +678,20 @@ def test_the_memory_plan_reads_other_configs():
     assert gmts.memory_plan(cfg, blank, P, cpu) == {}
     line = gmts.memory_line(cfg, blank, P, cpu)
     assert line.startswith("memory plan: unknown for this architecture"), line
+
+
+def test_rollout_rows_samples_whole_groups_per_call(tmp_path, monkeypatch):
+    """--rollout-rows 4 with 2 prompts x 4 answers: two generate() calls of one group each, joined as
+    one batch of 8 answers (each answer's rows padded as dynamic sampling joins batches), and the
+    evaluation rolls out 4 answers at a time; the run trains as before (every step logged)."""
+    real, calls = gmts.rollout, []
+
+    def counting(model, tok, prompts, group_size, *a, **k):
+        calls.append(len(prompts) * group_size)
+        return real(model, tok, prompts, group_size, *a, **k)
+    monkeypatch.setattr(gmts, "rollout", counting)
+    out = tmp_path / "o"
+    gmts.main(["--preset", "smoke", "--rollout-rows", "4", "--no-filter-groups", "--steps", "1",
+               "--eval-every", "0", "--out", str(out)])
+    assert calls == [4] * (1 + 2 + 1), calls  # evaluation (4 rows), the step's two calls, evaluation
+    assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1]

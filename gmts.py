@@ -1530,7 +1530,8 @@ def eval_sets(spec: str) -> list:
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the
     model's positions, or every row past --max-prompt-tokens (refused, never cut; data.longest: the
-    plan's P): every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
+    plan's P): every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows
+    at a time (bounded memory)."""
     task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
     long = []  # the rows past --max-prompt-tokens, all named in one line
     for i in range(0, len(data.rows), chunk):

@@ -681,8 +681,8 @@ def test_the_memory_plan_reads_other_configs():
 
 
 def test_rollout_rows_samples_whole_groups_per_call(tmp_path, monkeypatch):
-    """--rollout-rows 4 with 2 prompts x 4 answers: two generate() calls of one group each, joined as
-    one batch of 8 answers (each answer's rows padded as dynamic sampling joins batches), and the
+    """--rollout-rows 4 with 2 prompts x 4 answers: two generate() calls of one group each, joined
+    as one batch of 8 answers (each answer's rows padded as dynamic sampling joins batches), and the
     evaluation rolls out 4 answers at a time; the run trains as before (every step logged)."""
     real, calls = gmts.rollout, []
 
@@ -693,5 +693,5 @@ def test_rollout_rows_samples_whole_groups_per_call(tmp_path, monkeypatch):
     out = tmp_path / "o"
     gmts.main(["--preset", "smoke", "--rollout-rows", "4", "--no-filter-groups", "--steps", "1",
                "--eval-every", "0", "--out", str(out)])
-    assert calls == [4] * (1 + 2 + 1), calls  # evaluation (4 rows), the step's two calls, evaluation
+    assert calls == [4] * (1 + 2 + 1), calls  # evaluation (4 rows), the step's 2 calls, evaluation
     assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1]

@@ -70,8 +70,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, hashlib, importlib
-import itertools, json, logging, math, random, re, select, shutil, subprocess, sys, tempfile, threading, time
+import argparse, ast, contextlib, copy, dataclasses, errno, fcntl, fnmatch, functools, hashlib
+import importlib, itertools, json, logging, math, random, re, select, shutil, subprocess, sys
+import tempfile, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -1264,7 +1265,7 @@ def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
             proc.wait()
         return said == "true\n"
 
-# -- loaders: --data gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a data file --
+# ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
@@ -1389,33 +1390,111 @@ def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
 
+def bytes_print(path: str) -> dict:
+    """The size and sha256 of a data file's bytes, or of a dataset folder's regular files (each
+    one's relative path and bytes, sorted): what a resume compares, whatever the format."""
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+    digest = hashlib.sha256()
+    size = 0
+    for name in files:
+        if name != path and not os.path.isfile(name):  # a FIFO would never end
+            continue
+        if name != path:
+            digest.update(os.path.relpath(name, path).encode("utf-8", "surrogateescape") + b"\0")
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+                size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+def _cell_cap(row, depth: int = 0):
+    """ValueError if a string cell of a row read through `datasets` is longer than LINE_CAP
+    characters (a JSONL line's cap): no cell that long reaches a tokenizer."""
+    cells = row.values() if isinstance(row, dict) else row if isinstance(row, list) else [row]
+    for cell in cells:
+        if isinstance(cell, str) and len(cell) > LINE_CAP:
+            raise ValueError(f"a cell is longer than {LINE_CAP} characters")
+        if isinstance(cell, (dict, list)) and depth < 100:
+            _cell_cap(cell, depth + 1)
+
+_ENV_ERRNO = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+def _env_fault(e):
+    """The OSError in e's chain of causes that is the machine's fault (a full disk, a folder that
+    cannot be written), else None."""
+    for _ in range(20):  # datasets wraps a writer's error in its own
+        if isinstance(e, OSError) and e.errno in _ENV_ERRNO:
+            return e
+        e = e and (e.__cause__ or e.__context__)
+    return None
+
 def _read_set(data: str, task: str, columns: str = "") -> tuple:
-    """(rows, names "DATA row N", the sha256 of the rows) of a hub set or local dataset folder (hf:ID[:CONFIG][:SPLIT])
-    or a .json, .csv or .parquet file, read through `datasets`; every row checked."""
-    try:
-        import datasets
-        logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures are said in our one line
-        if data_kind(data) == "hf":
-            name, *rest = data.split(":")[1:]
-            ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
-        elif os.path.isfile(data):  # not a FIFO or /dev/zero, which would never end
-            ds = datasets.load_dataset(os.path.splitext(data)[1][1:], data_files=data, split="train")  # its builders
-        else:
-            raise ValueError("not a regular file")
-    except Exception as e:  # no network, no such set, split or file, a file datasets cannot parse
-        if data_kind(data) == "file":
-            raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
-        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; use --data gen") from None
-    rows, where = [], []
-    for i, row in enumerate(ds, 1):
-        where.append(f"{data} row {i}")
+    """(rows, names "DATA row N", a fingerprint) of a hub set or local dataset folder
+    (hf:ID[:CONFIG][:SPLIT]) or a .json, .csv or .parquet file, read through `datasets`, every row
+    checked. A local file or folder: fingerprinted by its bytes (bytes_print) and read into a fresh
+    cache folder, deleted after (datasets' own cache hands back the old rows of a file edited and
+    given back its old mtime); a hub set: the sha256 of its rows. Memory, a full or read-only cache
+    folder: their own error (exit 1); only a bad file or row is a ValueError (exit 2)."""
+    import datasets
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures: our one line
+    kind = data_kind(data)
+    name, *rest = data.split(":")[1:] if kind == "hf" else [data]
+    local = os.path.exists(name)
+    if kind == "file" and not os.path.isfile(data):  # not a FIFO or /dev/zero: they never end
+        raise ValueError(f"{data}: cannot read it (not a regular file)")
+    data_print = None
+    if local:
         try:
-            rows.append(_check_row(row, task, columns))
-        except (ValueError, RecursionError, TypeError) as e:
-            raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
+            data_print = bytes_print(name)
+        except OSError as e:
+            why = e.strerror or error_line(e, 200)
+            raise ValueError(f"{data}: cannot read it ({why})") from None
+    cache = datasets.config.HF_DATASETS_CACHE
+    tmp = None
+    try:
+        if local:
+            os.makedirs(cache, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix="gmts-data-", dir=cache)
+    except OSError as e:
+        raise OSError(f"cannot write the datasets cache folder {cache} ({e.strerror}); set "
+                      "HF_DATASETS_CACHE to a folder that can be written") from None
+    try:
+        try:
+            if kind == "hf":
+                split = (rest or ["train"])[-1]
+                ds = datasets.load_dataset(name, *rest[:-1], split=split, cache_dir=tmp)
+            else:  # its builders, by the file's extension
+                fmt = os.path.splitext(data)[1][1:]
+                ds = datasets.load_dataset(fmt, data_files=data, split="train", cache_dir=tmp)
+        except Exception as e:  # no network, no such set, split or file, a file it cannot parse
+            fault = _env_fault(e)
+            if memory_fault(e):
+                raise
+            if fault:
+                raise OSError(f"{data}: cannot write the datasets cache {tmp or cache} "
+                              f"({fault.strerror}); free space or set HF_DATASETS_CACHE to a "
+                              "folder that can be written") from None
+            if kind == "file":
+                raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
+            why = f"could not load {data} from the hub (no network?): {error_line(e)}"
+            raise ValueError(why + "; use --data gen") from None
+        rows, where = [], []
+        for i, row in enumerate(ds, 1):
+            where.append(f"{data} row {i}")
+            try:
+                _cell_cap(row)
+                rows.append(_check_row(row, task, columns))
+            except (ValueError, RecursionError, TypeError) as e:
+                raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
     if not rows:
         raise ValueError(f"{data}: no rows")
-    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
+    rows_print = {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
+    return rows, where, data_print or rows_print
 
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.

@@ -108,6 +108,10 @@ class Config:
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
     data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
+    data_order: str = arg(
+        "draw",
+        "draw: each step draws its rows afresh, seeded by (seed, step); epoch: a file's or set's "
+        "rows in a seeded shuffle, each once per pass, continued by --resume; gen, easy: draw only")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
@@ -158,6 +162,7 @@ CHOICES = {
     "sampler_dtype": ["auto", "bf16", "fp32"],
     "report_to": ["none", "tensorboard", "wandb"],
     "prompt_style": ["ours", "qwen-math", "boxed-suffix"],
+    "data_order": ["draw", "epoch"],
 }
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
@@ -1536,6 +1541,8 @@ class Data:
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
     longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
+    bench: dict = None  # --eval-data's fingerprints by name (a hub set's: of its rows)
+    order: dict = None  # --data-order epoch: {"drawn": rows drawn so far}, which a resume sets
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are evaluated instead).
@@ -1550,8 +1557,10 @@ def read_data(cfg: Config) -> Data:
         checked = held
         where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(held))]
     bench = {}
+    prints = {}
     for name, spec in eval_sets(cfg.eval_data):
-        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
+        read = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
+        bench[name], named, prints[name] = read
         checked = checked + bench[name]
         where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
@@ -1561,7 +1570,17 @@ def read_data(cfg: Config) -> Data:
         raise ValueError(f"--data {cfg.data}: no training rows left after the {len(held)} held-out and benchmark ones "
                          f"({len(rows)} rows, --eval-size {cfg.eval_size})")
 
+    order = {"drawn": 0}
+
+    @functools.lru_cache(maxsize=2)
+    def epoch(e: int) -> list:  # the e-th pass's order of the pool
+        return random.Random(str((cfg.seed, "epoch", e))).sample(range(len(pool)), len(pool))
+
     def draw(n: int, *key) -> list:
+        if cfg.data_order == "epoch":  # the next n rows of the passes; never gen (check_config)
+            first = order["drawn"]
+            order["drawn"] += n
+            return [pool[epoch(i // len(pool))[i % len(pool)]] for i in range(first, first + n)]
         rng = random.Random(str((cfg.seed,) + key))
         if not gen and n <= len(pool):  # distinct rows while the pool lasts
             return rng.sample(pool, n)
@@ -1575,13 +1594,21 @@ def read_data(cfg: Config) -> Data:
             if len(out) == n:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
+    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print,
+                bench=prints, order=order)
 
 def eval_sets(spec: str) -> list:
     """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
     pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
     if not all(re.fullmatch(r"[\w.-]+", name) and name not in ("acc", "len", "sample") and d for name, d in pairs):
         raise ValueError(f"--eval-data {spec}: entries NAME=DATA, NAME of letters, digits, _ . - but acc, len, sample")
+    names = [name for name, _ in pairs]
+    for name, d in pairs:
+        if names.count(name) > 1:
+            raise ValueError(f"--eval-data {spec}: {name} is named twice (a benchmark per name)")
+        if data_kind(d) == "gen":
+            raise ValueError(f"--eval-data {name}={d}: a benchmark is a data file or set; for "
+                             "generated held-out rows leave --eval-data out (--eval-size)")
     return pairs
 
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
@@ -1839,10 +1866,15 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
-    want = saved.get("fingerprint", {}).get("data")
-    if want and not cfg.allow_change and data.fingerprint != want:
-        raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or sha256 differ); "
-                         "pass --allow-change to train on it")
+    prints = saved.get("fingerprint", {})
+    changed = [(f"--data {cfg.data}", prints.get("data"), data.fingerprint)]
+    benches = dict(eval_sets(cfg.eval_data))
+    for name, want in (prints.get("eval_data") or {}).items():  # a run before issue 44: none
+        changed.append((f"--eval-data {name}={benches.get(name)}", want, data.bench.get(name)))
+    for flag, want, now in changed:
+        if want and not cfg.allow_change and now != want:
+            raise ValueError(f"{flag} is not the file the run started with (its size or sha256 "
+                             "differ); pass --allow-change to use it")
     state = dict(step=0, skipped=0, resumed=False)
     if checkpoints(cfg.out) and cfg.resume:
         want = saved.get("fingerprint", {}).get("prompt")
@@ -1850,6 +1882,7 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
         state["resumed"] = True
+        data.order["drawn"] = rows_drawn(cfg, state["step"])
     else:
         model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
@@ -1860,12 +1893,23 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
             remove(os.path.join(cfg.out, n))
     return model, tok, state, data
 
+def rows_drawn(cfg: Config, step: int) -> int:
+    """The training rows the run in cfg.out drew in steps 1..step (B per rollout batch, as
+    metrics.jsonl's rollout_batches count): where --data-order epoch goes on."""
+    recs = [r for r in read_metrics(cfg.out, step) if r["step"] >= 1]
+    if [r["step"] for r in recs] != list(range(1, step + 1)):
+        raise ValueError(f"--resume {cfg.out}: metrics.jsonl lacks steps before {step}, so "
+                         "--data-order epoch cannot go on where it was; --overwrite starts afresh")
+    return cfg.prompts_per_step * sum(int(r.get("rollout_batches", 1)) for r in recs)
+
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
     """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
     (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
     checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
     prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),
                   reference=weights_print(run.ref) if run.ref else None)
+    if data.bench:  # absent without --eval-data: run_config.json as before
+        prints["eval_data"] = data.bench
     want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
     if want and want != prints["reference"] and not cfg.allow_change:
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
@@ -2312,6 +2356,9 @@ def check_config(cfg: Config, writes: bool = True):
         raise ValueError(f"--data-columns {cfg.data_columns!r}: QUESTION,ANSWER columns of a math data set")
     if cfg.prompt_style != "ours" and cfg.task != "math":
         raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
+    if data_kind(cfg.data) == "gen" and cfg.data_order != "draw":
+        raise ValueError(f"--data-order {cfg.data_order} passes over a file's or set's rows; "
+                         f"--data {cfg.data} draws fresh problems (--data-order draw)")
     if data_kind(cfg.data) == "gen" and cfg.eval_size > 100_000:
         raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
@@ -2336,6 +2383,8 @@ def check_out_path(out: str):
 # A resume may change these freely; every other field changes the trajectory (--allow-change).
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
         "threads", "eval_samples"}
+
+ADDED = {"data_order": "draw"}  # fields newer than a run_config.json: the value its run had
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
@@ -2362,7 +2411,7 @@ def parse_args(argv=None) -> Config:
     saved = {}
     names = {f.name for f in dataclasses.fields(Config)}
     if pre.resume:
-        saved = read_run_config(pre.resume)
+        saved = dict(ADDED, **read_run_config(pre.resume))
         check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run goes on in its folder
@@ -2397,10 +2446,25 @@ def absolute_data(data: str) -> str:
     return data
 
 def same_value(field: str, a, b) -> bool:
-    """A resume's test of a field against the saved one; paths are equal where they lead to one place."""
-    if field in ("model", "data") and isinstance(a, str) and isinstance(b, str):
+    """A resume's test of a field against the saved one; paths are equal where they lead to one
+    place (--eval-data: the same names in order, each leading where the saved one does)."""
+    if field == "model" and isinstance(a, str) and isinstance(b, str):
         return os.path.realpath(a) == os.path.realpath(b)
+    if field == "data" and isinstance(a, str) and isinstance(b, str):
+        return _real_data(a) == _real_data(b)
+    if field == "eval_data" and isinstance(a, str) and isinstance(b, str):
+        sets = [[(name, _real_data(d)) for name, d in eval_sets(x)] for x in (a, b)]
+        return sets[0] == sets[1]
     return a == b
+
+def _real_data(data: str) -> str:
+    """A --data value with its local file or dataset folder written as its real path."""
+    parts = data.split(":")
+    if data_kind(data) == "file":
+        return os.path.realpath(data)
+    if data_kind(data) == "hf" and len(parts) > 1 and os.path.exists(parts[1]):
+        return ":".join(["hf", os.path.realpath(parts[1]), *parts[2:]])
+    return data
 
 def check_saved_keys(out: str, saved: dict, names: set):
     """A run_config.json holds every Config field and nothing else (besides the fingerprint)."""

@@ -1615,8 +1615,15 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
     every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
     task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
+    limit = getattr(model.config, "max_position_embeddings", None) or 0
     for i in range(0, len(data.rows), chunk):
         prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
+        for where, prompt in zip(data.where[i:i + chunk], prompts):  # a long one: its head first
+            cut = prompt.rfind(" ", 0, 8 * limit)  # at a space: the head's tokens <= the whole's
+            if len(prompt) > 8 * limit and cut > 0:
+                head = len(tok(prompt[:cut], add_special_tokens=False)["input_ids"])
+                what = f"{where}: its first {cut} characters make a"
+                check_positions(model, head, cfg.max_new_tokens, what)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
             data.longest = max(data.longest, len(ids))

@@ -1467,12 +1467,13 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
                       "HF_DATASETS_CACHE to a folder that can be written") from None
     try:
         try:
+            fresh = {"cache_dir": tmp} if tmp else {}
             if kind == "hf":
                 split = (rest or ["train"])[-1]
-                ds = datasets.load_dataset(name, *rest[:-1], split=split, cache_dir=tmp)
+                ds = datasets.load_dataset(name, *rest[:-1], split=split, **fresh)
             else:  # its builders, by the file's extension
                 fmt = os.path.splitext(data)[1][1:]
-                ds = datasets.load_dataset(fmt, data_files=data, split="train", cache_dir=tmp)
+                ds = datasets.load_dataset(fmt, data_files=data, split="train", **fresh)
         except Exception as e:  # no network, no such set, split or file, a file it cannot parse
             fault = _env_fault(e)
             if memory_fault(e):
@@ -2466,10 +2467,10 @@ def same_value(field: str, a, b) -> bool:
 
 def _real_data(data: str) -> str:
     """A --data value with its local file or dataset folder written as its real path."""
-    parts = data.split(":")
+    parts = absolute_data(data).split(":")
     if data_kind(data) == "file":
         return os.path.realpath(data)
-    if data_kind(data) == "hf" and len(parts) > 1 and os.path.exists(parts[1]):
+    if data_kind(data) == "hf" and len(parts) > 1 and os.path.isabs(parts[1]):  # a dataset folder
         return ":".join(["hf", os.path.realpath(parts[1]), *parts[2:]])
     return data
 

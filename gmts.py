@@ -1546,8 +1546,10 @@ class Data:
     order: dict = None  # --data-order epoch: {"drawn": rows drawn so far}, which a resume sets
 
 def read_data(cfg: Config) -> Data:
-    """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are evaluated instead).
-    draw(n, *key) -> n training rows from random.Random(str((seed,) + key)), never a held-out or benchmark prompt."""
+    """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are
+    evaluated instead). draw(n, *key) -> n training rows from random.Random(str((seed,) + key)),
+    never a held-out or benchmark prompt; --data-order epoch: the next n rows of seeded passes over
+    them, each pass a shuffle without replacement."""
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size

@@ -1365,6 +1365,23 @@ def _check_row(row, task: str, columns: str = "") -> dict:
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """An OSError in the block is the data file's: ValueError "PATH: cannot read (why)"."""
+    try:
+        yield
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
+
+def _lines(f, path: str):
+    """f's lines as bytes, each cut at LINE_CAP + 1 bytes; a read error is the file's (_reading)."""
+    while True:
+        with _reading(path):
+            raw = f.readline(LINE_CAP + 1)
+        if not raw:
+            return
+        yield raw
+
 def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
     """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
     only (a raw U+2028 in a string is no break); any problem in a line: ValueError "PATH line N: ..."."""
@@ -1374,23 +1391,22 @@ def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
     lines = []
     digest = hashlib.sha256()
     size = 0
-    try:
-        with open(path, "rb") as f:
-            for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
-                digest.update(raw)
-                size += len(raw)
-                try:  # one net per line
-                    if len(raw) > LINE_CAP:
-                        raise ValueError(f"longer than {LINE_CAP} bytes")
-                    line = raw.decode("utf-8")
-                    if line.strip():  # a blank line is no row
-                        rows.append(_check_row(json.loads(line), task, columns))
-                        lines.append(i)
-                except (ValueError, RecursionError, TypeError) as e:
-                    why = _WHY.get(type(e)) or error_line(e, 200)
-                    raise ValueError(f"{path} line {i}: {why}") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
+    with _reading(path):  # only the file's own OSError is "cannot read" (not the grader's)
+        f = open(path, "rb")
+    with f:
+        for i, raw in enumerate(_lines(f, path), 1):
+            digest.update(raw)
+            size += len(raw)
+            try:  # one net per line
+                if len(raw) > LINE_CAP:
+                    raise ValueError(f"longer than {LINE_CAP} bytes")
+                line = raw.decode("utf-8")
+                if line.strip():  # a blank line is no row
+                    rows.append(_check_row(json.loads(line), task, columns))
+                    lines.append(i)
+            except (ValueError, RecursionError, TypeError) as e:
+                why = _WHY.get(type(e)) or error_line(e, 200)
+                raise ValueError(f"{path} line {i}: {why}") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
@@ -1451,11 +1467,8 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
         raise ValueError(f"{data}: cannot read it (not a regular file)")
     data_print = None
     if local:
-        try:
+        with _reading(data):
             data_print = bytes_print(name)
-        except OSError as e:
-            why = e.strerror or error_line(e, 200)
-            raise ValueError(f"{data}: cannot read it ({why})") from None
     cache = datasets.config.HF_DATASETS_CACHE
     tmp = None
     try:

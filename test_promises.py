@@ -274,6 +274,7 @@ PLACES = {
     "bench": lambda tmp, run: _write(tmp / "bench.jsonl", BENCH),
     "math_csv": lambda tmp, run: _write(tmp / "d.csv", MATH_CSV),
     "huge_cell": _huge_cell_csv,
+    "latex_jsonl": _rows({"problem": "Simplify sqrt 8 / 2.", "answer": "\\sqrt{2}"}),
 }
 
 
@@ -537,6 +538,9 @@ PROMISES = [
     ("a read-only HF_DATASETS_CACHE", 5, G, MATH_ON_CSV, 1,
      "cannot write the datasets cache folder /sys/gmts-cache",
      {"datasets.config:HF_DATASETS_CACHE": "/sys/gmts-cache"}),
+    ("a grader's OSError while a JSONL loads is not the file's", 5, G,
+     ["--task", "math", "--data", "{latex_jsonl}", "--steps", "1"], 1, "Broken pipe",
+     {"latex_equal": _raise(BrokenPipeError(32, "Broken pipe"))}),
     ("--data-order epoch on generated data", 6, G, ["--data-order", "epoch", "--steps", "1"], 2,
      "--data easy draws fresh problems", {}),
     ("lab decoy --eval-data", 7, L, ["decoy", "--model", "{run}", "--eval-data", "b={bench}"], 2,

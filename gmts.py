@@ -1365,23 +1365,6 @@ def _check_row(row, task: str, columns: str = "") -> dict:
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
-@contextlib.contextmanager
-def _reading(path: str):
-    """An OSError in the block is the data file's: ValueError "PATH: cannot read (why)"."""
-    try:
-        yield
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
-
-def _lines(f, path: str):
-    """f's lines as bytes, each cut at LINE_CAP + 1 bytes; a read error is the file's (_reading)."""
-    while True:
-        with _reading(path):
-            raw = f.readline(LINE_CAP + 1)
-        if not raw:
-            return
-        yield raw
-
 def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
     """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
     only (a raw U+2028 in a string is no break); any problem in a line: ValueError "PATH line N: ..."."""
@@ -1391,22 +1374,25 @@ def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
     lines = []
     digest = hashlib.sha256()
     size = 0
-    with _reading(path):  # only the file's own OSError is "cannot read" (not the grader's)
-        f = open(path, "rb")
-    with f:
-        for i, raw in enumerate(_lines(f, path), 1):
-            digest.update(raw)
-            size += len(raw)
-            try:  # one net per line
-                if len(raw) > LINE_CAP:
-                    raise ValueError(f"longer than {LINE_CAP} bytes")
-                line = raw.decode("utf-8")
-                if line.strip():  # a blank line is no row
-                    rows.append(_check_row(json.loads(line), task, columns))
-                    lines.append(i)
-            except (ValueError, RecursionError, TypeError) as e:
-                why = _WHY.get(type(e)) or error_line(e, 200)
-                raise ValueError(f"{path} line {i}: {why}") from None
+    try:
+        with open(path, "rb") as f:
+            for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
+                digest.update(raw)
+                size += len(raw)
+                try:  # one net per line
+                    if len(raw) > LINE_CAP:
+                        raise ValueError(f"longer than {LINE_CAP} bytes")
+                    line = raw.decode("utf-8")
+                    if line.strip():  # a blank line is no row
+                        rows.append(_check_row(json.loads(line), task, columns))
+                        lines.append(i)
+                except (ValueError, RecursionError, TypeError) as e:
+                    why = _WHY.get(type(e)) or error_line(e, 200)
+                    raise ValueError(f"{path} line {i}: {why}") from None
+                except OSError as e:  # not the file's (its line was read): the grader's, exit 1
+                    raise RunError(error_line(e)) from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
@@ -1458,17 +1444,20 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
     cache folder, deleted after (datasets' own cache hands back the old rows of a file edited and
     given back its old mtime); a hub set: the sha256 of its rows. Memory, a full or read-only cache
     folder: their own error (exit 1); only a bad file or row is a ValueError (exit 2)."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{data}: reading it needs datasets (pip install -r requirements.txt)") from None
     logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures: our one line
     kind = data_kind(data)
     name, *rest = data.split(":")[1:] if kind == "hf" else [data]
     local = os.path.exists(name)
     if kind == "file" and not os.path.isfile(data):  # not a FIFO or /dev/zero: they never end
         raise ValueError(f"{data}: cannot read it (not a regular file)")
-    data_print = None
-    if local:
-        with _reading(data):
-            data_print = bytes_print(name)
+    try:
+        data_print = bytes_print(name) if local else None
+    except OSError as e:
+        raise ValueError(f"{data}: cannot read it ({e.strerror or error_line(e, 200)})") from None
     cache = datasets.config.HF_DATASETS_CACHE
     tmp = None
     try:
@@ -1905,7 +1894,8 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
         state["resumed"] = True
-        data.order["drawn"] = rows_drawn(cfg, state["step"])
+        if cfg.data_order == "epoch":  # where its passes go on
+            data.order["drawn"] = rows_drawn(cfg, state["step"])
     else:
         model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes

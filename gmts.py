@@ -1447,7 +1447,7 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{data}: reading it needs datasets (pip install -r requirements.txt)") from None
+        raise ValueError(f"{data}: needs datasets (pip install -r requirements.txt)") from None
     logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures: our one line
     kind = data_kind(data)
     name, *rest = data.split(":")[1:] if kind == "hf" else [data]

@@ -70,8 +70,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, contextlib, copy, dataclasses, fcntl, fnmatch, functools, hashlib, importlib
-import itertools, json, logging, math, random, re, select, shutil, subprocess, sys, tempfile, threading, time
+import argparse, ast, contextlib, copy, dataclasses, errno, fcntl, fnmatch, functools, hashlib
+import importlib, itertools, json, logging, math, random, re, select, shutil, subprocess, sys
+import tempfile, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -107,6 +108,10 @@ class Config:
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
     data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
+    data_order: str = arg(
+        "draw",
+        "draw: each step draws its rows afresh, seeded by (seed, step); epoch: a file's or set's "
+        "rows in a seeded shuffle, each once per pass, continued by --resume; gen, easy: draw only")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
@@ -163,6 +168,7 @@ CHOICES = {
     "sampler_dtype": ["auto", "bf16", "fp32"],
     "report_to": ["none", "tensorboard", "wandb"],
     "prompt_style": ["ours", "qwen-math", "boxed-suffix"],
+    "data_order": ["draw", "epoch"],
 }
 WARM_CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm", "cpu")
 PRESETS = {
@@ -1286,7 +1292,7 @@ def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
             proc.wait()
         return said == "true\n"
 
-# -- loaders: --data gen | easy | hf | hf:test | hf:ID[:CONFIG][:SPLIT] | a data file --
+# ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
@@ -1405,39 +1411,120 @@ def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
                 except (ValueError, RecursionError, TypeError) as e:
                     why = _WHY.get(type(e)) or error_line(e, 200)
                     raise ValueError(f"{path} line {i}: {why}") from None
+                except OSError as e:  # not the file's (its line was read): the grader's, exit 1
+                    raise RunError(error_line(e)) from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
 
+def bytes_print(path: str) -> dict:
+    """The size and sha256 of a data file's bytes, or of a dataset folder's regular files (each
+    one's relative path and bytes, sorted): what a resume compares, whatever the format."""
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+    digest = hashlib.sha256()
+    size = 0
+    for name in files:
+        if name != path and not os.path.isfile(name):  # a FIFO would never end
+            continue
+        if name != path:
+            digest.update(os.path.relpath(name, path).encode("utf-8", "surrogateescape") + b"\0")
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+                size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+def _cell_cap(row, depth: int = 0):
+    """ValueError if a string cell of a row read through `datasets` is longer than LINE_CAP
+    characters (a JSONL line's cap): no cell that long reaches a tokenizer."""
+    cells = row.values() if isinstance(row, dict) else row if isinstance(row, list) else [row]
+    for cell in cells:
+        if isinstance(cell, str) and len(cell) > LINE_CAP:
+            raise ValueError(f"a cell is longer than {LINE_CAP} characters")
+        if isinstance(cell, (dict, list)) and depth < 100:
+            _cell_cap(cell, depth + 1)
+
+_ENV_ERRNO = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+def _env_fault(e):
+    """The OSError in e's chain of causes that is the machine's fault (a full disk, a folder that
+    cannot be written), else None."""
+    for _ in range(20):  # datasets wraps a writer's error in its own
+        if isinstance(e, OSError) and e.errno in _ENV_ERRNO:
+            return e
+        e = e and (e.__cause__ or e.__context__)
+    return None
+
 def _read_set(data: str, task: str, columns: str = "") -> tuple:
-    """(rows, names "DATA row N", the sha256 of the rows) of a hub set or local dataset folder (hf:ID[:CONFIG][:SPLIT])
-    or a .json, .csv or .parquet file, read through `datasets`; every row checked."""
+    """(rows, names "DATA row N", a fingerprint) of a hub set or local dataset folder
+    (hf:ID[:CONFIG][:SPLIT]) or a .json, .csv or .parquet file, read through `datasets`, every row
+    checked. A local file or folder: fingerprinted by its bytes (bytes_print) and read into a fresh
+    cache folder, deleted after (datasets' own cache hands back the old rows of a file edited and
+    given back its old mtime); a hub set: the sha256 of its rows. Memory, a full or read-only cache
+    folder: their own error (exit 1); only a bad file or row is a ValueError (exit 2)."""
     try:
         import datasets
-        logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures are said in our one line
-        if data_kind(data) == "hf":
-            name, *rest = data.split(":")[1:]
-            ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
-        elif os.path.isfile(data):  # not a FIFO or /dev/zero, which would never end
-            ds = datasets.load_dataset(os.path.splitext(data)[1][1:], data_files=data, split="train")  # its builders
-        else:
-            raise ValueError("not a regular file")
-    except Exception as e:  # no network, no such set, split or file, a file datasets cannot parse
-        if data_kind(data) == "file":
-            raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
-        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; use --data gen") from None
-    rows, where = [], []
-    for i, row in enumerate(ds, 1):
-        where.append(f"{data} row {i}")
+    except ImportError:
+        raise ValueError(f"{data}: needs datasets (pip install -r requirements.txt)") from None
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its failures: our one line
+    kind = data_kind(data)
+    name, *rest = data.split(":")[1:] if kind == "hf" else [data]
+    local = os.path.exists(name)
+    if kind == "file" and not os.path.isfile(data):  # not a FIFO or /dev/zero: they never end
+        raise ValueError(f"{data}: cannot read it (not a regular file)")
+    try:
+        data_print = bytes_print(name) if local else None
+    except OSError as e:
+        raise ValueError(f"{data}: cannot read it ({e.strerror or error_line(e, 200)})") from None
+    cache = datasets.config.HF_DATASETS_CACHE
+    tmp = None
+    try:
+        if local:
+            os.makedirs(cache, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix="gmts-data-", dir=cache)
+    except OSError as e:
+        raise OSError(f"cannot write the datasets cache folder {cache} ({e.strerror}); set "
+                      "HF_DATASETS_CACHE to a folder that can be written") from None
+    try:
         try:
-            rows.append(_check_row(row, task, columns))
-        except (ValueError, RecursionError, TypeError) as e:
-            raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
+            fresh = {"cache_dir": tmp} if tmp else {}
+            if kind == "hf":
+                split = (rest or ["train"])[-1]
+                ds = datasets.load_dataset(name, *rest[:-1], split=split, **fresh)
+            else:  # its builders, by the file's extension
+                fmt = os.path.splitext(data)[1][1:]
+                ds = datasets.load_dataset(fmt, data_files=data, split="train", **fresh)
+        except Exception as e:  # no network, no such set, split or file, a file it cannot parse
+            fault = _env_fault(e)
+            if memory_fault(e):
+                raise
+            if fault:
+                raise OSError(f"{data}: cannot write the datasets cache {tmp or cache} "
+                              f"({fault.strerror}); free space or set HF_DATASETS_CACHE to a "
+                              "folder that can be written") from None
+            if kind == "file":
+                raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
+            why = f"could not load {data} from the hub (no network?): {error_line(e)}"
+            raise ValueError(why + "; use --data gen") from None
+        rows, where = [], []
+        for i, row in enumerate(ds, 1):
+            where.append(f"{data} row {i}")
+            try:
+                _cell_cap(row)
+                rows.append(_check_row(row, task, columns))
+            except (ValueError, RecursionError, TypeError) as e:
+                raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
     if not rows:
         raise ValueError(f"{data}: no rows")
-    return rows, where, {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
+    rows_print = {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
+    return rows, where, data_print or rows_print
 
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
@@ -1479,10 +1566,14 @@ class Data:
     where: list  # each one's name in messages: "FILE line N", "held-out row N"
     fingerprint: dict  # a data file's size and sha256, of the bytes read (else None): what a resume checks
     longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
+    bench: dict = None  # --eval-data's fingerprints by name (a hub set's: of its rows)
+    order: dict = None  # --data-order epoch: {"drawn": rows drawn so far}, which a resume sets
 
 def read_data(cfg: Config) -> Data:
-    """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are evaluated instead).
-    draw(n, *key) -> n training rows from random.Random(str((seed,) + key)), never a held-out or benchmark prompt."""
+    """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are
+    evaluated instead). draw(n, *key) -> n training rows from random.Random(str((seed,) + key)),
+    never a held-out or benchmark prompt; --data-order epoch: the next n rows of seeded passes over
+    them, each pass a shuffle without replacement."""
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
@@ -1493,8 +1584,10 @@ def read_data(cfg: Config) -> Data:
         checked = held
         where = [f"held-out row {i} of --data {cfg.data}" for i in range(len(held))]
     bench = {}
+    prints = {}
     for name, spec in eval_sets(cfg.eval_data):
-        bench[name], named, _ = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
+        read = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
+        bench[name], named, prints[name] = read
         checked = checked + bench[name]
         where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
@@ -1504,7 +1597,17 @@ def read_data(cfg: Config) -> Data:
         raise ValueError(f"--data {cfg.data}: no training rows left after the {len(held)} held-out and benchmark ones "
                          f"({len(rows)} rows, --eval-size {cfg.eval_size})")
 
+    order = {"drawn": 0}
+
+    @functools.lru_cache(maxsize=2)
+    def epoch(e: int) -> list:  # the e-th pass's order of the pool
+        return random.Random(str((cfg.seed, "epoch", e))).sample(range(len(pool)), len(pool))
+
     def draw(n: int, *key) -> list:
+        if cfg.data_order == "epoch":  # the next n rows of the passes; never gen (check_config)
+            first = order["drawn"]
+            order["drawn"] += n
+            return [pool[epoch(i // len(pool))[i % len(pool)]] for i in range(first, first + n)]
         rng = random.Random(str((cfg.seed,) + key))
         if not gen and n <= len(pool):  # distinct rows while the pool lasts
             return rng.sample(pool, n)
@@ -1518,13 +1621,21 @@ def read_data(cfg: Config) -> Data:
             if len(out) == n:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print)
+    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print,
+                bench=prints, order=order)
 
 def eval_sets(spec: str) -> list:
     """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
     pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
     if not all(re.fullmatch(r"[\w.-]+", name) and name not in ("acc", "len", "sample") and d for name, d in pairs):
         raise ValueError(f"--eval-data {spec}: entries NAME=DATA, NAME of letters, digits, _ . - but acc, len, sample")
+    names = [name for name, _ in pairs]
+    for name, d in pairs:
+        if names.count(name) > 1:
+            raise ValueError(f"--eval-data {spec}: {name} is named twice (a benchmark per name)")
+        if data_kind(d) == "gen":
+            raise ValueError(f"--eval-data {name}={d}: a benchmark is a data file or set; for "
+                             "generated held-out rows leave --eval-data out (--eval-size)")
     return pairs
 
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
@@ -1534,8 +1645,15 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     at a time (bounded memory)."""
     task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
     long = []  # the rows past --max-prompt-tokens, all named in one line
+    limit = getattr(model.config, "max_position_embeddings", None) or 0
     for i in range(0, len(data.rows), chunk):
         prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
+        for where, prompt in zip(data.where[i:i + chunk], prompts):  # a long one: its head first
+            cut = prompt.rfind(" ", 0, 8 * limit)  # at a space: the head's tokens <= the whole's
+            if len(prompt) > 8 * limit and cut > 0:
+                head = len(tok(prompt[:cut], add_special_tokens=False)["input_ids"])
+                what = f"{where}: its first {cut} characters make a"
+                check_positions(model, head, cfg.max_new_tokens, what)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
             data.longest = max(data.longest, len(ids))
@@ -1845,10 +1963,15 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
-    want = saved.get("fingerprint", {}).get("data")
-    if want and not cfg.allow_change and data.fingerprint != want:
-        raise ValueError(f"--data {cfg.data} is not the file the run started with (its size or sha256 differ); "
-                         "pass --allow-change to train on it")
+    prints = saved.get("fingerprint", {})
+    changed = [(f"--data {cfg.data}", prints.get("data"), data.fingerprint)]
+    benches = dict(eval_sets(cfg.eval_data))
+    for name, want in (prints.get("eval_data") or {}).items():  # a run before issue 44: none
+        changed.append((f"--eval-data {name}={benches.get(name)}", want, data.bench.get(name)))
+    for flag, want, now in changed:
+        if want and not cfg.allow_change and now != want:
+            raise ValueError(f"{flag} is not the file the run started with (its size or sha256 "
+                             "differ); pass --allow-change to use it")
     state = dict(step=0, skipped=0, resumed=False)
     if checkpoints(cfg.out) and cfg.resume:
         want = saved.get("fingerprint", {}).get("prompt")
@@ -1856,6 +1979,8 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
         state["resumed"] = True
+        if cfg.data_order == "epoch":  # where its passes go on
+            data.order["drawn"] = rows_drawn(cfg, state["step"])
     else:
         model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
@@ -1866,12 +1991,23 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
             remove(os.path.join(cfg.out, n))
     return model, tok, state, data
 
+def rows_drawn(cfg: Config, step: int) -> int:
+    """The training rows the run in cfg.out drew in steps 1..step (B per rollout batch, as
+    metrics.jsonl's rollout_batches count): where --data-order epoch goes on."""
+    recs = [r for r in read_metrics(cfg.out, step) if r["step"] >= 1]
+    if [r["step"] for r in recs] != list(range(1, step + 1)):
+        raise ValueError(f"--resume {cfg.out}: metrics.jsonl lacks steps before {step}, so "
+                         "--data-order epoch cannot go on where it was; --overwrite starts afresh")
+    return cfg.prompts_per_step * sum(int(r.get("rollout_batches", 1)) for r in recs)
+
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
     """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
     (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
     checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
     prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),
                   reference=weights_print(run.ref) if run.ref else None)
+    if data.bench:  # absent without --eval-data: run_config.json as before
+        prints["eval_data"] = data.bench
     want = read_run_config(cfg.out).get("fingerprint", {}).get("reference") if resumed else None
     if want and want != prints["reference"] and not cfg.allow_change:
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
@@ -2321,6 +2457,9 @@ def check_config(cfg: Config, writes: bool = True):
         raise ValueError(f"--data-columns {cfg.data_columns!r}: QUESTION,ANSWER columns of a math data set")
     if cfg.prompt_style != "ours" and cfg.task != "math":
         raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
+    if data_kind(cfg.data) == "gen" and cfg.data_order != "draw":
+        raise ValueError(f"--data-order {cfg.data_order} passes over a file's or set's rows; "
+                         f"--data {cfg.data} draws fresh problems (--data-order draw)")
     if data_kind(cfg.data) == "gen" and cfg.eval_size > 100_000:
         raise ValueError(f"--eval-size must be <= 100000 with generated data, got {cfg.eval_size}")
     if cfg.device in ("cuda", "mps") and pick_device("auto").type != cfg.device:
@@ -2345,6 +2484,8 @@ def check_out_path(out: str):
 # A resume may change these freely; every other field changes the trajectory (--allow-change).
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
         "threads", "eval_samples"}
+
+ADDED = {"data_order": "draw"}  # fields newer than a run_config.json: the value its run had
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
@@ -2371,7 +2512,7 @@ def parse_args(argv=None) -> Config:
     saved = {}
     names = {f.name for f in dataclasses.fields(Config)}
     if pre.resume:
-        saved = read_run_config(pre.resume)
+        saved = dict(ADDED, **read_run_config(pre.resume))
         check_saved_keys(pre.resume, saved, names)
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run goes on in its folder
@@ -2406,10 +2547,25 @@ def absolute_data(data: str) -> str:
     return data
 
 def same_value(field: str, a, b) -> bool:
-    """A resume's test of a field against the saved one; paths are equal where they lead to one place."""
-    if field in ("model", "data") and isinstance(a, str) and isinstance(b, str):
+    """A resume's test of a field against the saved one; paths are equal where they lead to one
+    place (--eval-data: the same names in order, each leading where the saved one does)."""
+    if field == "model" and isinstance(a, str) and isinstance(b, str):
         return os.path.realpath(a) == os.path.realpath(b)
+    if field == "data" and isinstance(a, str) and isinstance(b, str):
+        return _real_data(a) == _real_data(b)
+    if field == "eval_data" and isinstance(a, str) and isinstance(b, str):
+        sets = [[(name, _real_data(d)) for name, d in eval_sets(x)] for x in (a, b)]
+        return sets[0] == sets[1]
     return a == b
+
+def _real_data(data: str) -> str:
+    """A --data value with its local file or dataset folder written as its real path."""
+    parts = absolute_data(data).split(":")
+    if data_kind(data) == "file":
+        return os.path.realpath(data)
+    if data_kind(data) == "hf" and len(parts) > 1 and os.path.isabs(parts[1]):  # a dataset folder
+        return ":".join(["hf", os.path.realpath(parts[1]), *parts[2:]])
+    return data
 
 def check_saved_keys(out: str, saved: dict, names: set):
     """A run_config.json holds every Config field and nothing else (besides the fingerprint)."""

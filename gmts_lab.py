@@ -628,7 +628,7 @@ def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
     gmts.claim_out(cfg.out, "analyze")
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
-    task = gmts.get_task(cfg.task)
+    task = dict(gmts.get_task(cfg.task), style=cfg.prompt_style)  # --prompt-style, as start_run
     draw = gmts.read_data(cfg).draw
     model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     return model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)
@@ -886,6 +886,9 @@ def decoy_main(cfg: gmts.Config):
             raise ValueError(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
     if cfg.task != "countdown":
         raise ValueError(f"decoy is defined for countdown, not --task {cfg.task}")
+    if cfg.eval_data:  # its table is of held-out rows and their targets
+        raise ValueError("decoy scores the held-out rows of --data (--eval-size), not "
+                         "--eval-data's sets; leave --eval-data out")
     model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     rows = gmts.read_data(cfg).held
     ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt, cfg.max_new_tokens)

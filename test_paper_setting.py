@@ -302,7 +302,10 @@ def test_a_hub_id_and_a_dataset_folder_take_the_same_datasets_call(tmp_path, mon
     rows, where, data_print = gmts.load_rows("math", f"hf:{folder}:test", 0, named=True)
     assert [r["answer"] for r in rows] == ["34", "4"]
     assert where == [f"hf:{folder}:test row 1", f"hf:{folder}:test row 2"]
-    assert calls == [((folder,), {"split": "test"})] and len(data_print["sha256"]) == 64
+    cache = calls[0][1]["cache_dir"]  # a fresh cache folder, deleted after
+    assert calls == [((folder,), {"split": "test", "cache_dir": cache})]
+    assert os.path.dirname(cache) == str(datasets.config.HF_DATASETS_CACHE)
+    assert not os.path.exists(cache) and data_print == gmts.bytes_print(folder)
     with pytest.raises(ValueError, match=r"^could not load hf:someone/sets:main:test from the hub \(no network\?\)"):
         gmts.load_rows("math", "hf:someone/sets:main:test", 0)
     assert calls[-1] == (("someone/sets", "main"), {"split": "test"})

@@ -8,6 +8,7 @@ folder is never a dead end and messages are true, 5 faults give one line, 6 bad 
 other entry points. Fallbacks that keep training (a damaged checkpoint, the fast rollout path) and the cases that
 need a second process (signals, a closed stdout, compare's workers) follow the table.
 """
+import hashlib
 import importlib
 import json
 import os
@@ -189,6 +190,44 @@ def _kl_run_whose_model_changed(tmp, run):
     return str(tmp / "kl")
 
 
+# issue 44 (files as they are now, --eval-data checked as --data) and issue 42 item 5 (one epoch)
+MATH_CSV = "question,answer\n" + "".join(
+    f"Ann has {n} apples and gets {n} more. How many?,{2 * n}\n" for n in range(1, 9))
+BENCH = "".join(json.dumps({"question": f"Bob has {n} pears. How many?", "answer": str(n)}) + "\n"
+                for n in range(1, 4))
+
+
+def _same_mtime_edit(path, text):
+    """Rewrite `path` and give it back its old modification time, as cp -p, rsync -t or tar x do."""
+    st = os.stat(path)
+    _write(path, text)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _csv_run_edited_with_its_old_mtime(tmp, run):
+    """A 1-step math run on a CSV, then the CSV's golds edited and its mtime restored."""
+    data = _write(tmp / "d.csv", MATH_CSV)
+    gmts.main([*SMALL, "--task", "math", "--data", data, "--steps", "1", "--out", str(tmp / "cr")])
+    _same_mtime_edit(data, MATH_CSV.replace(",2\n", ",3\n"))
+    return str(tmp / "cr")
+
+
+def _bench_run(edit):
+    """A 1-step math run with --eval-data b=bench.jsonl, then `edit(tmp)`."""
+    def build(tmp, run):
+        data = _write(tmp / "d.csv", MATH_CSV)
+        bench = _write(tmp / "bench.jsonl", BENCH)
+        gmts.main([*SMALL, "--task", "math", "--data", data, "--eval-data", f"b={bench}",
+                   "--steps", "1", "--out", str(tmp / "br")])
+        edit(tmp)
+        return str(tmp / "br")
+    return build
+
+
+def _huge_cell_csv(tmp, run):
+    return _write(tmp / "d.csv", MATH_CSV + "x" * (gmts.LINE_CAP + 1) + ",4\n")
+
+
 HOLDERS = []
 PLACES = {
     "config_json": _user_folder("config.json"),
@@ -229,6 +268,13 @@ PLACES = {
     "newline": _newline_folder,
     "holds_run": _folder_holding_a_run,
     "kl_run": _kl_run_whose_model_changed,
+    "csv_run": _csv_run_edited_with_its_old_mtime,
+    "bench_run": _bench_run(
+        lambda tmp: _same_mtime_edit(tmp / "bench.jsonl", BENCH.replace('"1"', '"7"'))),
+    "bench": lambda tmp, run: _write(tmp / "bench.jsonl", BENCH),
+    "math_csv": lambda tmp, run: _write(tmp / "d.csv", MATH_CSV),
+    "huge_cell": _huge_cell_csv,
+    "latex_jsonl": _rows({"problem": "Simplify sqrt 8 / 2.", "answer": "\\sqrt{2}"}),
 }
 
 
@@ -311,6 +357,8 @@ def _nan_after_update(real):
 
 
 G, T, L = "gmts", "trl", "lab"
+MATH_ON_CSV = ["--task", "math", "--data", "{math_csv}", "--steps", "1"]
+ENOSPC = OSError(28, "No space left on device")
 # (id, family, entry point, argv, exit code, needle, patches {gmts attribute or "module:attribute": value})
 PROMISES = [
     ("user config.json in --out", 1, G, ["--out", "{config_json}"], 2, "no gmts run of this program wrote", {}),
@@ -477,6 +525,32 @@ PROMISES = [
     ("analyze --arms , (no arm)", 7, L, ["analyze", "--preset", "smoke", "--arms", ",", "--rhos", "0.1",
                                           "--out", "{tmp}/a"], 2, "is not METHOD or METHOD@SCOPE", {}),
     ("report a=X a=Y", 7, L, ["report", "a={tmp}", "a={tmp}", "--png", "{tmp}/r.png"], 2, "a title of its own", {}),
+    # issue 44: files as they are now, --eval-data checked as --data is, errors by cause; issue
+    # 42: --data-order; each failing on e3741a4
+    ("resume, a CSV edited and given back its mtime", 3, G,
+     ["--resume", "{csv_run}", "--steps", "2"], 2, "d.csv is not the file the run started", {}),
+    ("resume, a benchmark file edited", 3, G, ["--resume", "{bench_run}", "--steps", "2"], 2,
+     "--eval-data b=", {}),
+    ("--eval-data with a name given twice", 6, G,
+     [*MATH_ON_CSV, "--eval-data", "b={bench},b={math_csv}"], 2, "b is named twice", {}),
+    ("--eval-data NAME=gen", 6, G, ["--eval-data", "g=gen", "--steps", "1"], 2,
+     "a benchmark is a data file or set", {}),
+    ("a CSV cell over the cap", 6, G, ["--task", "math", "--data", "{huge_cell}", "--steps", "1"],
+     2, "d.csv row 9: a cell is longer than 1048576 characters", {}),
+    ("MemoryError inside the CSV reader", 5, G, MATH_ON_CSV, 1, "out of CPU memory",
+     {"datasets.packaged_modules.csv.csv:Csv._generate_tables": _raise(MemoryError)}),
+    ("a full disk under datasets' writer", 5, G, MATH_ON_CSV, 1, "No space left on device",
+     {"datasets.arrow_writer:ArrowWriter.finalize": _raise(ENOSPC)}),
+    ("a read-only HF_DATASETS_CACHE", 5, G, MATH_ON_CSV, 1,
+     "cannot write the datasets cache folder /sys/gmts-cache",
+     {"datasets.config:HF_DATASETS_CACHE": "/sys/gmts-cache"}),
+    ("a grader's OSError while a JSONL loads is not the file's", 5, G,
+     ["--task", "math", "--data", "{latex_jsonl}", "--steps", "1"], 1, "Broken pipe",
+     {"latex_equal": _raise(BrokenPipeError(32, "Broken pipe"))}),
+    ("--data-order epoch on generated data", 6, G, ["--data-order", "epoch", "--steps", "1"], 2,
+     "--data easy draws fresh problems", {}),
+    ("lab decoy --eval-data", 7, L, ["decoy", "--model", "{run}", "--eval-data", "b={bench}"], 2,
+     "not --eval-data's sets", {}),
 ]
 MAINS = {G: (lambda argv: gmts.main(argv), "gmts: error: "), T: (lambda argv: gmts_trl.main(argv), "gmts_trl: error: "),
          L: (lambda argv: gmts_lab.main(argv), "gmts: error: ")}
@@ -931,3 +1005,107 @@ def test_a_gpt2_or_neox_model_starts_and_trains(tmp_path, capsys, kind):
     said = capsys.readouterr().out
     assert "memory plan (GiB): weights" in said and "done:" in said, said
     assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1, 2]
+
+
+# ---- issue 44: files as they are now; issue 42 item 5: one epoch ---------------------------------
+
+def test_a_csv_edited_and_given_back_its_mtime_is_read_as_it_is_now(tmp_path):
+    """datasets' cache notices a change by modification time only: on e3741a4 the second read handed
+    back the old golds (and the rows' fingerprint with them). Now the bytes' fingerprint and the
+    rows are the file's as it is."""
+    data = _write(tmp_path / "d.csv", MATH_CSV)
+    rows, _, before = gmts.load_rows("math", data, 0, named=True)
+    _same_mtime_edit(data, MATH_CSV.replace(",2\n", ",3\n"))
+    again, _, after = gmts.load_rows("math", data, 0, named=True)
+    assert rows[0]["answer"] == "2" and again[0]["answer"] == "3"
+    with open(data, "rb") as f:
+        raw = f.read()
+    assert after == {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()} != before
+
+
+def test_resume_compares_eval_data_by_name_and_real_path(tmp_path, capsys):
+    """The same benchmark named through another path (a symbolic link) continues; on e3741a4 the
+    strings differed and the resume was refused."""
+    link = lambda tmp: os.symlink(tmp / "bench.jsonl", tmp / "link.jsonl")  # noqa: E731
+    out = _bench_run(link)(tmp_path, None)
+    gmts.main(["--resume", out, "--steps", "2", "--eval-data", f"b={tmp_path / 'link.jsonl'}"])
+    assert [r["step"] for r in gmts.read_metrics(out)] == [0, 1, 2]
+
+
+def test_a_long_prompt_is_refused_before_it_is_tokenized_whole(tmp_path, monkeypatch, capsys):
+    """A 800,000-character question (under the cell cap): its head is tokenized, found past the
+    positions and refused; on e3741a4 the whole prompt went through the tokenizer first."""
+    from transformers import PreTrainedTokenizerBase
+    rows = [{"question": "Ann has 3 apples.", "answer": "3"},
+            {"question": "Bob has 5.", "answer": "5"},
+            {"question": "Tom " * 200_000 + "has 4.", "answer": "4"}]
+    data = _write(tmp_path / "d.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+    real = PreTrainedTokenizerBase.__call__
+
+    def tokenize(self, text, *a, **k):
+        seen.extend(len(t) for t in ([text] if isinstance(text, str) else text))
+        return real(self, text, *a, **k)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", tokenize)
+    with pytest.raises(SystemExit) as e:
+        gmts.main([*SMALL, "--task", "math", "--data", data, "--steps", "1", "--out",
+                   str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "d.jsonl line 3: its first" in err and "positions" in err, err
+    assert max(seen) < 100_000, max(seen)
+
+
+def _epoch_run(tmp_path, monkeypatch, out, steps, resume=False):
+    """A --data-order epoch run (or its resume) -> the rows each rollout batch drew by (step, k)."""
+    drawn = {}
+    real = gmts.read_data
+
+    def read(cfg):
+        data = real(cfg)
+        draw = data.draw
+
+        def spy(n, step, k):
+            drawn[(step, k)] = [r["target"] for r in draw(n, step, k)]
+            return [dict(nums=[t - 5, 2, 3], target=t) for t in drawn[(step, k)]]
+        data.draw = spy
+        return data
+    monkeypatch.setattr(gmts, "read_data", read)
+    rows = "".join(json.dumps({"nums": [n, 2, 3], "target": n + 5}) + "\n" for n in range(12))
+    data = _write(tmp_path / "d.jsonl", rows)
+    argv = [*SMALL, "--data", data, "--data-order", "epoch", "--no-lr-decay", "--eval-every", "2",
+            "--steps", str(steps), "--out", str(out)]
+    gmts.main(["--resume", str(out), "--steps", str(steps)] if resume else argv)
+    return drawn
+
+
+def test_data_order_epoch_passes_over_each_row_once_and_resumes_exactly(tmp_path, monkeypatch):
+    """Issue 42 item 5: 4 steps in one go equal 2 steps and a resume to 4 (the same rows in every
+    rollout batch, the same metrics), and the first 10 rows drawn are the 10 training rows, each
+    once (12 rows, 2 held out). The tiny model earns nothing, so dynamic sampling draws 2 batches a
+    step: the resume's place is counted from metrics.jsonl's rollout_batches, not from the step. On
+    e3741a4 --data-order does not exist."""
+    whole = _epoch_run(tmp_path, monkeypatch, tmp_path / "a", 4)
+    first = _epoch_run(tmp_path, monkeypatch, tmp_path / "b", 2)
+    rest = _epoch_run(tmp_path, monkeypatch, tmp_path / "b", 4, resume=True)
+    assert whole == {**first, **rest} and len(whole) > 4
+    order = [t for key in sorted(whole) for t in whole[key]]
+    assert sorted(order[:10]) == list(range(7, 17))  # targets n + 5 of rows 2..11
+    volatile = ("step_time_s", "tokens_per_s", "rollout_time_s")
+    strip = [[{k: v for k, v in r.items() if k not in volatile} for r in gmts.read_metrics(o)]
+             for o in (tmp_path / "a", tmp_path / "b")]
+    assert strip[0] == strip[1]
+
+
+def test_lab_analyze_honours_prompt_style(tmp_path, monkeypatch, capsys):
+    """analyze --prompt-style qwen-math rolls out qwen-math prompts (e3741a4: ours, in silence)."""
+    seen = []
+
+    def rollout(model, tok, prompts, *a, **k):
+        seen.extend(prompts)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gmts, "rollout", rollout)
+    with pytest.raises(SystemExit):
+        gmts_lab.main(["analyze", "--model", "tiny", "--task", "math", "--data", "easy",
+                       "--prompt-style", "qwen-math", "--prompts-per-step", "2",
+                       "--group-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "a")])
+    assert seen and all(gmts.QWEN_MATH_SYSTEM in p for p in seen), seen[:1]

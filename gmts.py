@@ -473,7 +473,7 @@ def normal_answer(s: str) -> str:
 def bare_answer(s: str) -> str:
     """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces, \\left, \\right,
     LaTeX spacing, \\dfrac or \\tfrac (exact match of these strings is the fallback rule)."""
-    s = normal_answer(s)
+    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))  # E_{1} as E_1
     for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\!", ""),
                  ("\\,", ""), ("\\;", ""), ("\\ ", "")):
         s = s.replace(a, b)
@@ -1352,6 +1352,7 @@ LAYOUTS = {"ours, GSM8K": ("question", "answer"), "MATH-500, math12k, Minerva": 
            "DAPO-Math-17k": ("prompt", "reward_model.ground_truth"),
            "MATH (Hendrycks), Qwen2.5-Math's minerva_math": ("problem", "solution\\boxed")}
 LINE_CAP = 1 << 20  # bytes per line of a --data file
+MATH_EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "math_train_layout.jsonl")
 _OWN_ANSWER = re.compile(r'(?:form|after) "?Answer:')  # DAPO's instruction: the last line 'Answer: N'
 
 def _row_problem(task: str, row: dict):
@@ -1513,7 +1514,10 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
     except Exception as e:  # no network, no such set, split or file, a file datasets cannot parse
         if data_kind(data) == "file":
             raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
-        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; use --data gen") from None
+        hint = "use --data gen"  # offline, a run on a hub set's copy: the file it names
+        if task == "math" and "gsm8k" not in data:
+            hint = f"use local files in a MATH layout (--data {MATH_EXAMPLE}, --eval-data NAME=FILE)"
+        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; {hint}") from None
     rows, where, bad = [], [], []
     for i, row in enumerate(ds, 1):
         try:

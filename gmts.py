@@ -107,8 +107,9 @@ class Config:
     data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
                            "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
     data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
-    skip_bad_rows: bool = arg(False, "train without --data's bad rows (no or a broken answer), listed in "
-                                     "OUT/skipped_rows.jsonl; default: refuse them all before step 0")
+    skip_bad_rows: bool = arg(
+        False, "train without --data's bad rows (no answer, a broken one), listed in "
+               "OUT/skipped_rows.jsonl; default: refuse them all before step 0")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
@@ -196,11 +197,12 @@ def use_chat(tok, chat: str = "auto") -> bool:
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
-PROMPT_STYLES = {  # --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
+# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
+PROMPT_STYLES = {
     "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
     "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
     "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
-    "own": (None, "", ""),  # a row with its own answer instruction (DAPO's "Answer:"), in every style
+    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
 }
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
@@ -215,10 +217,12 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
     msgs.append({"role": "user", "content": question})
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
 
-def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False, style: str = "ours") -> list:
-    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system line. "ours" asks
-    task["prompt"] for the question, the \\boxed{} styles take the row's; a row that says itself where its answer
-    goes (DAPO's "Answer:" line) is rendered as it is, with no system line, prefill or suffix that contradicts it."""
+def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
+                  style: str = "ours") -> list:
+    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
+    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
+    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
+    system line, prefill or suffix that contradicts it."""
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
@@ -446,7 +450,7 @@ def math_final_answer(text: str, boxed_only: bool = False):
     return m.group().rstrip(",.")
 
 def _answer_line(text: str):
-    """What follows the last 'Answer:' to the end of its line ($ and a \\boxed{} around it dropped), or None."""
+    """What follows the last 'Answer:' to its line's end ($, \\boxed{} around it gone) or None."""
     k = text.rfind("Answer:")
     if k < 0:
         return None
@@ -454,13 +458,15 @@ def _answer_line(text: str):
     boxed = _last_boxed(line, cap=300)
     return boxed if boxed is not None else line or None
 
-_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ hours}
-_POWER_ARG = re.compile(r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
+_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
+_POWER_ARG = re.compile(  # \sin^2 t
+    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
 _SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
 
 def normal_answer(s: str) -> str:
-    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree sign, no \\text{unit}
-    after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t) (math-verify 0.9 misreads each of them)."""
+    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
+    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
+    (math-verify 0.9 misreads each of them)."""
     s = s.strip()
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
@@ -471,11 +477,12 @@ def normal_answer(s: str) -> str:
     return _SPACED_OP.sub(r"\1", s)
 
 def bare_answer(s: str) -> str:
-    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces, \\left, \\right,
-    LaTeX spacing, \\dfrac or \\tfrac (exact match of these strings is the fallback rule)."""
-    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))  # E_{1} as E_1
-    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\!", ""),
-                 ("\\,", ""), ("\\;", ""), ("\\ ", "")):
+    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
+    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
+    strings equal)."""
+    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
+    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                 ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
         s = s.replace(a, b)
     return "".join(s.split())
 
@@ -483,11 +490,11 @@ def bare_answer(s: str) -> str:
 def math_reward(completion: str, answer: str, latex: bool = False, fallback: bool = False,
                 answer_line: bool = False) -> float:
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus.
-    latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:' line), by math-verify
-    (latex_equal) on normal_answer's forms unless both are numbers; fallback (a gold math-verify cannot read):
-    bare_answer's forms equal."""
+    latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:' line), by
+    math-verify (latex_equal) on normal_answer's forms unless both are numbers; fallback (a gold
+    math-verify cannot read): bare_answer's forms equal."""
     gold = parse_number(str(answer))
-    got = _answer_line(completion) if answer_line else math_final_answer(completion, boxed_only=latex)
+    got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
         return 0.0
     if gold is not None and (not latex or parse_number(got) is not None):
@@ -528,7 +535,7 @@ def countdown_prompt(row: dict, short=False) -> str:
             f"once. {_FORMAT}, for example <answer> (1 + 2) / 3 </answer>.")
 
 def math_prompt(row: dict, short=False) -> str:
-    if short or row.get("answer_line"):  # a row with its own answer instruction (DAPO's) is its own prompt
+    if short or row.get("answer_line"):  # a row that asks for its answer itself (DAPO's): as it is
         return row["question"]
     return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
             f"for example <answer> \\boxed{{42}} </answer>.")
@@ -544,7 +551,8 @@ def logic_prompt(row: dict, short=False) -> str:
 TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
     "countdown": {"prompt": countdown_prompt, "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(
-        c, row["answer"], row.get("latex", False), row.get("fallback", False), row.get("answer_line", False))},
+        c, row["answer"], row.get("latex", False), row.get("fallback", False),
+        row.get("answer_line", False))},
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
 
@@ -994,7 +1002,8 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
     while len(parts) < max_batches and n_informative < B:
         # 1. B training prompts (the k-th rollout batch of a step draws with the key (step, k))
         rows = run.draw(B, step, len(parts))
-        prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.prompt_style)
+        prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt,
+                                cfg.prompt_style)
         # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt n // G)
         batch = sample_answers(run, prompts, cfg, log)
         # 3. one reward per answer from the task's verifier (the Rewards section)
@@ -1345,15 +1354,18 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
                            and all(type(x) is bool for x in v.values()))},
 }
 
-# The math layouts' (question, answer) columns, in the order tried: a.b: b in a (a list: its first item; a chat: its
-# last turn); an answer column ending in \\boxed: the last \\boxed{} of that text (a worked solution) is the gold
-LAYOUTS = {"ours, GSM8K": ("question", "answer"), "MATH-500, math12k, Minerva": ("problem", "answer"),
+# The math layouts' (question, answer) columns, in the order tried: a.b: b in a (a list: its first
+# item; a chat: its last turn); an answer column ending in \\boxed: the last \\boxed{} of that text
+# (a worked solution) is the gold
+LAYOUTS = {"ours, GSM8K": ("question", "answer"),
+           "MATH-500, math12k, Minerva": ("problem", "answer"),
            "AIME 2024 CSV": ("Question", "Answer"), "OlympiadBench": ("question", "final_answer"),
            "DAPO-Math-17k": ("prompt", "reward_model.ground_truth"),
            "MATH (Hendrycks), Qwen2.5-Math's minerva_math": ("problem", "solution\\boxed")}
 LINE_CAP = 1 << 20  # bytes per line of a --data file
-MATH_EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "math_train_layout.jsonl")
-_OWN_ANSWER = re.compile(r'(?:form|after) "?Answer:')  # DAPO's instruction: the last line 'Answer: N'
+MATH_EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata",
+                            "math_train_layout.jsonl")  # offline hint: a file in MATH's layout
+_OWN_ANSWER = re.compile(r'(?:form|after) "?Answer:')  # DAPO's: a last line 'Answer: N'
 
 def _row_problem(task: str, row: dict):
     """Why a row with the schema's keys can never earn 1.0 from its verifier, or None."""
@@ -1382,8 +1394,9 @@ def _cell(row: dict, key: str):
     return row
 
 def _math_layout(row: dict, columns: str = "") -> dict:
-    """{question, answer} of a math row in --data-columns' layout (only that one) or the first of LAYOUTS it has;
-    ValueError naming the columns looked for. Which layout never decides the grading rule (_check_row does)."""
+    """{question, answer} of a math row in --data-columns' layout (only that one) or the first of
+    LAYOUTS it has; ValueError naming the columns looked for. The layout never decides the grading
+    rule (_check_row does)."""
     layouts = [tuple(columns.split(","))] if columns else list(LAYOUTS.values())
     for q, a in layouts:
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
@@ -1401,13 +1414,14 @@ def _math_layout(row: dict, columns: str = "") -> dict:
         missing = next(k for k in layouts[0] if _cell(row, k.removesuffix("\\boxed")) is None)
         raise ValueError(f'--data-columns {columns}: the row has no column "{missing}"')
     if any(_cell(row, q) is not None for q, _ in layouts):
-        looked = ", ".join(dict.fromkeys(a.replace("\\boxed", " (its last \\boxed{})") for _, a in layouts))
+        answers = [a.replace("\\boxed", " (its last \\boxed{})") for _, a in layouts]
+        looked = ", ".join(dict.fromkeys(answers))
         raise ValueError(f'missing key "answer" (looked for the answer in: {looked})')
     looked = ", ".join(dict.fromkeys(q for q, _ in layouts))
-    raise ValueError(f'missing key "question" (looked for: {looked}; or name them with --data-columns)')
+    raise ValueError(f'missing key "question" (looked for: {looked}; or use --data-columns)')
 
 def _broken(gold: str) -> bool:
-    """A LaTeX gold no answer can match: empty, braces unbalanced, or ending in ^ _ or a backslash."""
+    """A LaTeX gold no answer can match: empty, braces unbalanced, ending in ^ _ or a backslash."""
     depth = 0
     for c in gold.replace("\\{", "").replace("\\}", ""):
         depth += {"{": 1, "}": -1}.get(c, 0)
@@ -1422,10 +1436,11 @@ def _finite(gold: str) -> bool:
         return True
 
 def _check_row(row, task: str, columns: str = "") -> dict:
-    """A row as read -> the row the task trains on: math: GSM8K's (its answer a solution ending in '#### N') or
-    "latex" (every other gold: graded by the last \\boxed{}, or "answer_line" where the question asks for the last line
-    'Answer: N', "fallback" where math-verify cannot read the gold). Any problem raises (ValueError,
-    RecursionError, ...): the reader's net names the file and line, or set and row."""
+    """A row as read -> the row the task trains on: math: GSM8K's (its answer a solution ending
+    in '#### N') or "latex" (every other gold: graded by the last \\boxed{}; "answer_line" where the
+    question asks for a last line 'Answer: N'; "fallback" where math-verify cannot read the gold).
+    Any problem raises (ValueError, RecursionError, ...): the reader's net names the file and line,
+    or set and row."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if task == "math":
@@ -1459,7 +1474,7 @@ _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
 def _bad_rows(bad: list, skip: list = None):
-    """Every bad row ("WHERE: why") in one ValueError (the first 20 and a count), or added to skip (a list)."""
+    """Every bad row ("WHERE: why") in one ValueError (the first 20, a count), or added to skip."""
     if skip is not None:
         skip.extend(bad)
     elif bad:
@@ -1468,7 +1483,7 @@ def _bad_rows(bad: list, skip: list = None):
 
 def _read_jsonl(path: str, task: str, columns: str = "", skip: list = None) -> tuple:
     """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
-    only (a raw U+2028 in a string is no break); problems in lines: _bad_rows' "PATH line N: ...; ..."."""
+    only (a raw U+2028 in a string is no break); bad lines: _bad_rows' "PATH line N: ...; ..."."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
         raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a data file")
     rows = []
@@ -1516,8 +1531,9 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
             raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
         hint = "use --data gen"  # offline, a run on a hub set's copy: the file it names
         if task == "math" and "gsm8k" not in data:
-            hint = f"use local files in a MATH layout (--data {MATH_EXAMPLE}, --eval-data NAME=FILE)"
-        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; {hint}") from None
+            hint = f"use files in a MATH layout (--data {MATH_EXAMPLE}, --eval-data NAME=FILE)"
+        raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; "
+                         f"{hint}") from None
     rows, where, bad = [], [], []
     for i, row in enumerate(ds, 1):
         try:
@@ -1533,8 +1549,9 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", skip: list = None):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
     hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
-    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or None each.
-    A file's or set's bad rows: one ValueError naming them, or (skip: a list) left out and listed in skip."""
+    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or
+    None each. A file's or set's bad rows: one ValueError naming them, or (skip: a list) left out,
+    listed in skip."""
     get_task(task)
     kind, spec = data_kind(data), data.split(":")[1:]
     where, data_print = None, None
@@ -1580,8 +1597,8 @@ def read_data(cfg: Config) -> Data:
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
     skipped = [] if cfg.skip_bad_rows else None
-    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, True, cfg.data_columns,
-                                        skipped)
+    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, True,
+                                        cfg.data_columns, skipped)
     held = rows[:n_held]
     checked = rows
     if where is None:  # generated or hub rows: the held-out ones stand for all
@@ -1613,7 +1630,8 @@ def read_data(cfg: Config) -> Data:
             if len(out) == n:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
-    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print, skipped=skipped)
+    return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print,
+                skipped=skipped)
 
 def eval_sets(spec: str) -> list:
     """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
@@ -1626,13 +1644,15 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the model's positions:
     every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows at a time (bounded memory)."""
     for i in range(0, len(data.rows), chunk):
-        prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk], use_chat(tok, cfg.chat_template),
-                                  cfg.short_prompt, cfg.prompt_style)
+        prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk],
+                                  use_chat(tok, cfg.chat_template), cfg.short_prompt,
+                                  cfg.prompt_style)
         for where, ids in zip(data.where[i:i + chunk], tok(prompts, add_special_tokens=False)["input_ids"]):
             check_positions(model, len(ids), cfg.max_new_tokens, f"{where}: its")
             data.longest = max(data.longest, len(ids))
 
-def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False, style: str = "ours") -> list:
+def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
+                    style: str = "ours") -> list:
     """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
     try:
         return build_prompts(tok, task, rows, chat, short, style)
@@ -1792,7 +1812,8 @@ def refresh_sampler(sampler, model):
 # ==== Evaluation [plumbing] =======================================================================
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
-             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0, style: str = "ours") -> dict:
+             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+             style: str = "ours") -> dict:
     """Accuracy (the share of answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample."""
     k = max(samples, 1)
     per = max(batch_size // k, 1)  # problems per rollout
@@ -1933,12 +1954,16 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
 
 def write_row_lists(cfg: Config, data: Data, log=print):
-    """OUT/fallback_rows.jsonl: the rows read whose gold math-verify cannot read (graded by exact match, bare_answer);
-    OUT/skipped_rows.jsonl: --skip-bad-rows' rows left out. Each counted in a line; no file where there are none."""
-    fallback = [dict(where=w, answer=r["answer"]) for w, r in zip(data.where, data.rows) if r.get("fallback")]
-    skipped = [dict(where=w.split(": ", 1)[0], why=w.split(": ", 1)[-1]) for w in data.skipped or []]
-    for name, recs, what in (("fallback_rows.jsonl", fallback, "graded by exact match (math-verify cannot read "
-                              "their gold)"), ("skipped_rows.jsonl", skipped, "of --data left out (--skip-bad-rows)")):
+    """OUT/fallback_rows.jsonl: the rows read whose gold math-verify cannot read (graded by
+    bare_answer's exact match); OUT/skipped_rows.jsonl: --skip-bad-rows' rows left out. Each
+    counted in a line; no file where there are none."""
+    pairs = zip(data.where, data.rows)
+    fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
+    skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
+    lists = (("fallback_rows.jsonl", fallback, "graded by exact match (math-verify cannot read "
+                                               "their gold)"),
+             ("skipped_rows.jsonl", skipped, "of --data left out (--skip-bad-rows)"))
+    for name, recs, what in lists:
         if recs:
             write_file(os.path.join(cfg.out, name), "".join(json.dumps(r) + "\n" for r in recs))
             log(f"{len(recs)} rows {what}: {os.path.join(cfg.out, name)}")
@@ -2085,7 +2110,8 @@ class RunError(RuntimeError):
 RUN_MARK = ".gmts-run"  # {"kind": ...} in each folder this program writes; its live writer flocks it
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
                "vocab.json", "merges.txt", "chat_template.*", "README.md")
-WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", "*_rows.jsonl", *MODEL_FILES),
+WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", "*_rows.jsonl",
+                   *MODEL_FILES),
           "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
           "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process

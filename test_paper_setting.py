@@ -275,11 +275,11 @@ def test_our_own_layout_takes_latex_golds_and_keeps_gsm8k_rows(tmp_path, verifie
     first, second, third = gmts.load_rows("math", path, 0)
     assert first == {"question": "q1", "answer": "\\frac{\\sqrt{3}}{2}", "latex": True}
     assert second == {"question": "q2", "answer": "1450", "steps": ["He has 2 apples"]}  # GSM8K's, as before
-    assert third == {"question": "q3", "answer": "72", "latex": True}  # no '####': boxed, as every layout
+    assert third == {"question": "q3", "answer": "72", "latex": True}  # no '####': boxed
     assert gmts.TASKS["math"]["reward"](box("\\frac{\\sqrt3}{2}"), first) == 1.0
     assert gmts.TASKS["math"]["reward"]("\\boxed{x = 72}", third) == 1.0  # math-verify reads 'x = '
     assert gmts.TASKS["math"]["reward"]("so 72", third) == 0.0  # but not a bare last number
-    assert gmts.TASKS["math"]["reward"]("\\boxed{x = 1450}", second) == 0.0  # GSM8K's: exact numbers only
+    assert gmts.TASKS["math"]["reward"]("\\boxed{x = 1450}", second) == 0.0  # GSM8K's: numbers
 
 
 @pytest.mark.parametrize("write,where", [(write_math500, "math500.jsonl line 2"), (write_aime, "aime.csv row 2")])

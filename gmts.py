@@ -1529,7 +1529,7 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
     except Exception as e:  # no network, no such set, split or file, a file datasets cannot parse
         if data_kind(data) == "file":
             raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
-        hint = "use --data gen"  # offline, a run on a hub set's copy: the file it names
+        hint = "use --data gen"  # countdown's and GSM8K's sets: the generator stands in for them
         if task == "math" and "gsm8k" not in data:
             hint = f"use files in a MATH layout (--data {MATH_EXAMPLE}, --eval-data NAME=FILE)"
         raise ValueError(f"could not load {data} from the hub (no network?): {error_line(e)}; "

@@ -1347,7 +1347,7 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
     "countdown": {"nums": ("a list of integers", _list_of(int)), "target": ("an integer", lambda v: type(v) is int)},
     "math": {"question": ("a string", lambda v: isinstance(v, str)),
              "answer": ("a finite number, a GSM8K solution ending in '#### N' or a LaTeX answer "
-                        "(braces balanced, no ^ _ \\ at its end)",
+                        "(<= 1,000 characters, braces balanced, no ^ _ \\ at its end)",
                         lambda v: type(v) in (str, int, float))},
     "logic": {"names": ("a list of strings", _list_of(str)), "statements": ("a list of strings", _list_of(str)),
               "solution": ("an object {name: true/false}", lambda v: isinstance(v, dict)
@@ -1458,8 +1458,8 @@ def _check_row(row, task: str, columns: str = "") -> dict:
     if "####" in str(row["answer"]) and parse_number(gsm8k["answer"]) is not None:
         return gsm8k
     gold = str(row["answer"]).strip()  # Minerva's end in a newline
-    refused = ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:60]!r}')
-    if not _finite(gold):  # NaN, Infinity (a parquet NaN cell too): sympy would read "nan" as n*a*n
+    refused = ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:40]!r}')
+    if not _finite(gold) or len(gold) > 1000:  # NaN, Infinity: sympy would read "nan" as n*a*n
         raise refused
     out = {"question": row["question"], "answer": gold, "latex": True}
     if _OWN_ANSWER.search(row["question"]):

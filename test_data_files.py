@@ -167,7 +167,8 @@ def test_a_dapo_row_s_own_instruction_counts(verifier):
 
 
 def test_golds_must_be_finite(tmp_path, verifier):
-    """JSONL NaN / Infinity and a parquet NaN cell are refused (sympy reads "nan" as n*a*n)."""
+    """JSONL NaN / Infinity and a parquet NaN cell are refused (sympy reads "nan" as n*a*n), and
+    so is a gold longer than any boxed answer the grader reads."""
     import datasets
     path = tmp_path / "nan.jsonl"
     path.write_text('{"question": "q", "answer": NaN}\n{"question": "q", "answer": "-Infinity"}\n')
@@ -180,6 +181,8 @@ def test_golds_must_be_finite(tmp_path, verifier):
     datasets.Dataset.from_list(cells).to_parquet(parquet)
     with pytest.raises(ValueError, match=r"nan.parquet row 2: \"answer\" must be a finite number"):
         gmts.load_rows("math", parquet, 0)
+    with pytest.raises(ValueError, match=r"<= 1,000 characters"):  # no boxed answer reaches it
+        gmts._check_row({"question": "q", "answer": "x" * 1001}, "math")
 
 
 def test_bad_rows_are_all_named_in_one_line(tmp_path, verifier):

@@ -112,6 +112,9 @@ class Config:
         "draw",
         "draw: each step draws its rows afresh, seeded by (seed, step); epoch: a file's or set's "
         "rows in a seeded shuffle, each once per pass, continued by --resume; gen, easy: draw only")
+    skip_bad_rows: bool = arg(
+        False, "train without --data's bad rows (no answer, a broken one), listed in "
+               "OUT/skipped_rows.jsonl; default: refuse them all before step 0")
     prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
                                     "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
@@ -221,22 +224,38 @@ def use_chat(tok, chat: str = "auto") -> bool:
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
+# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
+PROMPT_STYLES = {
+    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
+    "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
+    "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
+    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
+}
+
 def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
     """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
     inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False drops the system line."""
-    head, prefix = (SYSTEM_PROMPT, ASSISTANT_PREFIX) if style == "ours" else (QWEN_MATH_SYSTEM, "")
-    if style == "boxed-suffix":
-        question, system = f"{question} {BOXED_SUFFIX}", False
+    head, prefix, suffix = PROMPT_STYLES[style]
+    question = question + suffix
+    system = system and head is not None
     if not chat:
         return (head + "\n" if system else "") + f"User: {question}\nAssistant: {prefix}".rstrip(" ")
     msgs = [{"role": "system", "content": head}] if system else []
     msgs.append({"role": "user", "content": question})
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
 
-def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
-    """Prompt strings for task rows in task["style"]; short=True: terse questions, no system line."""
-    questions = [task["prompt"](r, short=short) if task.get("style", "ours") == "ours" else r["question"] for r in rows]
-    return [render_prompt(tok, q, chat, not short, task.get("style", "ours")) for q in questions]
+def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
+                  style: str = "ours") -> list:
+    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
+    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
+    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
+    system line, prefill or suffix that contradicts it."""
+    prompts = []
+    for r in rows:
+        own = "own" if r.get("answer_line") else style
+        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
+        prompts.append(render_prompt(tok, question, chat, not short, own))
+    return prompts
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
@@ -457,17 +476,59 @@ def math_final_answer(text: str, boxed_only: bool = False):
         return None
     return m.group().rstrip(",.")
 
+def _answer_line(text: str):
+    """What follows the last 'Answer:' to its line's end ($, \\boxed{} around it gone) or None."""
+    k = text.rfind("Answer:")
+    if k < 0:
+        return None
+    line = text[k + len("Answer:"):k + 400].split("\n", 1)[0].strip().strip("$").strip()
+    boxed = _last_boxed(line, cap=300)
+    return boxed if boxed is not None else line or None
+
+_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
+_POWER_ARG = re.compile(  # \sin^2 t
+    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
+_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
+
+def normal_answer(s: str) -> str:
+    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
+    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
+    (math-verify 0.9 misreads each of them)."""
+    s = s.strip()
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
+            s = s[len(a):-len(b)].strip()
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
+    s = _UNIT.sub("", s).rstrip(".,; ")
+    s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
+    return _SPACED_OP.sub(r"\1", s)
+
+def bare_answer(s: str) -> str:
+    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
+    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
+    strings equal)."""
+    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
+    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                 ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
+        s = s.replace(a, b)
+    return "".join(s.split())
+
 @_never_raise
-def math_reward(completion: str, answer: str, latex: bool = False) -> float:
+def math_reward(completion: str, answer: str, latex: bool = False, fallback: bool = False,
+                answer_line: bool = False) -> float:
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus.
-    latex (a competition row): the last \\boxed{}, by math-verify (latex_equal) unless both are numbers."""
+    latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:' line), by
+    math-verify (latex_equal) on normal_answer's forms unless both are numbers; fallback (a gold
+    math-verify cannot read): bare_answer's forms equal."""
     gold = parse_number(str(answer))
-    got = math_final_answer(completion, boxed_only=latex)
+    got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
         return 0.0
     if gold is not None and (not latex or parse_number(got) is not None):
         return 1.0 if parse_number(got) == gold else 0.0
-    return 1.0 if latex_equal(str(answer), got) else 0.0
+    if fallback:
+        return 1.0 if bare_answer(str(answer)) == bare_answer(got) else 0.0
+    return 1.0 if latex_equal(normal_answer(str(answer)), normal_answer(got)) else 0.0
 
 _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
 
@@ -501,7 +562,7 @@ def countdown_prompt(row: dict, short=False) -> str:
             f"once. {_FORMAT}, for example <answer> (1 + 2) / 3 </answer>.")
 
 def math_prompt(row: dict, short=False) -> str:
-    if short:
+    if short or row.get("answer_line"):  # a row that asks for its answer itself (DAPO's): as it is
         return row["question"]
     return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
             f"for example <answer> \\boxed{{42}} </answer>.")
@@ -516,7 +577,9 @@ def logic_prompt(row: dict, short=False) -> str:
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
     "countdown": {"prompt": countdown_prompt, "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
-    "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(c, row["answer"], row.get("latex", False))},
+    "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(
+        c, row["answer"], row.get("latex", False), row.get("fallback", False),
+        row.get("answer_line", False))},
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
 
@@ -911,7 +974,7 @@ class Run:
     model: torch.nn.Module  # the policy, fp32 master weights
     tok: object  # its tokenizer
     opt: torch.optim.Optimizer
-    task: dict  # TASKS[cfg.task] and the prompt style ("style")
+    task: dict  # TASKS[cfg.task]
     draw: object  # draw(n, *key) -> n training rows (read_data)
     eval_rows: object  # the held-out rows, or --eval-data's {name: rows} (read_data)
     chat: bool  # prompts in the chat template
@@ -943,7 +1006,7 @@ def start_run(cfg: Config, log=print) -> Run:
     fast = cfg.fast_generate
     if fast is None:
         fast = device.type == "cuda"
-    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # build_prompts reads "style" there
+    task = get_task(cfg.task)
     run = Run(model=model, tok=tok, opt=opt, task=task, draw=data.draw, eval_rows=data.held,
               chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
@@ -967,7 +1030,8 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
     while len(parts) < max_batches and n_informative < B:
         # 1. B training prompts (the k-th rollout batch of a step draws with the key (step, k))
         rows = run.draw(B, step, len(parts))
-        prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt)
+        prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt,
+                                cfg.prompt_style)
         # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt n // G)
         batch = sample_answers(run, prompts, cfg, log)
         # 3. one reward per answer from the task's verifier (the Rewards section)
@@ -1310,17 +1374,26 @@ def _list_of(t: type):
 _SCHEMA = {  # task -> key -> (what the value must be, its test)
     "countdown": {"nums": ("a list of integers", _list_of(int)), "target": ("an integer", lambda v: type(v) is int)},
     "math": {"question": ("a string", lambda v: isinstance(v, str)),
-             "answer": ("a number, a GSM8K solution ending in '#### N' or a LaTeX answer math-verify reads",
+             "answer": ("a finite number, a GSM8K solution ending in '#### N' or a LaTeX answer "
+                        "(<= 1,000 characters, braces balanced, no ^ _ \\ at its end)",
                         lambda v: type(v) in (str, int, float))},
     "logic": {"names": ("a list of strings", _list_of(str)), "statements": ("a list of strings", _list_of(str)),
               "solution": ("an object {name: true/false}", lambda v: isinstance(v, dict)
                            and all(type(x) is bool for x in v.values()))},
 }
 
-# The published math layouts' (question, answer) columns, a.b: b in a (a list: its first item; a chat: its last turn)
-LAYOUTS = {"MATH, MATH-500, Minerva": ("problem", "answer"), "AIME 2024 CSV": ("Question", "Answer"),
-           "OlympiadBench": ("question", "final_answer"), "DAPO-Math-17k": ("prompt", "reward_model.ground_truth")}
+# The math layouts' (question, answer) columns, in the order tried: a.b: b in a (a list: its first
+# item; a chat: its last turn); an answer column ending in \\boxed: the last \\boxed{} of that text
+# (a worked solution) is the gold
+LAYOUTS = {"ours, GSM8K": ("question", "answer"),
+           "MATH-500, math12k, Minerva": ("problem", "answer"),
+           "AIME 2024 CSV": ("Question", "Answer"), "OlympiadBench": ("question", "final_answer"),
+           "DAPO-Math-17k": ("prompt", "reward_model.ground_truth"),
+           "MATH (Hendrycks), Qwen2.5-Math's minerva_math": ("problem", "solution\\boxed")}
 LINE_CAP = 1 << 20  # bytes per line of a --data file
+MATH_EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata",
+                            "math_train_layout.jsonl")  # offline hint: a file in MATH's layout
+_OWN_ANSWER = re.compile(r'(?:form|after) "?Answer:')  # DAPO's: a last line 'Answer: N'
 
 def _row_problem(task: str, row: dict):
     """Why a row with the schema's keys can never earn 1.0 from its verifier, or None."""
@@ -1343,26 +1416,59 @@ def _row_problem(task: str, row: dict):
         return '"solution" must name exactly the people in "names"'
     return None
 
+def _cell(row: dict, key: str):
+    for k in key.split("."):
+        row = row.get(k) if isinstance(row, dict) else None
+    return row
+
 def _math_layout(row: dict, columns: str = "") -> dict:
-    """A math row in --data-columns' layout or a published one (LAYOUTS) as a competition row; ours as it is."""
-    layouts = list(LAYOUTS.values())
-    if columns:
-        layouts.insert(0, tuple(columns.split(",")))
+    """{question, answer} of a math row in --data-columns' layout (only that one) or the first of
+    LAYOUTS it has; ValueError naming the columns looked for. The layout never decides the grading
+    rule (_check_row does)."""
+    layouts = [tuple(columns.split(","))] if columns else list(LAYOUTS.values())
     for q, a in layouts:
-        question, answer = row.get(q), row
-        for key in a.split("."):
-            answer = answer.get(key) if isinstance(answer, dict) else None
+        question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
         if isinstance(question, list) and question and isinstance(question[-1], dict):
             question = question[-1].get("content")
         if isinstance(answer, list) and answer:
             answer = answer[0]
+        if a.endswith("\\boxed") and isinstance(answer, str) and question is not None:
+            answer = _last_boxed(answer, tries=1, cap=2000)
+            if answer is None:
+                raise ValueError(f'"{a[:-6]}" has no closed \\boxed{{}} to take the answer from')
         if question is not None and answer is not None:
-            return {"question": question, "answer": answer, "latex": True}
-    return row
+            return {"question": question, "answer": answer}
+    if columns:
+        missing = next(k for k in layouts[0] if _cell(row, k.removesuffix("\\boxed")) is None)
+        raise ValueError(f'--data-columns {columns}: the row has no column "{missing}"')
+    if any(_cell(row, q) is not None for q, _ in layouts):
+        answers = [a.replace("\\boxed", " (its last \\boxed{})") for _, a in layouts]
+        looked = ", ".join(dict.fromkeys(answers))
+        raise ValueError(f'missing key "answer" (looked for the answer in: {looked})')
+    looked = ", ".join(dict.fromkeys(q for q, _ in layouts))
+    raise ValueError(f'missing key "question" (looked for: {looked}; or use --data-columns)')
+
+def _broken(gold: str) -> bool:
+    """A LaTeX gold no answer can match: empty, braces unbalanced, ending in ^ _ or a backslash."""
+    depth = 0
+    for c in gold.replace("\\{", "").replace("\\}", ""):
+        depth += {"{": 1, "}": -1}.get(c, 0)
+        if depth < 0:
+            return True
+    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
+
+def _finite(gold: str) -> bool:
+    try:
+        return math.isfinite(float(gold))
+    except ValueError:  # no float literal: LaTeX
+        return True
 
 def _check_row(row, task: str, columns: str = "") -> dict:
-    """A row as read -> the row the task trains on (math: GSM8K's, or "latex" with a gold math-verify reads). Any
-    problem raises (ValueError, RecursionError, ...): the reader's net names the file and line, or set and row."""
+    """A row as read -> the row the task trains on: math: GSM8K's (its answer a solution ending
+    in '#### N') or "latex" (every other gold: graded by the last \\boxed{}; "answer_line" where the
+    question asks for a last line 'Answer: N'; "fallback" where math-verify cannot read the gold).
+    Any problem raises (ValueError, RecursionError, ...): the reader's net names the file and line,
+    or set and row."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if task == "math":
@@ -1377,23 +1483,40 @@ def _check_row(row, task: str, columns: str = "") -> dict:
     if task != "math":
         return row
     gsm8k = _gsm8k_row(row["question"], row["answer"])
-    if not row.get("latex") and parse_number(gsm8k["answer"]) is not None:
+    if "####" in str(row["answer"]) and parse_number(gsm8k["answer"]) is not None:
         return gsm8k
     gold = str(row["answer"]).strip()  # Minerva's end in a newline
-    if parse_number(gold) is None and not latex_equal(gold):
-        raise ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:60]!r}')
-    return {"question": row["question"], "answer": gold, "latex": True}
+    refused = ValueError(f'"answer" must be {_SCHEMA["math"]["answer"][0]}, got {gold[:40]!r}')
+    if not _finite(gold) or len(gold) > 1000:  # NaN, Infinity: sympy would read "nan" as n*a*n
+        raise refused
+    out = {"question": row["question"], "answer": gold, "latex": True}
+    if _OWN_ANSWER.search(row["question"]):
+        out["answer_line"] = True
+    if parse_number(gold) is None and not latex_equal(normal_answer(gold)):
+        if _broken(gold):
+            raise refused
+        out["fallback"] = True
+    return out
 
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
-def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
+def _bad_rows(bad: list, skip: list = None):
+    """Every bad row ("WHERE: why") in one ValueError (the first 20, a count), or added to skip."""
+    if skip is not None:
+        skip.extend(bad)
+    elif bad:
+        more = f"; and {len(bad) - 20} more bad rows" if len(bad) > 20 else ""
+        raise ValueError("; ".join(bad[:20]) + more)
+
+def _read_jsonl(path: str, task: str, columns: str = "", skip: list = None) -> tuple:
     """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
-    only (a raw U+2028 in a string is no break); any problem in a line: ValueError "PATH line N: ..."."""
+    only (a raw U+2028 in a string is no break); bad lines: _bad_rows' "PATH line N: ...; ..."."""
     if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
         raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a data file")
     rows = []
     lines = []
+    bad = []
     digest = hashlib.sha256()
     size = 0
     try:
@@ -1410,11 +1533,12 @@ def _read_jsonl(path: str, task: str, columns: str = "") -> tuple:
                         lines.append(i)
                 except (ValueError, RecursionError, TypeError) as e:
                     why = _WHY.get(type(e)) or error_line(e, 200)
-                    raise ValueError(f"{path} line {i}: {why}") from None
+                    bad.append(f"{path} line {i}: {why}")
                 except OSError as e:  # not the file's (its line was read): the grader's, exit 1
                     raise RunError(error_line(e)) from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
+    _bad_rows(bad, skip)
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows, lines, {"size": size, "sha256": digest.hexdigest()}
@@ -1459,7 +1583,7 @@ def _env_fault(e):
         e = e and (e.__cause__ or e.__context__)
     return None
 
-def _read_set(data: str, task: str, columns: str = "") -> tuple:
+def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tuple:
     """(rows, names "DATA row N", a fingerprint) of a hub set or local dataset folder
     (hf:ID[:CONFIG][:SPLIT]) or a .json, .csv or .parquet file, read through `datasets`, every row
     checked. A local file or folder: fingerprinted by its bytes (bytes_print) and read into a fresh
@@ -1509,15 +1633,19 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
             if kind == "file":
                 raise ValueError(f"{data}: cannot read it ({error_line(e)})") from None
             why = f"could not load {data} from the hub (no network?): {error_line(e)}"
-            raise ValueError(why + "; use --data gen") from None
-        rows, where = [], []
+            hint = "use --data gen"  # countdown's and GSM8K's sets: the generator stands in for them
+            if task == "math" and "gsm8k" not in data:
+                hint = f"use files in a MATH layout (--data {MATH_EXAMPLE}, --eval-data NAME=FILE)"
+            raise ValueError(f"{why}; {hint}") from None
+        rows, where, bad = [], [], []
         for i, row in enumerate(ds, 1):
-            where.append(f"{data} row {i}")
             try:
                 _cell_cap(row)
                 rows.append(_check_row(row, task, columns))
+                where.append(f"{data} row {i}")
             except (ValueError, RecursionError, TypeError) as e:
-                raise ValueError(f"{where[-1]}: {_WHY.get(type(e), error_line(e))}") from None
+                bad.append(f"{data} row {i}: {_WHY.get(type(e), error_line(e))}")
+        _bad_rows(bad, skip)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1526,10 +1654,12 @@ def _read_set(data: str, task: str, columns: str = "") -> tuple:
     rows_print = {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
     return rows, where, data_print or rows_print
 
-def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
+def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", skip: list = None):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
     hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
-    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or None each."""
+    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or
+    None each. A file's or set's bad rows: one ValueError naming them, or (skip: a list) left out,
+    listed in skip."""
     get_task(task)
     kind, spec = data_kind(data), data.split(":")[1:]
     where, data_print = None, None
@@ -1546,9 +1676,9 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns=""):
             rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
         random.Random(seed).shuffle(rows)
     elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):
-        rows, where, data_print = _read_set(data, task, columns)
+        rows, where, data_print = _read_set(data, task, columns, skip)
     else:
-        rows, lines, data_print = _read_jsonl(data, task, columns)
+        rows, lines, data_print = _read_jsonl(data, task, columns, skip)
         where = [f"{data} line {i}" for i in lines]
     if n and n > 0:
         rows = rows[:n]
@@ -1568,6 +1698,7 @@ class Data:
     longest: int = 0  # the longest prompt of `rows`, in tokens (check_prompts)
     bench: dict = None  # --eval-data's fingerprints by name (a hub set's: of its rows)
     order: dict = None  # --data-order epoch: {"drawn": rows drawn so far}, which a resume sets
+    skipped: list = None  # --skip-bad-rows: the bad rows of --data left out, "WHERE: why"
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are
@@ -1577,7 +1708,9 @@ def read_data(cfg: Config) -> Data:
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
-    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, True, cfg.data_columns)
+    skipped = [] if cfg.skip_bad_rows else None
+    rows, where, data_print = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, True,
+                                        cfg.data_columns, skipped)
     held = rows[:n_held]
     checked = rows
     if where is None:  # generated or hub rows: the held-out ones stand for all
@@ -1622,7 +1755,7 @@ def read_data(cfg: Config) -> Data:
                 return out
         raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return Data(draw=draw, held=held, rows=checked, where=where, fingerprint=data_print,
-                bench=prints, order=order)
+                bench=prints, order=order, skipped=skipped)
 
 def eval_sets(spec: str) -> list:
     """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
@@ -1643,11 +1776,12 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     model's positions, or every row past --max-prompt-tokens (refused, never cut; data.longest: the
     plan's P): every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows
     at a time (bounded memory)."""
-    task = dict(get_task(cfg.task), style=cfg.prompt_style)  # as start_run's
     long = []  # the rows past --max-prompt-tokens, all named in one line
     limit = getattr(model.config, "max_position_embeddings", None) or 0
     for i in range(0, len(data.rows), chunk):
-        prompts = checked_prompts(tok, task, data.rows[i:i + chunk], use_chat(tok, cfg.chat_template), cfg.short_prompt)
+        prompts = checked_prompts(tok, get_task(cfg.task), data.rows[i:i + chunk],
+                                  use_chat(tok, cfg.chat_template), cfg.short_prompt,
+                                  cfg.prompt_style)
         for where, prompt in zip(data.where[i:i + chunk], prompts):  # a long one: its head first
             cut = prompt.rfind(" ", 0, 8 * limit)  # at a space: the head's tokens <= the whole's
             if len(prompt) > 8 * limit and cut > 0:
@@ -1665,10 +1799,11 @@ def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
                          f"{cfg.max_prompt_tokens}: {', '.join(long[:20])}{more}; raise it or "
                          "drop them")
 
-def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) -> list:
+def checked_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
+                    style: str = "ours") -> list:
     """build_prompts, where a chat template that fails on them (a role it refuses, bad syntax) is one ValueError."""
     try:
-        return build_prompts(tok, task, rows, chat, short)
+        return build_prompts(tok, task, rows, chat, short, style)
     except Exception as e:
         if memory_fault(e):
             raise
@@ -1837,15 +1972,16 @@ def refresh_sampler(sampler, model):
 # ==== Evaluation [plumbing] =======================================================================
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
-             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> dict:
+             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+             style: str = "ours") -> dict:
     """Accuracy (the share of answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample."""
     k = max(samples, 1)
     per = max(batch_size // k, 1)  # problems per rollout
     correct, length, sample = 0, 0, ""
     for i in range(0, len(rows), per):
         chunk = rows[i:i + per]
-        b = rollout(model, tok, build_prompts(tok, task, chunk, chat, short), k, max_new_tokens, temperature, top_p,
-                    greedy=samples == 0)
+        prompts = build_prompts(tok, task, chunk, chat, short, style)
+        b = rollout(model, tok, prompts, k, max_new_tokens, temperature, top_p, greedy=samples == 0)
         correct += sum(task["reward"](t, chunk[j // k]) == 1.0 for j, t in enumerate(b["texts"]))
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
@@ -1858,7 +1994,8 @@ def evaluate_run(model, run, cfg: Config) -> dict:
     sets = run.eval_rows if isinstance(run.eval_rows, dict) else {"acc": run.eval_rows}
     recs = [evaluate(model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
                      batch_size=cfg.rollout_rows or 64, samples=cfg.eval_samples,
-                     temperature=cfg.temperature, top_p=cfg.top_p) for rows in sets.values()]
+                     temperature=cfg.temperature, top_p=cfg.top_p, style=cfg.prompt_style)
+                 for rows in sets.values()]
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
                 eval_sample=recs[0]["eval_sample"])
@@ -2026,6 +2163,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     log(memory_line(cfg, run.model, data.longest, device))  # before any work
+    write_row_lists(cfg, data, log)
     if resumed:
         return
     rec = dict(step=0, **evaluate_run(run.model, run, cfg))
@@ -2033,6 +2171,21 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     run.report(rec)
     log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
+
+def write_row_lists(cfg: Config, data: Data, log=print):
+    """OUT/fallback_rows.jsonl: the rows read whose gold math-verify cannot read (graded by
+    bare_answer's exact match); OUT/skipped_rows.jsonl: --skip-bad-rows' rows left out. Each
+    counted in a line; no file where there are none."""
+    pairs = zip(data.where, data.rows)
+    fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
+    skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
+    lists = (("fallback_rows.jsonl", fallback, "graded by exact match (math-verify cannot read "
+                                               "their gold)"),
+             ("skipped_rows.jsonl", skipped, "of --data left out (--skip-bad-rows)"))
+    for name, recs, what in lists:
+        if recs:
+            write_file(os.path.join(cfg.out, name), "".join(json.dumps(r) + "\n" for r in recs))
+            log(f"{len(recs)} rows {what}: {os.path.join(cfg.out, name)}")
 
 def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards, adv, old_logp, entropy, sel_mask,
                 stats: dict, opt, skipped: int, t0: float, t_roll: float) -> dict:
@@ -2176,7 +2329,8 @@ class RunError(RuntimeError):
 RUN_MARK = ".gmts-run"  # {"kind": ...} in each folder this program writes; its live writer flocks it
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors*", "*.bin", "tokenizer*", "*_tokens*.json",
                "vocab.json", "merges.txt", "chat_template.*", "README.md")
-WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", *MODEL_FILES),
+WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", "*_rows.jsonl",
+                   *MODEL_FILES),
           "trl": ("checkpoint-*", "training_args.bin", "trainer_state.json", "runs", *MODEL_FILES),
           "warm": MODEL_FILES, "compare": ("compare.md", "compare.png"), "analyze": ("analysis.json",)}
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process

@@ -608,7 +608,8 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
     B, G, parts = cfg.prompts_per_step, cfg.group_size, []
     while len(parts) < cfg.max_resample:
         rows = draw(B, key, len(parts))
-        batch = gmts.rollout(model, tok, gmts.build_prompts(tok, task, rows, chat, cfg.short_prompt), G,
+        prompts = gmts.build_prompts(tok, task, rows, chat, cfg.short_prompt, cfg.prompt_style)
+        batch = gmts.rollout(model, tok, prompts, G,
                              cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], [r for r in rows for _ in
                                                                                        range(G)])])  # (N,)
@@ -628,7 +629,7 @@ def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
     gmts.claim_out(cfg.out, "analyze")
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
-    task = dict(gmts.get_task(cfg.task), style=cfg.prompt_style)  # --prompt-style, as start_run
+    task = gmts.get_task(cfg.task)  # sample_parts builds its prompts in --prompt-style
     draw = gmts.read_data(cfg).draw
     model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     return model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)

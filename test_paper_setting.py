@@ -276,9 +276,11 @@ def test_our_own_layout_takes_latex_golds_and_keeps_gsm8k_rows(tmp_path, verifie
     first, second, third = gmts.load_rows("math", path, 0)
     assert first == {"question": "q1", "answer": "\\frac{\\sqrt{3}}{2}", "latex": True}
     assert second == {"question": "q2", "answer": "1450", "steps": ["He has 2 apples"]}  # GSM8K's, as before
-    assert third == {"question": "q3", "answer": "72", "steps": []}
+    assert third == {"question": "q3", "answer": "72", "latex": True}  # no '####': boxed
     assert gmts.TASKS["math"]["reward"](box("\\frac{\\sqrt3}{2}"), first) == 1.0
-    assert gmts.TASKS["math"]["reward"]("\\boxed{x = 72}", third) == 0.0  # a GSM8K row: exact numbers only
+    assert gmts.TASKS["math"]["reward"]("\\boxed{x = 72}", third) == 1.0  # math-verify reads 'x = '
+    assert gmts.TASKS["math"]["reward"]("so 72", third) == 0.0  # but not a bare last number
+    assert gmts.TASKS["math"]["reward"]("\\boxed{x = 1450}", second) == 0.0  # GSM8K's: numbers
 
 
 @pytest.mark.parametrize("write,where", [(write_math500, "math500.jsonl line 2"), (write_aime, "aime.csv row 2")])
@@ -352,15 +354,15 @@ def tiny_model():
 # ---- prompt styles ---------------------------------------------------------------------------------------------------
 def test_the_prompt_styles(tiny_model):
     _, tok = tiny_model
-    task = dict(gmts.get_task("math"), style="qwen-math")
+    task = gmts.get_task("math")
     row = {"question": "What is $1+1$?", "answer": "2", "latex": True}
-    qwen = gmts.build_prompts(tok, task, [row], True)[0]
+    qwen = gmts.build_prompts(tok, task, [row], True, style="qwen-math")[0]
     assert qwen == ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
                     "<|im_end|>\n<|im_start|>user\nWhat is $1+1$?<|im_end|>\n<|im_start|>assistant\n")
-    suffix = gmts.build_prompts(tok, dict(task, style="boxed-suffix"), [row], True)[0]
+    suffix = gmts.build_prompts(tok, task, [row], True, style="boxed-suffix")[0]
     assert suffix == ("<|im_start|>user\nWhat is $1+1$? Let's think step by step and output the final answer within "
                       "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
-    assert gmts.build_prompts(tok, dict(task, style="qwen-math"), [row], False)[0] == (
+    assert gmts.build_prompts(tok, task, [row], False, style="qwen-math")[0] == (
         "Please reason step by step, and put your final answer within \\boxed{}.\nUser: What is $1+1$?\nAssistant:")
     ours = gmts.build_prompts(tok, gmts.get_task("math"), [row], True)[0]
     assert ours.endswith(gmts.ASSISTANT_PREFIX) and "<answer>" in ours  # the default, as before

@@ -149,7 +149,7 @@ class Config:
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
 
 CHOICES = {
-    "select": ["all", "random", "entropy", "gmts", "gradnorm"],
+    "select": [],  # METHODS' names, filled beside the table
     "device": ["auto", "cuda", "mps", "cpu"],
     "chat_template": ["auto", "yes", "no"],
     "loss_norm": ["all", "selected", "seq"],
@@ -635,37 +635,53 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    parts = []
+    for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
+        parts.append(checkpoint(logp, h, y, use_reentrant=False))
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+def micro_batch_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
+                     chunk: int):
+    """Yields (rows, m, logp) per micro-batch of the answers with a token in mask (N, T): rows (n,)
+    their indices, m = mask[rows] (n, T), logp (M,) the log p_y of m's tokens, row-major, with
+    autograd unless the caller runs under no_grad. The one log-prob pass of the loss
+    (loss_backward) and of the KL reference (response_logp): equal weights give equal bits."""
+    head = model.get_output_embeddings()
+    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # no token: split() still yields one empty piece
+            return
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        yield rows, m, head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)
 
 @torch.no_grad()
 def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                   chunk: int) -> torch.Tensor:
-    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on loss_backward's exact code path (same rows per
-    micro-batch, same chunked head): equal weights, equal log-probs to the bit. For the KL reference (deviation 7)."""
-    head = model.get_output_embeddings()
+    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), by the loss's own pass
+    (micro_batch_logp). For the KL reference (deviation 7)."""
     out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
-    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch):
-        if rows.numel() == 0:  # no valid token: split() still yields one empty piece
-            break
-        m = mask[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+    for rows, m, logp in micro_batch_logp(model, batch, mask, temperature, micro_batch, chunk):
         r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
         out[rows[r], t] = logp
     return out
 
 # ==== Scores and top-rho selection [paper: GMTS's score H * |omega|; 80/20's entropy score] =======
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+                clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
     above = (adv > 0) & (ratio > 1 + clip_high)
     below = (adv < 0) & (ratio < 1 - clip_low)
     return above | below
 
 def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
-    """--loss-norm's normaliser of L (derivation): dict(w=(N, T), denom=D, kl_denom=D_kl), for omega and
-    policy_update. valid (N, T): the loss's tokens; n_kept: the kept count (train passes keep_budget's)."""
+    """--loss-norm's normaliser of L (derivation): dict(w=(N, T), denom=D, kl_denom=D_kl), for
+    omega and the Objective. valid (N, T): the loss's tokens; n_kept: the budget (scope_budget).
+    'selected' divides by the budget, not by the tokens finally kept: omega, which the selection
+    ranks by, needs D before any token is selected (the budget is the kept count unless zero
+    scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
     if loss_norm == "seq":  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
@@ -675,11 +691,14 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
         return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
     return dict(w=w, denom=n_valid, kl_denom=n_valid)
 
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float, kl_beta: float = 0.0,
-          ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0, kl_denom: float = 1.0) -> torch.Tensor:
-    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip leaves the
-    gradient alive (else 0), plus the KL term's kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta.
-    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float,
+          kl_beta: float = 0.0, ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0,
+          kl_denom: float = 1.0) -> torch.Tensor:
+    """omega_t = -dL/dlogp_t of a kept token (derivation step 1):
+        w * ratio * A / denom  where the PPO clip leaves the gradient alive (else 0)
+        + kl_beta * w * (ref_ratio - 1) / kl_denom,  ref_ratio = pi_ref / pi_theta  (the KL term's)
+    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T)
+    -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
     om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
@@ -687,86 +706,133 @@ def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: fl
         om = om + kl_beta * w * (ref_ratio - 1) / kl_denom  # the KL term's
     return om
 
-def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
-                 generator: torch.Generator = None) -> torch.Tensor:
-    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
-    if method == "all":  # vanilla GRPO (train keeps every token, rho = 1)
-        return torch.ones_like(entropy)
-    if method == "random":  # the control
-        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
-    if method == "entropy":  # H_t (80/20 paper)
-        return entropy
-    if method == "gmts":  # H_t * |omega_t| (GMTS; H >= 0)
-        return (entropy * om).abs()
-    if method == "gradnorm":  # ||dL/dz||, the loss's exact logit-gradient norm (step 3; ours)
-        return om.abs() * grad_norm
-    raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
+@dataclass(frozen=True)
+class Method:
+    """A --select method (a row of METHODS), or a user's score for train(score_fn=...)."""
+    # score(logp, entropy, dz_norm, om, generator=None) -> (N, T), each (N, T): higher kept first
+    score: object
+    # False: a token scoring 0 is never kept, its gradient being 0 (deviation 9): maybe fewer
+    zero_kept: bool = True
+    # --scope auto's scope: "group" (each prompt's G answers) or "batch"
+    scope: str = "batch"
 
-def group_keep(counts: torch.Tensor, rho: float) -> torch.Tensor:
-    """The authors' budget: of a group's n valid tokens drop max(1, ceil((1 - rho) n)) (so one even at rho = 1),
-    keep the rest; in integer arithmetic on rho as written (limited where int64 would overflow). (B,) -> (B,)."""
-    top = int(counts.max()) + 1 if counts.numel() else 1
-    frac = Fraction(str(float(rho))).limit_denominator(2**62 // top)
-    p, q = frac.numerator, frac.denominator
-    drop = ((q - p) * counts + q - 1) // q  # ceil((1 - rho) n)
-    return (counts - drop.clamp_min(1)).clamp_min(0)
+def _random_score(logp, entropy, dz_norm, om, generator=None):
+    return torch.rand(entropy.shape, generator=generator).to(entropy.device)
 
-def keep_budget(mask: torch.Tensor, rho: float, group_size: int = 0) -> int:
-    """How many valid tokens select_tokens keeps before it drops zero scores: ceil(rho * n) of the whole
-    batch's n (at least one), or with group_size G group_keep summed over the groups of G rows."""
-    if group_size:
-        return int(group_keep(mask.reshape(-1, group_size * mask.shape[-1]).sum(1), rho).sum())
-    n = int(mask.sum())
-    # rho * n exactly, on rho as written: in floats 0.07 * 100 is 7.000000000000001, up to 8 tokens
-    return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))
+# The methods of --select. Adding one is a row and its score; 'all' keeps every token (rho 1).
+METHODS = {
+    # vanilla GRPO
+    "all": Method(lambda logp, H, dz_norm, om, gen=None: torch.ones_like(H)),
+    # the control
+    "random": Method(_random_score),
+    # H_t (80/20 paper)
+    "entropy": Method(lambda logp, H, dz_norm, om, gen=None: H),
+    # H_t * |omega_t| (GMTS; H >= 0), per group as its authors
+    "gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),
+    # ||dL/dz|| = |omega_t| * dz_norm, the exact logit-gradient norm (derivation step 3; ours)
+    "gradnorm": Method(lambda logp, H, dz_norm, om, gen=None: om.abs() * dz_norm, False),
+}
+CHOICES["select"].extend(METHODS)
 
-def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torch.Tensor:
-    """The authors' per-group selection, vectorised: each group's scores sorted ascending (stable: of equal
-    scores the earlier comes first), group_keep's lowest dropped. vals, groups (n,) -> keep (n,) bool."""
-    order = torch.sort(vals, stable=True).indices  # by score
-    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: lowest first
-    _, counts = torch.unique_consecutive(groups[order], return_counts=True)  # (B,)
-    starts = counts.cumsum(0) - counts
-    rank = torch.arange(len(order), device=vals.device) - starts.repeat_interleave(counts)  # 0: a group's lowest
-    keep = torch.zeros_like(vals, dtype=torch.bool)
-    keep[order] = rank >= (counts - group_keep(counts, rho)).repeat_interleave(counts)
-    return keep
+def token_scores(method: str, entropy: torch.Tensor, dz_norm: torch.Tensor, om: torch.Tensor,
+                 generator: torch.Generator = None, logp: torch.Tensor = None) -> torch.Tensor:
+    """METHODS[method]'s ranking score of each token; higher is kept first. (N, T) -> (N, T)."""
+    if method not in METHODS:
+        choices = ", ".join(METHODS)
+        raise ValueError(f"unknown selection method {method!r}; choose one of: {choices}")
+    return METHODS[method].score(logp, entropy, dz_norm, om, generator)
+
+def kept_count(counts: list, rho: float, rule: str) -> list:
+    """How many of a scope's n valid tokens are kept, for each n in counts, on rho as written (in
+    floats 0.07 * 100 is 7.000000000000001, up to 8 tokens):
+      drop  the authors' rule: drop max(1, ceil((1 - rho) n)), keep the rest (one dropped even
+            at rho = 1); ties at the threshold go to the later token (their ascending sort)
+      ceil  ours: keep ceil(rho n), at least one (none of none); ties to the earlier token"""
+    r = Fraction(str(float(rho)))
+    if rule == "drop":
+        return [max(0, n - max(1, math.ceil((1 - r) * n))) for n in counts]
+    return [min(n, max(1, math.ceil(r * n))) for n in counts]
+
+def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: torch.Tensor = None,
+                 rule: str = None) -> tuple:
+    """Step 6's budget, read by both the mask (select_tokens) and the 'selected' normaliser (train):
+    -> (label, kept). The scope is a label per token: with groups (N, T) those labels, with
+    group_size G each run of G consecutive rows (filter_groups' layout), else one label, the
+    whole batch. label (n,): each valid token's label index in position order (None: one label);
+    kept (L,): how many of each label's valid tokens are kept, by kept_count's rule (default:
+    drop for labels, as the authors' per-group code; ceil for the whole batch, as ours)."""
+    if rule is None:
+        rule = "ceil"
+        if group_size or groups is not None:
+            rule = "drop"
+    flat_mask = mask.reshape(-1)  # (N*T,)
+    if groups is None and not group_size:
+        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule))
+    if groups is None:
+        if mask.shape[0] % group_size:
+            raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
+        rows = torch.arange(mask.shape[0], device=mask.device)  # (N,)
+        groups = (rows // group_size)[:, None].expand(mask.shape)  # (N, T)
+    found = torch.unique(groups.reshape(-1)[flat_mask], return_inverse=True, return_counts=True)
+    _, label, counts = found  # (L,), (n,), (L,)
+    return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device)
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
-                  group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
-    """The top valid tokens by score: (N, T) -> (N, T) bool; masked-out tokens are never kept, NaN ranks lowest.
-    group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier position (any
-    rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows (keep_groups' layout) by
-    the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within each label instead. nonzero
-    (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9), so they may keep fewer."""
+                  group_size: int = 0, groups: torch.Tensor = None,
+                  rule: str = None) -> torch.Tensor:
+    """The top valid tokens by score within each scope: (N, T) -> (N, T) bool; masked-out tokens
+    are never kept, NaN ranks lowest. The scope and its budget (group_size, groups, rule):
+    scope_budget's; group_size 0 and no groups: the whole batch, ceil(rho n), ties to the earlier
+    token; group_size G: each prompt's group by the authors' rule, ties to the later. nonzero
+    (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9): maybe fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
         return sel.view_as(mask)
+    if rule is None:
+        rule = "ceil"
+        if group_size or groups is not None:
+            rule = "drop"
+    label, kept = scope_budget(mask, rho, group_size, groups, rule)
     vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
     vals = torch.nan_to_num(vals, nan=-math.inf)
-    if group_size and groups is None:
-        if mask.shape[0] % group_size:
-            raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
-        groups = (torch.arange(mask.shape[0], device=mask.device) // group_size)[:, None].expand(mask.shape)
-    if groups is not None:
-        keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)
+    # Highest first; the stable sort keeps equal scores in position order (ties to the earlier),
+    # or, on the scores reversed, in reverse order (ties to the later).
+    if rule == "drop":
+        order = len(vals) - 1 - torch.sort(vals.flip(0), descending=True, stable=True).indices
     else:
-        # Highest first; the stable sort keeps equal scores in order: ties to the earlier token.
         order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
-        keep = torch.zeros_like(vals, dtype=torch.bool)
-        keep[order[:keep_budget(mask, rho)]] = True
+    rank = torch.arange(len(vals), device=vals.device)  # (n,): 0 for the highest of its label
+    if label is not None:
+        order = order[torch.sort(label[order], stable=True).indices]  # then by label
+        counts = torch.bincount(label, minlength=len(kept))  # (L,)
+        rank = rank - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        kept = kept[label[order]]  # (n,)
+    keep = torch.zeros_like(vals, dtype=torch.bool)
+    keep[order] = rank < kept.to(vals.device)
     if nonzero:
         keep &= vals > 0
     sel[flat_mask] = keep
     return sel.view_as(mask)
 
 # ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
+@dataclass
+class Objective:
+    """The settings of the loss L (derivation), passed whole to omega's caller and the update."""
+    clip_low: float  # eps_l: PPO clip below 1
+    clip_high: float  # eps_h: above 1
+    kl_beta: float  # beta of the k3 KL term (0: none)
+    temperature: float  # T of the log-probs
+    w: torch.Tensor  # (N, T) token weights, loss_weights'
+    denom: float  # D, the policy term's normaliser
+    kl_denom: float  # D_kl, the KL term's
+
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp): (M,) inputs
-    -> (loss (M,), clip active (M,) bool). On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp
-    takes token_stats' code path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
+    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy
+    r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp takes token_stats' code
+    path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -778,83 +844,78 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
-def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, kept: torch.Tensor,
-                     ref_logp: torch.Tensor, w: torch.Tensor, *, denom: float, kl_denom: float, clip_low: float,
-                     clip_high: float, kl_beta: float) -> tuple:
+def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                     kept: torch.Tensor, ref_logp: torch.Tensor, w: torch.Tensor,
+                     objective: Objective) -> tuple:
     """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
         sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
-    -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["live"] the tokens with a gradient
-    (kept with A != 0 and an inactive clip; with KL also where 1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
-    pg, clip_m = grpo_token_loss(logp, old_logp, adv, clip_low, clip_high)  # (M,)
-    loss = (pg * kept * w).sum() / denom
-    counts = dict(clipped=int((clip_m & kept).sum()), live=int((kept & ~clip_m & (adv != 0)).sum()), kl=0.0)
-    if kl_beta > 0:
+    -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["kl"] the sum
+    of k3, counts["live"] the tokens with a gradient, each once: kept with A != 0 and an inactive
+    clip, or with KL where 1 - exp(ref - logp) != 0."""
+    o = objective
+    pg, clip_m = grpo_token_loss(logp, old_logp, adv, o.clip_low, o.clip_high)  # (M,)
+    loss = (pg * kept * w).sum() / o.denom
+    live = kept & ~clip_m & (adv != 0)  # (M,)
+    counts = dict(clipped=int((clip_m & kept).sum()), kl=0.0)
+    if o.kl_beta > 0:
         kl = k3_kl(logp, ref_logp)  # (M,)
-        loss = loss + kl_beta * (kl * w).sum() / kl_denom  # its normaliser ignores the selection
+        loss = loss + o.kl_beta * (kl * w).sum() / o.kl_denom  # its normaliser ignores the selection
         counts["kl"] = float(kl.detach().sum())
-        counts["live"] += int((torch.exp(ref_logp - logp.detach()) != 1).sum())
+        live = live | (torch.exp(ref_logp - logp.detach()) != 1)
+    counts["live"] = int(live.sum())
     return loss, counts
 
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor, denom: float,
-                  *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
-                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
-                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time; denom,
-    w (N, T), kl_denom: loss_weights' (defaults w = 1, kl_denom = the valid tokens). Masks, (N, T):
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, objective: Objective, *, micro_batch: int, chunk: int,
+                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None) -> dict:
+    """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time, by
+    micro_batch_logp (the KL reference's pass). Masks, (N, T):
       valid     the loss's tokens, KL's too (default resp_mask; --overlong-filter: none truncated)
       sel_mask  the kept tokens, the policy term's
       need      the tokens whose log-prob is computed: the kept ones, with KL every valid one
     Only `need` enters the lm_head (the others' gradient is 0: leaving them out is exact) -> loss,
     clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
-    head = model.get_output_embeddings()
     if valid is None:
         valid = batch["resp_mask"]
     need = sel_mask
-    if kl_beta > 0:
+    if objective.kl_beta > 0:
         need = sel_mask | valid
-    n_valid = max(int(valid.sum()), 1)
-    if w is None:
-        w = torch.ones(valid.shape, device=valid.device)
-    if kl_denom is None:
-        kl_denom = n_valid
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
-    active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch):
-        if rows.numel() == 0:  # nothing kept: split() still yields one empty piece
-            break
-        m = need[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+    passes = micro_batch_logp(model, batch, need, objective.temperature, micro_batch, chunk)
+    for rows, m, logp in passes:
         ref = None
-        if kl_beta > 0:
+        if objective.kl_beta > 0:
             ref = ref_logp[rows][m]  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref, w[rows][m], denom=denom,
-                                        kl_denom=kl_denom, clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta)
+        old = old_logp[rows][m]  # (M,)
+        w = objective.w[rows][m]  # (M,)
+        loss, counts = micro_batch_loss(logp, old, a, sel_mask[rows][m], ref, w, objective)
         loss.backward()
         totals["loss"] += float(loss.detach())
         for key, value in counts.items():
             totals[key] += value
     n_sel = max(int(sel_mask.sum()), 1)
-    return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel, kl=totals["kl"] / n_valid,
-                live=totals["live"])
+    n_valid = max(int(valid.sum()), 1)
+    return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel,
+                kl=totals["kl"] / n_valid, live=totals["live"])
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
-                  max_grad_norm: float, kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
-                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's step rule, so A = 0
-    everywhere, with the policy at its reference, moves neither the weights nor the Adam moments."""
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, objective: Objective, *, micro_batch: int, chunk: int,
+                  max_grad_norm: float, ref_logp: torch.Tensor = None,
+                  valid: torch.Tensor = None) -> dict:
+    """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's
+    step rule, so A = 0 everywhere, with the policy at its reference, moves neither the weights
+    nor the Adam moments. Adds grad_norm (the global parameter-gradient norm, before clipping),
+    skipped and stepped."""
     opt.zero_grad(set_to_none=True)
-    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
-                          clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,
-                          kl_beta=kl_beta, ref_logp=ref_logp, valid=valid, w=w, kl_denom=kl_denom)
-    norm = 0.0
+    stats = loss_backward(model, batch, adv, sel_mask, old_logp, objective,
+                          micro_batch=micro_batch, chunk=chunk, ref_logp=ref_logp, valid=valid)
+    grad_norm = 0.0
     if stats["live"]:
         params = [p for p in model.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    finite = math.isfinite(norm) and math.isfinite(stats["loss"])
-    stats["grad_norm"] = norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    finite = math.isfinite(grad_norm) and math.isfinite(stats["loss"])
+    stats["grad_norm"] = grad_norm
     stats["skipped"] = int(not finite)
     stats["stepped"] = int(stats["live"] > 0 and finite)
     if stats["stepped"]:
@@ -954,26 +1015,42 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         return batch, rewards, adv, parts
     return (*keep_groups(parts, G, B, run.tok.pad_token_id), parts)
 
-def selection_rule(cfg: Config) -> tuple:
-    """(rho, group_size) of step 6: 'all' keeps every token (rho 1 over the batch); --scope group (auto: for
-    gmts, as its authors) ranks within each prompt's G answers, batch (auto: the others) over the whole batch (0)."""
+def step_method(cfg: Config, score_fn=None) -> Method:
+    """Algorithm step 6's method: METHODS[cfg.select], or train's score_fn: a Method as given, a bare
+    score function as a Method that keeps zero scores, at --select's scope."""
+    if isinstance(score_fn, Method):
+        return score_fn
+    if score_fn is not None:
+        return Method(score_fn, True, METHODS[cfg.select].scope)
+    return METHODS[cfg.select]
+
+def selection_rule(cfg: Config, method: Method = None) -> tuple:
+    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch);
+    --scope group ranks within each prompt's G answers, batch over the whole batch (0); auto: the
+    method's scope (default METHODS[cfg.select]'s: group for gmts, as its authors, else batch)."""
     if cfg.select == "all":
         return 1.0, 0
-    per_group = cfg.scope == "group" or (cfg.scope == "auto" and cfg.select == "gmts")
-    return cfg.rho, cfg.group_size if per_group else 0
+    if method is None:
+        method = METHODS[cfg.select]
+    scope = cfg.scope
+    if scope == "auto":
+        scope = method.scope
+    if scope == "group":
+        return cfg.rho, cfg.group_size
+    return cfg.rho, 0
 
-def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
-    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select), selection_rule's rho and
-    scope, nonzero for gmts and gradnorm (deviation 9); a given score_fn(logp, entropy, grad_norm, om) replaces it."""
-    rho, group_size = selection_rule(cfg)
-    if score_fn is not None:
-        return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, rho, group_size=group_size)
-    scores = token_scores(cfg.select, entropy, grad_norm, om)
-    return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)
+def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None) -> torch.Tensor:
+    """Algorithm step 6 as train() runs it, all (N, T): select_tokens by step_method's score, zero
+    rule (deviation 9) and scope (selection_rule)."""
+    method = step_method(cfg, score_fn)
+    rho, group_size = selection_rule(cfg, method)
+    scores = method.score(logp, entropy, dz_norm, om)
+    return select_tokens(scores, mask, rho, not method.zero_kept, group_size)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection (the docstring's steps 1-8) -> the output folder. score_fn, if
-    given, replaces token_scores (step_selection): the notebook trains its own score through it."""
+    """GRPO with token selection (the docstring's algorithm steps 1-8) -> the output folder.
+    score_fn, if given, replaces METHODS[cfg.select] (step_method): a Method, or a bare
+    score(logp, entropy, dz_norm, om); the notebook trains its own score through it."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
     cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
@@ -981,6 +1058,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
     report = run.report  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
+    method = step_method(cfg, score_fn)  # the score, its zero rule and scope (METHODS)
     model.train()
     for step in range(run.start, cfg.steps + 1):
         t0 = time.time()
@@ -992,39 +1070,43 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
             valid = mask & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
-        # 5. statistics of pi_old, the fp32 policy before this update (--sampler-dtype bf16, CUDA's default: a bf16
-        # copy of it sampled): log pi(y_t), H_t and grad_norm, each (N, T); the KL reference's log-probs (loss's path)
-        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+        # 5. statistics of pi_old, the fp32 policy before this update (--sampler-dtype bf16,
+        # CUDA's default: a bf16 copy of it sampled): log pi(y_t), H_t and dz_norm, each (N, T);
+        # the KL reference's log-probs (by the loss's own pass)
+        logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
         old_logp = logp
         ref_logp = None
         if run.ref is not None:
             ref_logp = response_logp(run.ref, batch, valid, cfg.temperature, mb, chunk)
-        rho, group_size = selection_rule(cfg)
-        norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
+        # the loss's settings; 'selected' divides by scope_budget's count, the one the mask keeps
+        rho, group_size = selection_rule(cfg, method)
+        n_kept = int(scope_budget(valid, rho, group_size)[1].sum())
+        weights = loss_weights(cfg.loss_norm, valid, n_kept)  # w, D, D_kl
+        objective = Objective(cfg.clip_low, cfg.clip_high, cfg.kl_beta, cfg.temperature, **weights)
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
-                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+                logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. omega (-dL/dlogp of step 7's loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
             ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
             if run.ref is not None:
                 ref_ratio = torch.exp(ref_logp - logp)
-            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
-                       **norm)  # (N, T)
-            sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, valid, score_fn)  # (N, T) bool
+            ratio = torch.exp(logp - old_logp)  # (N, T)
+            om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
+                       **weights)  # (N, T)
+            sel_mask = step_selection(cfg, logp, entropy, dz_norm, om, valid, method)  # (N, T)
             # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
             for group in opt.param_groups:
                 group["lr"] = step_lr(cfg, step, inner)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=cfg.temperature,
-                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb, chunk=chunk,
-                                  max_grad_norm=cfg.max_grad_norm, kl_beta=cfg.kl_beta, ref_logp=ref_logp,
-                                  valid=valid, **norm)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, objective,
+                                  micro_batch=mb, chunk=chunk, max_grad_norm=cfg.max_grad_norm,
+                                  ref_logp=ref_logp, valid=valid)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
         check_weights(model, batch, step, cfg.out)  # non-finite weights: stop before a checkpoint
         # 8. log, evaluate, checkpoint
-        rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
-                          run.skipped, t0, t_roll)
+        rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask,
+                          stats, opt, run.skipped, t0, t_roll)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate_run(model, run, cfg))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)

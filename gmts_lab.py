@@ -508,14 +508,15 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
     logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
-    norm = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
-    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **norm)  # (N, T)
+    weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
+    objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
+    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **weights)  # (N, T)
     low = low_adv_rows(adv, cfg.group_size)[:, None] & mask  # (N, T)
 
     def grad(sel):
         model.zero_grad(set_to_none=True)
-        gmts.loss_backward(model, batch, adv, sel, logp, temperature=cfg.temperature, clip_low=cfg.clip_low,
-                           clip_high=cfg.clip_high, micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk, **norm)
+        gmts.loss_backward(model, batch, adv, sel, logp, objective, micro_batch=cfg.micro_batch,
+                           chunk=cfg.stats_chunk)
         return flat_grad(model)
     g_all = grad(mask)
     n_all = float(g_all.norm())
@@ -531,8 +532,8 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
                 continue
             method = parse_arm(arm)[0]
             keep, group_size = gmts.selection_rule(dataclasses.replace(cfg, rho=rho, **arm_fields(arm, cfg)))
-            sel = gmts.select_tokens(scores[arm], mask, keep, nonzero=method in ("gmts", "gradnorm"),
-                                     group_size=group_size)
+            nonzero = not gmts.METHODS[method].zero_kept
+            sel = gmts.select_tokens(scores[arm], mask, keep, nonzero, group_size)
             g = grad(sel)
             n_s = float(g.norm())
             cos = float(g @ g_all) / (n_s * n_all) if n_s > 0 else 0.0

@@ -1098,6 +1098,90 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     model.zero_grad()
 
 
+def test_live_counts_a_token_once_under_kl():
+    """Hand-computed step-rule count on four tokens, on-policy (r = 1): token 0 kept with A = 1 and its log-prob
+    off the reference's; token 1 kept with A = 0, at the reference; token 2 dropped, off the reference; token 3
+    dropped, at it. Live (a gradient): 0 (both terms) and 2 (KL only): 2 tokens, token 0 counted once, not twice."""
+    logp = torch.tensor([-1.0, -2.0, -0.5, -1.5])
+    adv = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    kept = torch.tensor([True, True, False, False])
+    ref = logp + torch.tensor([0.1, 0.0, -0.2, 0.0])
+    objective = gmts.Objective(0.2, 0.28, 0.1, 1.0, torch.ones(1, 4), 4.0, 4.0)
+    _, counts = gmts.micro_batch_loss(logp, logp, adv, kept, ref, torch.ones(4), objective)
+    assert counts["live"] == 2
+    no_kl = gmts.Objective(0.2, 0.28, 0.0, 1.0, torch.ones(1, 4), 4.0, 4.0)
+    assert gmts.micro_batch_loss(logp, logp, adv, kept, ref, torch.ones(4), no_kl)[1]["live"] == 1
+
+
+def test_one_budget_feeds_the_mask_and_the_selected_normaliser(tmp_path, monkeypatch, parity):
+    """A new budget rule given to the one function (kept_count: here n // 3 of each scope's n valid tokens) changes
+    both what train's mask keeps and --loss-norm selected's divisor, in the group and the batch scope: they agree
+    with the rule, and differ from the default rule's count."""
+    real_count, real_update = gmts.kept_count, gmts.policy_update
+    monkeypatch.setattr(gmts, "kept_count", lambda counts, rho, rule: [n // 3 for n in counts])
+    seen = []
+
+    def update(model, opt, batch, adv, sel_mask, old_logp, objective, **k):
+        seen.append((sel_mask.clone(), objective.denom, k["valid"].clone()))
+        return real_update(model, opt, batch, adv, sel_mask, old_logp, objective, **k)
+    monkeypatch.setattr(gmts, "policy_update", update)
+    for scope, G in (("group", 4), ("batch", 0)):
+        seen.clear()
+        train_main(*SMALL, "--steps", "1", "--select", "entropy", "--scope", scope, "--loss-norm", "selected",
+                   "--out", tmp_path / scope)
+        ((sel, denom, valid),) = seen
+        per_scope = [int(valid.sum())]
+        if G:
+            per_scope = [int(valid[i:i + G].sum()) for i in range(0, len(valid), G)]
+        want = sum(n // 3 for n in per_scope)
+        assert int(sel.sum()) == denom == want
+        assert want != sum(real_count(per_scope, 0.2, "drop" if G else "ceil"))
+
+
+def test_a_users_method_row_sets_its_score_zero_rule_and_scope(tmp_path, monkeypatch, parity):
+    """A method is one row: a Method (score, zero_kept, scope) added to METHODS is a --select method for
+    token_scores and step_selection, and train(score_fn=Method(...)) trains a user's score with the row's
+    properties. The score here is the entropy with every even position set to 0: zero_kept=False keeps none of
+    those, and scope "group" ranks within each prompt's G answers by the authors' rule (select_tokens with
+    group_size G, nonzero), where the default row (a bare function: zeros kept, --select gmts's group scope) and a
+    batch row keep other tokens."""
+    def score(logp, entropy, dz_norm, om, generator=None):
+        s = entropy.clone()
+        s[:, ::2] = 0.0
+        return s
+    row = gmts.Method(score, zero_kept=False, scope="group")
+    monkeypatch.setitem(gmts.METHODS, "mine", row)
+    H = torch.rand(8, 6, generator=torch.Generator().manual_seed(0)) + 0.1
+    mask = torch.ones(8, 6, dtype=torch.bool)
+    assert torch.equal(gmts.token_scores("mine", H, H, H), score(None, H, H, H))
+    cfg = gmts.Config(select="mine", group_size=4, rho=0.75)  # each group of 24 keeps 18: 12 non-zero
+    sel = gmts.step_selection(cfg, None, H, H, H, mask)
+    assert torch.equal(sel, select_tokens(score(None, H, H, H), mask, 0.75, nonzero=True, group_size=4))
+    assert not sel[:, ::2].any() and [int(sel[:4].sum()), int(sel[4:].sum())] == [12, 12]
+    real_select = gmts.step_selection
+    seen = []
+
+    def spy(cfg, logp, entropy, dz_norm, om, mask, score_fn=None):
+        sel = real_select(cfg, logp, entropy, dz_norm, om, mask, score_fn)
+        seen.append((entropy, mask, sel))
+        return sel
+    monkeypatch.setattr(gmts, "step_selection", spy)
+    kept = {}
+    batch_row = gmts.Method(score, zero_kept=False, scope="batch")
+    runs = {"mine": (row, 0.8), "bare": (score, 0.8), "mine@0.2": (row, 0.2), "batch": (batch_row, 0.2)}
+    for name, (fn, rho) in runs.items():
+        seen.clear()
+        argv = [*map(str, SMALL), "--steps", "1", "--rho", str(rho), "--out", str(tmp_path / name)]
+        gmts.train(gmts.parse_args(argv), log=lambda *a: None, score_fn=fn)
+        ((entropy, mask, sel),) = seen
+        s = score(None, entropy, None, None)
+        nonzero, G = name != "bare", 4 if name != "batch" else 0
+        assert torch.equal(sel, select_tokens(s, mask, rho, nonzero=nonzero, group_size=G)), name
+        kept[name] = sel
+    assert not kept["mine"][:, ::2].any() and kept["bare"][:, ::2].any()
+    assert not torch.equal(kept["mine@0.2"], kept["batch"])
+
+
 def test_loss_weights_hand_computed():
     """seq: w = 1 / |o_i| and both divisors N (GRPO's per-answer mean, averaged over the answers); all: the valid
     count; selected: the kept count for the policy term, the valid count for KL. A row with no valid token

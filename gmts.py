@@ -1,60 +1,63 @@
 """
-gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file. Read it beside the papers:
+gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, beside the papers:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
          Reasoning", arXiv 2608.30632: train on about the top 20% of each prompt's tokens by H_t *
-         |omega_t|, an approximation of the size of their gradient, as the authors' code does it.
-  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for
-         LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
+         |omega_t|, an approximation of the size of their gradient. The selection as the authors'
+         code does it; their omega's normaliser and KL only under --loss-norm seq --kl-beta 0.001.
+  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
+         for LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
-One training step, as train() numbers it; the file follows this order:
+One training step, as train() numbers it (the algorithm steps); the file follows this order:
   1. draw B prompts from the task                                     [plumbing]
   2. sample G answers per prompt with HF generate (N = B*G answers)   [paper: rollout]
   3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
   5. per response token: log pi(y_t) and entropy H_t                  [paper: token statistics]
-     and grad_norm = ||d log p_y / d logits|| (for gradnorm)          [ours]
+     and dz_norm = ||d log p_y / d logits|| (for gradnorm)            [ours]
   6. score tokens, keep the top rho of each group or of the batch     [paper: selection]
        entropy   H_t, over the whole batch                            [80/20, GMTS's ETS baseline]
        gmts      H_t * |omega_t|, omega = -dL/dlogp_t, per group      [GMTS]
-       gradnorm  |omega_t| * grad_norm = ||dL/dz||, over the batch    [ours: an ablation]
+       gradnorm  |omega_t| * dz_norm = ||dL/dz||, over the batch      [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
 
-Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, a one-GPU loop like
-this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget, normalize_rewards_per_group and
-approx_kl_divergence for the normaliser and KL inside omega, update_policy for the ETS entropy baseline). Their
-Framework2 (verl, Qwen3-8B) differs: omega = r * I * A, ties at the threshold dropped, and as released its group
-loop reaches only the first of every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier
-variant), gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
+Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, one-GPU
+loop like this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget,
+normalize_rewards_per_group and approx_kl_divergence for the normaliser and KL inside omega,
+update_policy for the ETS entropy baseline). Their Framework2 (verl, Qwen3-8B) differs: omega =
+r * I * A, ties at the threshold dropped, and as released its group loop reaches only the first of
+every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier variant),
+gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
-column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
+column t holds the statistics of the t-th generated token, predicted by the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the whole
-     batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps every tie
-     at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
+  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the
+     whole batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps
+     every tie at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
   2. omega = -dL/dlogp of the whole configured loss (derivation step 1), rescored each inner update.
-  3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure mask
-     of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is GRPO's
-     per-answer mean, averaged over the answers where GMTS's authors sum over prompts (NOTES).
+  3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure
+     mask of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is
+     GRPO's per-answer mean, averaged over the answers (GMTS's authors sum over prompts: NOTES).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
   6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
-     A != 0 and an inactive clip, or with KL one whose log-prob differs from the reference's) and the
-     loss and gradient norm are finite; the lr follows GRPO steps regardless.
-  7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the model
-     --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
+     A != 0 and an inactive clip, or with KL one whose log-prob differs from the reference's) and
+     the loss and gradient norm are finite; the lr follows GRPO steps regardless.
+  7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the
+     model --model loads, its log-probs by the loss's own pass (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0; for gmts also a
      token of zero entropy, as its authors): maybe fewer than rho.
- 10. Rewards: countdown's 0.1 format reward (TinyZero), math binary (80/20 paper), logic as countdown.
+ 10. Rewards: countdown's 0.1 format reward (TinyZero), math binary (80/20 paper), logic as
+     countdown.
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
-      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown --out out/qwen   (one GPU)
+      python gmts.py --model Qwen2.5-0.5B --task countdown                    (one GPU)
 """
 import os
 import signal
@@ -88,32 +91,40 @@ class Config:
     out: str = arg("out/run", "output folder: metrics.jsonl, checkpoints, the final model")
     overwrite: bool = arg(False, "replace the run in --out (its metrics and checkpoints go)")
     resume: str = arg("", "an earlier --out: continue its run from the newest loadable checkpoint")
-    allow_change: bool = arg(False, "with --resume: allow flags that change the run's trajectory (all but --out, "
-                                    "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
+    allow_change: bool = arg(False,
+        "with --resume: allow flags that change the run's trajectory (all but --out, --steps, "
+        "--save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
-    threads: int = arg(0, "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
+    threads: int = arg(0,
+        "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     report_to: str = arg("none", "also to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
     # model
-    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
-    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
+    model: str = arg("tiny",
+        "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
+    chat_template: str = arg("auto",
+        "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
     tiny_hidden: int = arg(64, "--model tiny: hidden size")
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: str = arg("countdown", "countdown, math or logic")
-    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
-                           "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
+    data: str = arg("gen",
+        "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
+        "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
     data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
-    prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
-                                    "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
+    prompt_style: str = arg("ours",
+        "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
+        "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
     eval_every: int = arg(20, "held-out accuracy every this many steps (0: at step 0 and the last)")
     eval_size: int = arg(64, "held-out problems (the data's first rows; none with --eval-data)")
-    eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
-    eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
+    eval_data: str = arg("",
+        "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
+    eval_samples: int = arg(0,
+        "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
     # rollout
     prompts_per_step: int = arg(8, "B, informative prompts (groups) per step")
     group_size: int = arg(8, "G, answers sampled per prompt")
@@ -121,7 +132,8 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
+    sampler_dtype: str = arg("auto",
+        "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache, compiled decoding (unset: on with CUDA)")
     filter_groups: bool = arg(True, "DAPO dynamic sampling: drop equal-reward groups, draw more")
     max_resample: int = arg(4, "--filter-groups: at most this many rollout batches per step")
@@ -132,16 +144,23 @@ class Config:
     kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
     std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
-    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept budget; seq: GRPO's "
-                                "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
+    loss_norm: str = arg("all",
+        "all: divide by all valid response tokens; selected: by the kept budget; seq: GRPO's "
+        "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
-    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code; its scope: --scope) or gradnorm")
+    select: str = arg("gmts",
+        "all, random, entropy, gmts or gradnorm (METHODS); gmts selects as its authors' code "
+        "(their omega's normaliser and KL only with --loss-norm seq --kl-beta 0.001)")
     rho: float = arg(0.2, "share of the response tokens kept")
-    scope: str = arg("auto", "where the top rho is taken: group (each prompt's G answers: GMTS's authors) or batch "
-                             "(80/20, ETS; with gmts, this project's variant); auto: group for gmts, else batch")
+    scope: str = arg("auto",
+        "where the top rho of the valid tokens is taken: group (each prompt's G answers), by the "
+        "rule of GMTS's authors' code: of n tokens drop max(1, ceil((1 - rho) n)) (one even at rho "
+        "1), ties to the later token; or batch (80/20, ETS; with gmts this project's variant), our "
+        "rule: keep ceil(rho n), ties to the earlier token; auto: group for gmts, else batch")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
-    warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
+    warmup_steps: int = arg(10,
+        "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
     lr_decay: bool = arg(True, "after warm-up, a linear lr decay to ~0 at the end (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
@@ -213,8 +232,9 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) 
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
-    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is
-    also an end token, so a value test would drop the end token itself from the loss (tiny-grpo's bug)."""
+    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>)
+    is also an end token, so a value test would drop the end token itself from the loss (tiny-grpo's
+    bug)."""
     N, T = completion_ids.shape
     device = completion_ids.device
     is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=device))  # (N, T)
@@ -225,16 +245,17 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     return resp_mask, ~has_end
 
 @torch.no_grad()
-def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
-            sampler_logp: bool = False) -> dict:
-    """group_size answers per prompt string (greedy=True: one greedy answer, for evaluation), on the model's device:
+def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
+            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+            fast: bool = False, sampler_logp: bool = False) -> dict:
+    """group_size answers per prompt (greedy=True: one greedy answer, to evaluate), on its device:
       prompt_ids, prompt_mask  (N, P)  the prompts, left padded, each repeated G times
       comp_ids, resp_mask      (N, T)  the answers and their valid positions (completion_mask)
       truncated                (N,)    answers that hit max_new_tokens without an end token
       texts                    N str   the answers, decoded up to their end
-      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T) at each
-                                       drawn token (pre-top-k/p, as the learner's; 0 after the end)
+      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
+                                       at each drawn token (pre-top-k/p, as the learner's; 0 after
+                                       the end)
     fast: a static KV cache, its length rounded up to 64 (few shapes), compiled decoding on CUDA."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
@@ -249,7 +270,8 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     if fast:
         knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
     end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
+                           pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
     # generate() fills each knob left unset from the checkpoint's generation_config (Qwen instruct:
     # top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling another distribution than our
@@ -267,14 +289,15 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
-    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
+    shown = comp.masked_fill(~resp_mask, tok.pad_token_id)  # (N, T)
+    texts = tok.batch_decode(shown, skip_special_tokens=True)
     batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
                  truncated=truncated, texts=texts)
     if recorder:
         batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-# ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
+# ==== Rewards [paper: reward]: the tasks' rule-based verifiers, algorithm step 3 ==================
 # Each task's prompt and verifier, in TASKS. Verifiers are pure, cap every length before parsing,
 # use no eval/exec and never raise (a bug costs a reward, not a run). Task data: supporting code.
 def _never_raise(fn, fallback=0.0):
@@ -323,7 +346,8 @@ def countdown_value(completion: str, nums: list):
     """Exact value of the last <answer> if an equation using each given number once, else None (no
     tag; '=', not allowed as in TinyZero; other characters or numbers; bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
-    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
+    # cap the length before ast.parse, which recurses on nesting
+    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
         return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
@@ -356,7 +380,8 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...; else None."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...;
+    else None."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -379,7 +404,8 @@ def parse_number(s: str):
         if value is None:
             return None
         return sign * value
-    top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side (\frac{-20}{2}, \frac{20}{-2})
+    # a fraction: a sign on either side (\frac{-20}{2}, \frac{20}{-2})
+    top = _decimal(parts[0].strip(), signed=True)
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
         return None
@@ -432,8 +458,9 @@ def math_final_answer(text: str, boxed_only: bool = False):
 
 @_never_raise
 def math_reward(completion: str, answer: str, latex: bool = False) -> float:
-    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus.
-    latex (a competition row): the last \\boxed{}, by math-verify (latex_equal) unless both are numbers."""
+    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
+    bonus. latex (a competition row): the last \\boxed{}, by math-verify (latex_equal, in a worker
+    process: supporting code) unless both are numbers."""
     gold = parse_number(str(answer))
     got = math_final_answer(completion, boxed_only=latex)
     if got is None or (gold is None and not latex):
@@ -501,9 +528,10 @@ def get_task(name: str) -> dict:
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,). The POPULATION std
-    (divide by G: the group is all we compare to) gives step 5's clean binary values (TRL's unbiased std scales them by
-    sqrt((G-1)/G)). A uniform group gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,).
+    The POPULATION std (divide by G: the group is all we compare to) gives derivation step 5's clean
+    binary values (TRL's unbiased std scales them by sqrt((G-1)/G)). A uniform group gets exactly 0
+    (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -516,15 +544,16 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     r = rewards.view(-1, group_size)  # (B, G)
     return r.max(dim=1).values != r.min(dim=1).values
 
-def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...], keep the first B
-    informative groups -> (batch, rewards, adv), every per-answer entry; none: the first batch (all A = 0)."""
+def filter_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] (_join_rows,
+    in the supporting code), take the first B informative groups -> (batch, rewards, adv), every
+    per-answer entry; none: the first batch (all A = 0)."""
     rewards = torch.cat([part[1] for part in parts])  # (N_all,)
     advs = torch.cat([part[2] for part in parts])  # (N_all,)
-    keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
-    if keep.numel() == 0:
+    taken = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) groups
+    if taken.numel() == 0:
         return parts[0]
-    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
+    idx = (taken[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
     batch = {}
     for key in parts[0][0]:
         joined = _join_rows([part[0][key] for part in parts], key, pad_id)
@@ -536,24 +565,28 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 
 # ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
-# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
+# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h: clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
-# Step 7 minimises it over the kept tokens S, with k3 KL (beta > 0) over every valid token:
+# Algorithm step 7 minimises it over the kept tokens S, with k3 KL (beta > 0) over all valid tokens:
 #     L = sum_{t in S} w_t * l_t / D  +  beta * sum_{t valid} w_t * k3_t / D_kl
 #     k3 = e^d - d - 1,  d = log pi_ref(y) - log pi_theta(y)
-# w, D, D_kl are --loss-norm's normaliser (loss_weights): all w = 1, D = D_kl = the valid tokens;
-# selected D = the kept budget; seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
+# w, D, D_kl are --loss-norm's normaliser (loss_weights; the Objective record holds them with the
+# clip range, beta and T): all w = 1, D = D_kl = the valid tokens; selected D = the kept budget;
+# seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
 # 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
 #    or (A < 0 and r < 1 - eps_l): "the clip is active", I_t = 0 (else I_t = 1). Otherwise
 #    dl/dlogp_y = -r * A (dr/dlogp_y = r), and dk3/dlogp_y = 1 - e^d = 1 - pi_ref / pi_theta. So for
 #    a kept token, with omega its coefficient in dL = -omega * dlogp_t (GMTS's omega):
 #        omega_t = -dL/dlogp_t = w_t r_t I_t A_i / D  +  beta w_t (pi_ref / pi_theta - 1) / D_kl
-#    L depends on token t's logits only through log p_y, so dL/dtheta = -sum_t omega_t dlogp_t/dtheta.
+#    L depends on token t's logits only through log p_y: dL/dtheta = -sum_t omega_t dlogp_t/dtheta.
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
 #        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
-#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm (token_stats)
-# 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens when r = 1, beta = 0):
+#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * dz_norm (token_stats)
+#    dz_norm = ||d log p_y / dz||, the per-token factor (grad_norm in metrics.jsonl is another:
+#    the global parameter-gradient norm of the update).
+# 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens
+#    when r = 1, beta = 0):
 #    a. Pointwise, for the token actually sampled:
 #           (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2,
 #       so the norm is set by p_y, not by H: a rare token sampled at a near-certain position has a
@@ -567,17 +600,19 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    (G = 8, k = 1: +2.65 vs -0.38), A = 0 for a group whose answers all got the same reward, and
 #    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
 #    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
-# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's per-token norm) and
-#    keeps about the top rho of each prompt's group (group_keep's budget; a score of 0, H_t = 0
+# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's norm, dz_norm) and
+#    keeps about the top rho of each prompt's group (kept_count's drop rule; a score of 0, H_t = 0
 #    included, is never kept: the authors' code, see "Provenance"). 'gradnorm' uses the exact norm
-#    ||dL/dz|| = |omega| * grad_norm instead (our ablation, for the same vocabulary reduction as H).
-# Left open by the authors: p, H, log p at the rollout temperature T; omega, fp32: deviations 2, 8.
+#    ||dL/dz|| = |omega| * dz_norm instead (our ablation, for the same vocabulary reduction as H).
+# The temperature: p, H, log p at the rollout temperature T (the authors sample at T = 1 only);
+# omega, fp32: deviations 2, 8.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
-    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
-    logp      = log p_y,  p = softmax(logits / T)
-    entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)"""
+    """(logp, entropy, dz_norm) of each sampled token, in fp32. logits (..., V), tokens (...)
+    -> 3 x (...):
+    logp     = log p_y,  p = softmax(logits / T)
+    entropy  = -sum_j p_j log p_j                                   (nats)
+    dz_norm  = ||d logp_y / d logits||_2 = (1/T) sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation 3)"""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
@@ -597,19 +632,23 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
 def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     """Final hidden states that PREDICT each response token (position P-1+t predicts token t)
     -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
-    them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
+    them under left padding. The decoder is the model's own (get_decoder): any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1)  # (n, P + T)
+    attn = attn.long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
-        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos)
+    h = out.last_hidden_state  # (n, P + T, d)
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
 
 @torch.no_grad()
-def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 where invalid: a no-grad forward in micro-batches,
-    the lm_head on `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers for any N * T)."""
+def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
+                      chunk: int) -> tuple:
+    """(logp, entropy, dz_norm), each (N, T) fp32, 0 where invalid: a no-grad forward in
+    micro-batches, the lm_head on `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers for
+    any N * T)."""
     head = model.get_output_embeddings()
     mask = batch["resp_mask"]  # (N, T)
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
@@ -709,24 +748,18 @@ def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: fl
 @dataclass(frozen=True)
 class Method:
     """A --select method (a row of METHODS), or a user's score for train(score_fn=...)."""
-    # score(logp, entropy, dz_norm, om, generator=None) -> (N, T), each (N, T): higher kept first
-    score: object
-    # False: a token scoring 0 is never kept, its gradient being 0 (deviation 9): maybe fewer
-    zero_kept: bool = True
-    # --scope auto's scope: "group" (each prompt's G answers) or "batch"
-    scope: str = "batch"
+    score: object  # score(logp, entropy, dz_norm, om, generator=None), all (N, T): high kept first
+    zero_kept: bool = True  # False: a score of 0 is never kept (its gradient is 0; deviation 9)
+    scope: str = "batch"  # --scope auto's: group (each prompt's G answers) or batch
 
 def _random_score(logp, entropy, dz_norm, om, generator=None):
     return torch.rand(entropy.shape, generator=generator).to(entropy.device)
 
-# The methods of --select. Adding one is a row and its score; 'all' keeps every token (rho 1).
+# The methods of --select: adding one is a row and its score. 'all' keeps every token (rho 1).
 METHODS = {
-    # vanilla GRPO
-    "all": Method(lambda logp, H, dz_norm, om, gen=None: torch.ones_like(H)),
-    # the control
-    "random": Method(_random_score),
-    # H_t (80/20 paper)
-    "entropy": Method(lambda logp, H, dz_norm, om, gen=None: H),
+    "all": Method(lambda logp, H, dz_norm, om, gen=None: torch.ones_like(H)),  # vanilla GRPO
+    "random": Method(_random_score),  # the control
+    "entropy": Method(lambda logp, H, dz_norm, om, gen=None: H),  # H_t (80/20 paper)
     # H_t * |omega_t| (GMTS; H >= 0), per group as its authors
     "gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),
     # ||dL/dz|| = |omega_t| * dz_norm, the exact logit-gradient norm (derivation step 3; ours)
@@ -755,19 +788,19 @@ def kept_count(counts: list, rho: float, rule: str) -> list:
 
 def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: torch.Tensor = None,
                  rule: str = None) -> tuple:
-    """Step 6's budget, read by both the mask (select_tokens) and the 'selected' normaliser (train):
-    -> (label, kept). The scope is a label per token: with groups (N, T) those labels, with
-    group_size G each run of G consecutive rows (filter_groups' layout), else one label, the
-    whole batch. label (n,): each valid token's label index in position order (None: one label);
-    kept (L,): how many of each label's valid tokens are kept, by kept_count's rule (default:
-    drop for labels, as the authors' per-group code; ceil for the whole batch, as ours)."""
+    """Algorithm step 6's budget, read by both the mask (select_tokens) and the 'selected'
+    normaliser (train) -> (label, kept, rule). The scope is a label per token: groups (N, T), or
+    with group_size G each run of G rows (filter_groups' layout), or one label: the whole batch.
+    label (n,): each valid token's label index, in position order (None: one label); kept (L,):
+    how many of each label's tokens are kept, by kept_count's rule (default: drop with labels, as
+    the authors' per-group code; ceil over the whole batch, as ours)."""
     if rule is None:
         rule = "ceil"
         if group_size or groups is not None:
             rule = "drop"
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
-        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule))
+        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
     if groups is None:
         if mask.shape[0] % group_size:
             raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
@@ -775,25 +808,21 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
         groups = (rows // group_size)[:, None].expand(mask.shape)  # (N, T)
     found = torch.unique(groups.reshape(-1)[flat_mask], return_inverse=True, return_counts=True)
     _, label, counts = found  # (L,), (n,), (L,)
-    return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device)
+    return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device), rule
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
                   group_size: int = 0, groups: torch.Tensor = None,
                   rule: str = None) -> torch.Tensor:
-    """The top valid tokens by score within each scope: (N, T) -> (N, T) bool; masked-out tokens
-    are never kept, NaN ranks lowest. The scope and its budget (group_size, groups, rule):
-    scope_budget's; group_size 0 and no groups: the whole batch, ceil(rho n), ties to the earlier
-    token; group_size G: each prompt's group by the authors' rule, ties to the later. nonzero
-    (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9): maybe fewer."""
+    """The top valid tokens by score in each scope (scope_budget's): (N, T) -> (N, T) bool; masked
+    out tokens are never kept, NaN ranks lowest. group_size 0, no groups: over the whole batch,
+    ceil(rho n), ties to the earlier token; group_size G: in each prompt's group by the authors'
+    rule, ties to the later. nonzero (gmts, gradnorm) then drops kept tokens whose score is 0
+    (deviation 9): maybe fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
         return sel.view_as(mask)
-    if rule is None:
-        rule = "ceil"
-        if group_size or groups is not None:
-            rule = "drop"
-    label, kept = scope_budget(mask, rho, group_size, groups, rule)
+    label, kept, rule = scope_budget(mask, rho, group_size, groups, rule)
     vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
     vals = torch.nan_to_num(vals, nan=-math.inf)
     # Highest first; the stable sort keeps equal scores in position order (ties to the earlier),
@@ -859,7 +888,7 @@ def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
     counts = dict(clipped=int((clip_m & kept).sum()), kl=0.0)
     if o.kl_beta > 0:
         kl = k3_kl(logp, ref_logp)  # (M,)
-        loss = loss + o.kl_beta * (kl * w).sum() / o.kl_denom  # its normaliser ignores the selection
+        loss = loss + o.kl_beta * (kl * w).sum() / o.kl_denom  # D_kl ignores the selection
         counts["kl"] = float(kl.detach().sum())
         live = live | (torch.exp(ref_logp - logp.detach()) != 1)
     counts["live"] = int(live.sum())
@@ -923,11 +952,11 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
+# ==== Training loop [paper: the algorithm box; the numbered comments: the algorithm steps] ========
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
     min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear too)."""
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -935,7 +964,7 @@ def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     return min(1.0, up, down)
 
 def step_lr(cfg: Config, step: int, inner: int) -> float:
-    """The lr of inner update `inner` of GRPO step `step` (1-based): slot (step - 1) * mu + inner."""
+    """The lr of inner update `inner` of GRPO step `step` (from 1): slot (step - 1) * mu + inner."""
     slot = (step - 1) * cfg.inner_updates + inner
     return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
 
@@ -957,9 +986,10 @@ class Run:
     report: object = None  # sends a metrics record to --report-to's tracker (record_start opens it)
 
 def start_run(cfg: Config, log=print) -> Run:
-    """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
-    model itself or a bf16 copy). The run folder's side, in the supporting code: open_run (the folder,
-    the data, the model or a resume's checkpoint), record_start (the config, step 0, ckpt-000000)."""
+    """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype:
+    the model itself or a bf16 copy). The run folder's side, in the supporting code: open_run (the
+    folder, the data, the model or a resume's checkpoint), record_start (the config, step 0,
+    ckpt-000000)."""
     device = pick_device(cfg.device)
     if cfg.threads > 0:  # before any work
         torch.set_num_threads(cfg.threads)
@@ -988,9 +1018,9 @@ def start_run(cfg: Config, log=print) -> Run:
     return run
 
 def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
-    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts), B prompts x G answers:
+    """Algorithm steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts), B x G:
     with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
-    are drawn, joined by keep_groups; parts: each batch drawn, (batch, rewards, adv), for metrics."""
+    are drawn, joined by filter_groups; parts: each batch drawn, (batch, rewards, adv)."""
     B, G = cfg.prompts_per_step, cfg.group_size
     max_batches = 1
     if cfg.filter_groups:
@@ -1001,7 +1031,8 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         # 1. B training prompts (the k-th rollout batch of a step draws with the key (step, k))
         rows = run.draw(B, step, len(parts))
         prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt)
-        # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt n // G)
+        # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt
+        # n // G), by rollout() on the fast path while it works (sample_answers, supporting code)
         batch = sample_answers(run, prompts, cfg, log)
         # 3. one reward per answer from the task's verifier (the Rewards section)
         rewards = torch.zeros(len(batch["texts"]))  # (N,)
@@ -1013,11 +1044,11 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         n_informative += int(informative(rewards, G).sum())
     if not cfg.filter_groups:
         return batch, rewards, adv, parts
-    return (*keep_groups(parts, G, B, run.tok.pad_token_id), parts)
+    return (*filter_groups(parts, G, B, run.tok.pad_token_id), parts)
 
 def step_method(cfg: Config, score_fn=None) -> Method:
-    """Algorithm step 6's method: METHODS[cfg.select], or train's score_fn: a Method as given, a bare
-    score function as a Method that keeps zero scores, at --select's scope."""
+    """Algorithm step 6's method: METHODS[cfg.select], or train's score_fn: a Method as given, a
+    bare score function as a Method that keeps zero scores, at --select's scope."""
     if isinstance(score_fn, Method):
         return score_fn
     if score_fn is not None:
@@ -1086,7 +1117,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            # 6. omega (-dL/dlogp of step 7's loss: derivation step 1), scores, the top rho of each
+            # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
             ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
             if run.ref is not None:
@@ -1734,7 +1765,7 @@ def _join_rows(xs: list, key: str, pad_id: int):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Step 2: rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path (static cache,
+    """Algorithm step 2: rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path (static cache,
     compiled decoding) while run.fast holds; if that raises, one line says so and from this step on the plain path."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)

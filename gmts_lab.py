@@ -649,8 +649,8 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
         gmts.set_seed(cfg.seed * 1_000_003 + b)
         parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
         raw = parts[0]
-        on = gmts.keep_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
-        live = int(gmts.informative(on[1], cfg.group_size).sum())  # keep_groups fills up with dead groups
+        on = gmts.filter_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
+        live = int(gmts.informative(on[1], cfg.group_size).sum())  # filter_groups fills up with dead groups
         log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, {int((raw[2] == 0).sum())}/{len(raw[2])} answers "
             f"with A = 0; filter on: {len(parts)} rollout batch(es), {live} informative groups")
         if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks

@@ -512,7 +512,7 @@ PAD = 258
 
 def _part(tag, P, T, rewards, G=2):
     """A hand-built rollout part: prompts of width P (first column padding), responses of width T (last column
-    invalid), every entry tagged so that each row can be recognised after keep_groups."""
+    invalid), every entry tagged so that each row can be recognised after filter_groups."""
     N = len(rewards)
     prompt_mask = torch.ones(N, P, dtype=torch.bool)
     prompt_mask[:, 0] = False
@@ -525,10 +525,10 @@ def _part(tag, P, T, rewards, G=2):
             r, group_advantages(r, G))
 
 
-def test_keep_groups_keeps_the_first_b_informative_groups():
+def test_filter_groups_keeps_the_first_b_informative_groups():
     a = _part(1, 3, 4, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups: equal, informative, equal
     b = _part(2, 5, 2, [1.0, 0.0, 1.0, 1.0, 0.1, 1.0])  # informative, equal, informative
-    batch, rewards, adv = gmts.keep_groups([a, b], 2, 2, PAD)  # B = 2: a's group 1, then b's group 0
+    batch, rewards, adv = gmts.filter_groups([a, b], 2, 2, PAD)  # B = 2: a's group 1, then b's group 0
     (ba, ra, aa), (bb, rb, ab) = a, b
     assert batch["texts"] == ["1-2", "1-3", "2-0", "2-1"]
     assert rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and adv.tolist() == aa[2:4].tolist() + ab[0:2].tolist()
@@ -542,10 +542,10 @@ def test_keep_groups_keeps_the_first_b_informative_groups():
                                                      torch.cat([bb["comp_ids"][0:2], pad2], 1)]))  # on the RIGHT
     assert torch.equal(batch["resp_mask"], torch.cat([ba["resp_mask"][2:4], torch.cat([bb["resp_mask"][0:2], no2], 1)]))
     assert batch["truncated"].tolist() == ba["truncated"][2:4].tolist() + bb["truncated"][0:2].tolist()
-    assert gmts.keep_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
-    assert gmts.keep_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    assert gmts.filter_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    assert gmts.filter_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
     dead, dead2 = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0]), _part(4, 3, 2, [0.1, 0.1, 0.0, 0.0])
-    first = gmts.keep_groups([dead, dead2], 2, 2, PAD)  # nothing informative: the FIRST batch as is (two distinct ones)
+    first = gmts.filter_groups([dead, dead2], 2, 2, PAD)  # nothing informative: the FIRST batch as is (two distinct ones)
     assert first[0] is dead[0] and first[1] is dead[1] and first[2] is dead[2] and (first[2] == 0).all()
 
 

@@ -1,7 +1,7 @@
 """
 bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
 
-  a. token statistics (log p_y, entropy; ours also grad_norm) from the same hidden states (tokens, 896) and a
+  a. token statistics (log p_y, entropy; ours also dz_norm) from the same hidden states (tokens, 896) and a
      random lm_head (151936 x 896, fp32), head matmul included for every variant:
        naive  full torch.log_softmax over (tokens, V) + gather + entropy
        trl    trl.trainer.utils.selective_log_softmax + entropy_from_logits (its default chunk is 128 rows), the

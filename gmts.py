@@ -298,8 +298,10 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
     return batch
 
 # ==== Rewards [paper: reward]: the tasks' rule-based verifiers, algorithm step 3 ==================
-# Each task's prompt and verifier, in TASKS. Verifiers are pure, cap every length before parsing,
-# use no eval/exec and never raise (a bug costs a reward, not a run). Task data: supporting code.
+# Each task's prompt and verifier, in TASKS. Verifiers cap every length before parsing, use no
+# eval/exec and never raise (a bug costs a reward, not a run). All are pure functions but one:
+# math_reward on a competition (LaTeX) row asks math-verify in a worker process (latex_equal, in
+# the supporting code), bounded in time; a timeout kills the worker. Task data: supporting code.
 def _never_raise(fn, fallback=0.0):
     """A verifier's last-resort net (it handles expected failures itself): exception -> fallback."""
     def wrapped(*args, **kwargs):

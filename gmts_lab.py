@@ -507,7 +507,7 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     """gradient_retention at each rho of rhos -> {rho: {arm: (cos, ratio, low)}}. The token statistics and g_all are
     computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
-    logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
+    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
     weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
     objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
     om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **weights)  # (N, T)
@@ -522,7 +522,7 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     n_all = float(g_all.norm())
     scores = {}
     for arm in methods:
-        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, grad_norm, om, torch.Generator().manual_seed(seed))
+        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, dz_norm, om, torch.Generator().manual_seed(seed))
     res = {}
     for rho in rhos:
         res[rho] = {}
@@ -572,12 +572,12 @@ def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, 
 
 def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max_tokens: int = 256,
                   per_answer: int = 24, seed: int = 0) -> dict:
-    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * grad_norm and (b) the
+    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * dz_norm and (b) the
     parameter-gradient norm, within answers (mean over answers) and across the sampled tokens of the batch.
     Tokens: up to per_answer random ones from random answers with A != 0 (an A = 0 token's norm is exactly 0, and
     such ties would decide a batch ranking). -> {(method, 'logit_within' | ...): float}"""
     g = torch.Generator().manual_seed(seed)
-    logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, temperature, 8, 1024)
+    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, temperature, 8, 1024)
     mask = batch["resp_mask"].cpu()
     live = (adv != 0).cpu()
     rows, cols = [], []
@@ -591,11 +591,11 @@ def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max
     rows, cols = torch.tensor(rows[:max_tokens], dtype=torch.long), torch.tensor(cols[:max_tokens], dtype=torch.long)
     om = adv[:, None].expand_as(entropy)  # omega = A on-policy
     r_, c_ = rows.to(entropy.device), cols.to(entropy.device)
-    targets = dict(logit=(om.abs() * grad_norm)[r_, c_].cpu(),
+    targets = dict(logit=(om.abs() * dz_norm)[r_, c_].cpu(),
                    param=param_grad_norms(model, batch, adv, r_, c_, temperature) if len(rows) else torch.zeros(0))
     res = {}
     for m in ANALYZED:
-        s = gmts.token_scores(m, entropy, grad_norm, om, g)[r_, c_].cpu()
+        s = gmts.token_scores(m, entropy, dz_norm, om, g)[r_, c_].cpu()
         for t, y in targets.items():
             within = [spearman(s[rows == i], y[rows == i]) for i in rows.unique().tolist()]
             within = [w for w in within if not math.isnan(w)]

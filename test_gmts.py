@@ -586,7 +586,7 @@ def test_token_stats_on_bf16_logits_is_fp32():
         assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5), (got.double() - want).abs().max()
 
 
-def test_grad_norm_at_near_certain_tokens_does_not_cancel():
+def test_dz_norm_at_near_certain_tokens_does_not_cancel():
     """token_stats' comment: (1 - p_y)^2 + sum_{j != y} p_j^2 "does not cancel catastrophically when p_y ~ 1", unlike
     1 - 2 p_y + sum_j p_j^2. At sampled tokens with 1 - p_y = 1e-2, 1e-3, 1e-4 (the rest spread over 1 or 49 other
     tokens) the norm is within 0.5% of an fp64 reference; the data reaches the trap: there the textbook form in fp32
@@ -625,7 +625,7 @@ def test_derivation_logit_gradient_of_clipped_loss():
     p = torch.softmax(z.detach() / T, -1)
     expect = -(om / T)[:, None] * (torch.nn.functional.one_hot(y, V) - p)
     assert torch.allclose(z.grad, expect, atol=1e-5)
-    assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)  # = |omega| * grad_norm
+    assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)  # = |omega| * dz_norm
     assert clipped.tolist() == (om == 0).tolist()[:7] + [False] * 3  # A = 0 is not "clipped", just zero
     assert clipped.tolist() == [False, False, True, False, False, True, False, False, False, False]
     assert ratio[8] > 1 + 0.28 and ratio[9] < 1 - 0.2 and (om[7:] == 0).all()  # the A = 0 cases are reached

@@ -232,9 +232,8 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False) 
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
-    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>)
-    is also an end token, so a value test would drop the end token itself from the loss (tiny-grpo's
-    bug)."""
+    including the first end token. Never by the pad id: Qwen's pad (<|endoftext|>) is an end token
+    too, so a value test would drop the end token itself from the loss (tiny-grpo's bug)."""
     N, T = completion_ids.shape
     device = completion_ids.device
     is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=device))  # (N, T)
@@ -254,8 +253,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
       truncated                (N,)    answers that hit max_new_tokens without an end token
       texts                    N str   the answers, decoded up to their end
       sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
-                                       at each drawn token (pre-top-k/p, as the learner's; 0 after
-                                       the end)
+                                       at each drawn token (pre-top-k/p, as the learner's; 0 after)
     fast: a static KV cache, its length rounded up to 64 (few shapes), compiled decoding on CUDA."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
@@ -382,8 +380,8 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...;
-    else None."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...
+    (else None)."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -406,8 +404,7 @@ def parse_number(s: str):
         if value is None:
             return None
         return sign * value
-    # a fraction: a sign on either side (\frac{-20}{2}, \frac{20}{-2})
-    top = _decimal(parts[0].strip(), signed=True)
+    top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
         return None
@@ -585,8 +582,7 @@ def filter_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
 #        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * dz_norm (token_stats)
-#    dz_norm = ||d log p_y / dz||, the per-token factor (grad_norm in metrics.jsonl is another:
-#    the global parameter-gradient norm of the update).
+#    dz_norm = ||d log p_y / dz||: the per-token factor (metrics' grad_norm is the update's norm).
 # 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens
 #    when r = 1, beta = 0):
 #    a. Pointwise, for the token actually sampled:
@@ -685,9 +681,8 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
 
 def micro_batch_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                      chunk: int):
-    """Yields (rows, m, logp) per micro-batch of the answers with a token in mask (N, T): rows (n,)
-    their indices, m = mask[rows] (n, T), logp (M,) the log p_y of m's tokens, row-major, with
-    autograd unless the caller runs under no_grad. The one log-prob pass of the loss
+    """Yields (rows (n,), m = mask[rows] (n, T), logp (M,): log p_y of m's tokens, row-major) per
+    micro-batch of the answers with a token in mask (N, T). The one log-prob pass of the loss
     (loss_backward) and of the KL reference (response_logp): equal weights give equal bits."""
     head = model.get_output_embeddings()
     active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
@@ -701,8 +696,7 @@ def micro_batch_logp(model, batch: dict, mask: torch.Tensor, temperature: float,
 @torch.no_grad()
 def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                   chunk: int) -> torch.Tensor:
-    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), by the loss's own pass
-    (micro_batch_logp). For the KL reference (deviation 7)."""
+    """The KL reference's log p_y in mask (deviation 7), (N, T) fp32, 0 elsewhere; loss's pass."""
     out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
     for rows, m, logp in micro_batch_logp(model, batch, mask, temperature, micro_batch, chunk):
         r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
@@ -918,9 +912,8 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
         if objective.kl_beta > 0:
             ref = ref_logp[rows][m]  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        old = old_logp[rows][m]  # (M,)
-        w = objective.w[rows][m]  # (M,)
-        loss, counts = micro_batch_loss(logp, old, a, sel_mask[rows][m], ref, w, objective)
+        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref,
+                                        objective.w[rows][m], objective)
         loss.backward()
         totals["loss"] += float(loss.detach())
         for key, value in counts.items():
@@ -935,9 +928,8 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
                   max_grad_norm: float, ref_logp: torch.Tensor = None,
                   valid: torch.Tensor = None) -> dict:
     """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's
-    step rule, so A = 0 everywhere, with the policy at its reference, moves neither the weights
-    nor the Adam moments. Adds grad_norm (the global parameter-gradient norm, before clipping),
-    skipped and stepped."""
+    step rule: A = 0 everywhere, with the policy at its reference, moves neither the weights nor
+    the Adam moments. Adds grad_norm (the parameter-gradient norm, unclipped), skipped, stepped."""
     opt.zero_grad(set_to_none=True)
     stats = loss_backward(model, batch, adv, sel_mask, old_logp, objective,
                           micro_batch=micro_batch, chunk=chunk, ref_logp=ref_logp, valid=valid)
@@ -989,9 +981,8 @@ class Run:
 
 def start_run(cfg: Config, log=print) -> Run:
     """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype:
-    the model itself or a bf16 copy). The run folder's side, in the supporting code: open_run (the
-    folder, the data, the model or a resume's checkpoint), record_start (the config, step 0,
-    ckpt-000000)."""
+    the model or a bf16 copy). The run folder's side, in the supporting code: open_run (the folder,
+    the data, the model or a resume's checkpoint), record_start (config, step 0, ckpt-000000)."""
     device = pick_device(cfg.device)
     if cfg.threads > 0:  # before any work
         torch.set_num_threads(cfg.threads)
@@ -1103,9 +1094,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
             valid = mask & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
-        # 5. statistics of pi_old, the fp32 policy before this update (--sampler-dtype bf16,
-        # CUDA's default: a bf16 copy of it sampled): log pi(y_t), H_t and dz_norm, each (N, T);
-        # the KL reference's log-probs (by the loss's own pass)
+        # 5. log pi(y_t), H_t, dz_norm (N, T) of pi_old, the fp32 policy before this update (a bf16
+        # copy of it sampled under --sampler-dtype bf16); the KL reference's log-probs
         logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
         old_logp = logp
         ref_logp = None

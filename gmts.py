@@ -1,5 +1,5 @@
 """
-gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, beside the papers:
+gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, to read with:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
          Reasoning", arXiv 2608.30632: train on about the top 20% of each prompt's tokens by H_t *
          |omega_t|, an approximation of the size of their gradient. The selection as the authors'
@@ -53,8 +53,7 @@ Deviations from the papers and choices they leave open:
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0; for gmts also a
      token of zero entropy, as its authors): maybe fewer than rho.
- 10. Rewards: countdown's 0.1 format reward (TinyZero), math binary (80/20 paper), logic as
-     countdown.
+ 10. Rewards: countdown's and logic's 0.1 format reward (TinyZero), math binary (80/20 paper).
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown                    (one GPU)
@@ -156,7 +155,8 @@ class Config:
         "where the top rho of the valid tokens is taken: group (each prompt's G answers), by the "
         "rule of GMTS's authors' code: of n tokens drop max(1, ceil((1 - rho) n)) (one even at rho "
         "1), ties to the later token; or batch (80/20, ETS; with gmts this project's variant), our "
-        "rule: keep ceil(rho n), ties to the earlier token; auto: group for gmts, else batch")
+        "rule: keep ceil(rho n), ties to the earlier token; auto: the method's own (METHODS: group "
+        "for gmts, else batch)")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
     warmup_steps: int = arg(10,

@@ -843,7 +843,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
 # ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
 @dataclass
 class Objective:
-    """The settings of the loss L (derivation), passed whole to the update (omega takes the same)."""
+    """The settings of the loss L (derivation), passed whole to the update; omega takes them too."""
     clip_low: float  # eps_l: PPO clip below 1
     clip_high: float  # eps_h: above 1
     kl_beta: float  # beta of the k3 KL term (0: none)

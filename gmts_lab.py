@@ -507,7 +507,8 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     """gradient_retention at each rho of rhos -> {rho: {arm: (cos, ratio, low)}}. The token statistics and g_all are
     computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
-    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
+    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
+                                                    cfg.stats_chunk)
     weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
     objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
     om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **weights)  # (N, T)
@@ -522,7 +523,8 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     n_all = float(g_all.norm())
     scores = {}
     for arm in methods:
-        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, dz_norm, om, torch.Generator().manual_seed(seed))
+        noise = torch.Generator().manual_seed(seed)
+        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, dz_norm, om, noise)
     res = {}
     for rho in rhos:
         res[rho] = {}
@@ -572,10 +574,11 @@ def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, 
 
 def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max_tokens: int = 256,
                   per_answer: int = 24, seed: int = 0) -> dict:
-    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * dz_norm and (b) the
-    parameter-gradient norm, within answers (mean over answers) and across the sampled tokens of the batch.
-    Tokens: up to per_answer random ones from random answers with A != 0 (an A = 0 token's norm is exactly 0, and
-    such ties would decide a batch ranking). -> {(method, 'logit_within' | ...): float}"""
+    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * dz_norm
+    and (b) the parameter-gradient norm, within answers (mean over answers) and across the sampled
+    tokens of the batch. Tokens: up to per_answer random ones from random answers with A != 0 (an
+    A = 0 token's norm is exactly 0, and such ties would decide a batch ranking).
+    -> {(method, 'logit_within' | ...): float}"""
     g = torch.Generator().manual_seed(seed)
     logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, temperature, 8, 1024)
     mask = batch["resp_mask"].cpu()
@@ -650,7 +653,8 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
         parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
         raw = parts[0]
         on = gmts.filter_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
-        live = int(gmts.informative(on[1], cfg.group_size).sum())  # filter_groups fills up with dead groups
+        # filter_groups fills up with dead groups
+        live = int(gmts.informative(on[1], cfg.group_size).sum())
         log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, {int((raw[2] == 0).sum())}/{len(raw[2])} answers "
             f"with A = 0; filter on: {len(parts)} rollout batch(es), {live} informative groups")
         if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks

@@ -528,7 +528,8 @@ def _part(tag, P, T, rewards, G=2):
 def test_filter_groups_keeps_the_first_b_informative_groups():
     a = _part(1, 3, 4, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups: equal, informative, equal
     b = _part(2, 5, 2, [1.0, 0.0, 1.0, 1.0, 0.1, 1.0])  # informative, equal, informative
-    batch, rewards, adv = gmts.filter_groups([a, b], 2, 2, PAD)  # B = 2: a's group 1, then b's group 0
+    # B = 2: a's group 1, then b's group 0
+    batch, rewards, adv = gmts.filter_groups([a, b], 2, 2, PAD)
     (ba, ra, aa), (bb, rb, ab) = a, b
     assert batch["texts"] == ["1-2", "1-3", "2-0", "2-1"]
     assert rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and adv.tolist() == aa[2:4].tolist() + ab[0:2].tolist()
@@ -542,10 +543,12 @@ def test_filter_groups_keeps_the_first_b_informative_groups():
                                                      torch.cat([bb["comp_ids"][0:2], pad2], 1)]))  # on the RIGHT
     assert torch.equal(batch["resp_mask"], torch.cat([ba["resp_mask"][2:4], torch.cat([bb["resp_mask"][0:2], no2], 1)]))
     assert batch["truncated"].tolist() == ba["truncated"][2:4].tolist() + bb["truncated"][0:2].tolist()
-    assert gmts.filter_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
-    assert gmts.filter_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    all_three = ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    assert gmts.filter_groups([a, b], 2, 3, PAD)[0]["texts"] == all_three
+    assert gmts.filter_groups([a, b], 2, 10, PAD)[0]["texts"] == all_three
     dead, dead2 = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0]), _part(4, 3, 2, [0.1, 0.1, 0.0, 0.0])
-    first = gmts.filter_groups([dead, dead2], 2, 2, PAD)  # nothing informative: the FIRST batch as is (two distinct ones)
+    # nothing informative: the FIRST batch as is (two distinct ones)
+    first = gmts.filter_groups([dead, dead2], 2, 2, PAD)
     assert first[0] is dead[0] and first[1] is dead[1] and first[2] is dead[2] and (first[2] == 0).all()
 
 
@@ -625,7 +628,8 @@ def test_derivation_logit_gradient_of_clipped_loss():
     p = torch.softmax(z.detach() / T, -1)
     expect = -(om / T)[:, None] * (torch.nn.functional.one_hot(y, V) - p)
     assert torch.allclose(z.grad, expect, atol=1e-5)
-    assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)  # = |omega| * dz_norm
+    # = |omega| * dz_norm
+    assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)
     assert clipped.tolist() == (om == 0).tolist()[:7] + [False] * 3  # A = 0 is not "clipped", just zero
     assert clipped.tolist() == [False, False, True, False, False, True, False, False, False, False]
     assert ratio[8] > 1 + 0.28 and ratio[9] < 1 - 0.2 and (om[7:] == 0).all()  # the A = 0 cases are reached
@@ -1018,8 +1022,10 @@ def _plain_logp(model, b, T):
 
 
 def _objective(valid, denom, T=1.0, beta=0.0):
-    """The loss's settings: clip 0.2 / 0.28, w = 1, the policy term divided by denom, KL's by the valid count."""
-    return gmts.Objective(0.2, 0.28, beta, T, torch.ones(valid.shape), denom, float(max(int(valid.sum()), 1)))
+    """The loss's settings: clip 0.2 / 0.28, w = 1, the policy term divided by denom, KL's by the
+    valid count."""
+    n_valid = float(max(int(valid.sum()), 1))
+    return gmts.Objective(0.2, 0.28, beta, T, torch.ones(valid.shape), denom, n_valid)
 
 
 @pytest.mark.parametrize("loss_norm", ["all", "selected"])
@@ -1099,9 +1105,10 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
 
 
 def test_live_counts_a_token_once_under_kl():
-    """Hand-computed step-rule count on four tokens, on-policy (r = 1): token 0 kept with A = 1 and its log-prob
-    off the reference's; token 1 kept with A = 0, at the reference; token 2 dropped, off the reference; token 3
-    dropped, at it. Live (a gradient): 0 (both terms) and 2 (KL only): 2 tokens, token 0 counted once, not twice."""
+    """Hand-computed step-rule count on four tokens, on-policy (r = 1): token 0 kept with A = 1 and
+    its log-prob off the reference's; token 1 kept with A = 0, at the reference; token 2 dropped,
+    off the reference; token 3 dropped, at it. Live (a gradient): 0 (both terms) and 2 (KL only):
+    2 tokens, token 0 counted once, not twice (the code before issue 43 said 3)."""
     logp = torch.tensor([-1.0, -2.0, -0.5, -1.5])
     adv = torch.tensor([1.0, 0.0, 1.0, 1.0])
     kept = torch.tensor([True, True, False, False])
@@ -1114,9 +1121,9 @@ def test_live_counts_a_token_once_under_kl():
 
 
 def test_one_budget_feeds_the_mask_and_the_selected_normaliser(tmp_path, monkeypatch, parity):
-    """A new budget rule given to the one function (kept_count: here n // 3 of each scope's n valid tokens) changes
-    both what train's mask keeps and --loss-norm selected's divisor, in the group and the batch scope: they agree
-    with the rule, and differ from the default rule's count."""
+    """A new budget rule given to the one function (kept_count: here n // 3 of each scope's n valid
+    tokens) changes both what train's mask keeps and --loss-norm selected's divisor, in the group
+    and the batch scope: they agree with the rule, and differ from the default rule's count."""
     real_count, real_update = gmts.kept_count, gmts.policy_update
     monkeypatch.setattr(gmts, "kept_count", lambda counts, rho, rule: [n // 3 for n in counts])
     seen = []
@@ -1127,8 +1134,8 @@ def test_one_budget_feeds_the_mask_and_the_selected_normaliser(tmp_path, monkeyp
     monkeypatch.setattr(gmts, "policy_update", update)
     for scope, G in (("group", 4), ("batch", 0)):
         seen.clear()
-        train_main(*SMALL, "--steps", "1", "--select", "entropy", "--scope", scope, "--loss-norm", "selected",
-                   "--out", tmp_path / scope)
+        train_main(*SMALL, "--steps", "1", "--select", "entropy", "--scope", scope,
+                   "--loss-norm", "selected", "--out", tmp_path / scope)
         ((sel, denom, valid),) = seen
         per_scope = [int(valid.sum())]
         if G:
@@ -1139,12 +1146,12 @@ def test_one_budget_feeds_the_mask_and_the_selected_normaliser(tmp_path, monkeyp
 
 
 def test_a_users_method_row_sets_its_score_zero_rule_and_scope(tmp_path, monkeypatch, parity):
-    """A method is one row: a Method (score, zero_kept, scope) added to METHODS is a --select method for
-    token_scores and step_selection, and train(score_fn=Method(...)) trains a user's score with the row's
-    properties. The score here is the entropy with every even position set to 0: zero_kept=False keeps none of
-    those, and scope "group" ranks within each prompt's G answers by the authors' rule (select_tokens with
-    group_size G, nonzero), where the default row (a bare function: zeros kept, --select gmts's group scope) and a
-    batch row keep other tokens."""
+    """A method is one row: a Method (score, zero_kept, scope) added to METHODS is a --select method
+    for token_scores and step_selection, and train(score_fn=Method(...)) trains a user's score with
+    the row's properties. The score here is the entropy with every even position set to 0:
+    zero_kept=False keeps none of those, and scope "group" ranks within each prompt's G answers by
+    the authors' rule (select_tokens with group_size G, nonzero), where the default row (a bare
+    function: zeros kept, --select gmts's group scope) and a batch row keep other tokens."""
     def score(logp, entropy, dz_norm, om, generator=None):
         s = entropy.clone()
         s[:, ::2] = 0.0
@@ -1154,9 +1161,11 @@ def test_a_users_method_row_sets_its_score_zero_rule_and_scope(tmp_path, monkeyp
     H = torch.rand(8, 6, generator=torch.Generator().manual_seed(0)) + 0.1
     mask = torch.ones(8, 6, dtype=torch.bool)
     assert torch.equal(gmts.token_scores("mine", H, H, H), score(None, H, H, H))
-    cfg = gmts.Config(select="mine", group_size=4, rho=0.75)  # each group of 24 keeps 18: 12 non-zero
+    # each group of 24 tokens keeps 18 by the budget, 12 of them non-zero
+    cfg = gmts.Config(select="mine", group_size=4, rho=0.75)
     sel = gmts.step_selection(cfg, None, H, H, H, mask)
-    assert torch.equal(sel, select_tokens(score(None, H, H, H), mask, 0.75, nonzero=True, group_size=4))
+    want = select_tokens(score(None, H, H, H), mask, 0.75, nonzero=True, group_size=4)
+    assert torch.equal(sel, want)
     assert not sel[:, ::2].any() and [int(sel[:4].sum()), int(sel[4:].sum())] == [12, 12]
     real_select = gmts.step_selection
     seen = []
@@ -1168,7 +1177,8 @@ def test_a_users_method_row_sets_its_score_zero_rule_and_scope(tmp_path, monkeyp
     monkeypatch.setattr(gmts, "step_selection", spy)
     kept = {}
     batch_row = gmts.Method(score, zero_kept=False, scope="batch")
-    runs = {"mine": (row, 0.8), "bare": (score, 0.8), "mine@0.2": (row, 0.2), "batch": (batch_row, 0.2)}
+    runs = {"mine": (row, 0.8), "bare": (score, 0.8), "mine@0.2": (row, 0.2),
+            "batch": (batch_row, 0.2)}
     for name, (fn, rho) in runs.items():
         seen.clear()
         argv = [*map(str, SMALL), "--steps", "1", "--rho", str(rho), "--out", str(tmp_path / name)]
@@ -1286,7 +1296,8 @@ def test_nonfinite_gradient_skips_the_step(tiny):
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     bad_old = torch.full(b["resp_mask"].shape, float("nan"))  # NaN ratios -> NaN loss and gradients
-    stats = gmts.policy_update(model, opt, b, adv, b["resp_mask"], bad_old, _objective(b["resp_mask"], 10.0),
+    objective = _objective(b["resp_mask"], 10.0)
+    stats = gmts.policy_update(model, opt, b, adv, b["resp_mask"], bad_old, objective,
                                micro_batch=4, chunk=64, max_grad_norm=1.0)
     assert stats["skipped"] == 1 and stats["stepped"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -1306,7 +1317,8 @@ def test_all_zero_advantage_batch_makes_no_update(tiny):
     assert not gmts.select_tokens(token_scores("gmts", H, H, om), b["resp_mask"], 0.2, nonzero=True).any()
     for sel in (gmts.select_tokens(token_scores("gmts", H, H, om), b["resp_mask"], 0.2, nonzero=True),
                 b["resp_mask"]):  # gmts keeps nothing; 'all' keeps every token, all with A = 0
-        stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), _objective(b["resp_mask"], 10.0),
+        objective = _objective(b["resp_mask"], 10.0)
+        stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), objective,
                                    micro_batch=4, chunk=64, max_grad_norm=1.0)
         assert stats["stepped"] == 0 and stats["skipped"] == 0 and stats["live"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
@@ -1328,7 +1340,8 @@ def test_a_batch_of_only_all_equal_groups_does_not_step(tiny):
     for method in gmts.CHOICES["select"]:
         sel = gmts.step_selection(gmts.Config(select=method), logp, H, gn, om, m)
         assert sel.any() == (method in ("all", "random", "entropy")), method
-        stats = gmts.policy_update(model, opt, b, adv, sel, logp, _objective(m, float(m.sum())), micro_batch=4,
+        objective = _objective(m, float(m.sum()))
+        stats = gmts.policy_update(model, opt, b, adv, sel, logp, objective, micro_batch=4,
                                    chunk=64, max_grad_norm=1.0)
         assert stats["stepped"] == 0 and stats["live"] == 0 and stats["grad_norm"] == 0.0, (method, stats)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
@@ -1528,13 +1541,16 @@ def test_train_scores_with_the_kl_weight(tmp_path, monkeypatch, parity):
     real_select, real_update = gmts.step_selection, gmts.policy_update
     monkeypatch.setattr(gmts, "step_selection", lambda cfg, logp, H, gn, om, mask, fn=None: seen.append(
         dict(logp=logp, om=om, mask=mask)) or real_select(cfg, logp, H, gn, om, mask, fn))
-    monkeypatch.setattr(gmts, "policy_update", lambda model, opt, batch, adv, sel, old, obj, **k: seen[-1].update(
-        adv=adv, old=old, ref=k["ref_logp"], denom=obj.denom) or real_update(model, opt, batch, adv, sel, old, obj, **k))
+    def update(model, opt, batch, adv, sel, old, objective, **k):
+        seen[-1].update(adv=adv, old=old, ref=k["ref_logp"], denom=objective.denom)
+        return real_update(model, opt, batch, adv, sel, old, objective, **k)
+    monkeypatch.setattr(gmts, "policy_update", update)
     train_main(*SMALL, "--steps", "2", "--kl-beta", "0.1", "--loss-norm", "seq", "--lr", "1e-2",
                "--warmup-steps", "0", "--out", tmp_path / "kl")
     last = seen[-1]
     rho, g = gmts.selection_rule(gmts.parse_args(["--group-size", "4"]))
-    norm = gmts.loss_weights("seq", last["mask"], int(gmts.scope_budget(last["mask"], rho, g)[1].sum()))
+    n_kept = int(gmts.scope_budget(last["mask"], rho, g)[1].sum())
+    norm = gmts.loss_weights("seq", last["mask"], n_kept)
     ratio = torch.exp(last["logp"] - last["old"])
     want = omega(last["adv"], ratio, 0.2, 0.28, 0.1, torch.exp(last["ref"] - last["logp"]), **norm)
     assert torch.equal(last["om"], want) and norm["denom"] == last["denom"] == 8.0
@@ -1548,8 +1564,10 @@ def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch
     real_omega, real_select = gmts.omega, gmts.step_selection
     monkeypatch.setattr(gmts, "omega", lambda adv, ratio, *a, **k: ratios.append(ratio.clone()) or
                         real_omega(adv, ratio, *a, **k))
-    monkeypatch.setattr(gmts, "step_selection", lambda cfg, logp, H, *a: entropies.append(H.clone()) or
-                        real_select(cfg, logp, H, *a))
+    def select(cfg, logp, H, *a):
+        entropies.append(H.clone())
+        return real_select(cfg, logp, H, *a)
+    monkeypatch.setattr(gmts, "step_selection", select)
     recs = train_main(*SMALL, "--steps", "1", "--inner-updates", "2", "--lr", "1e-2", "--warmup-steps", "0",
                       "--out", tmp_path / "mu")
     assert len(ratios) == len(entropies) == 2
@@ -1612,8 +1630,9 @@ def test_a_truncated_answer_adds_nothing_to_the_gradient(tiny):
     logp = gmts.batch_token_stats(model, b, 1.0, 4, 7)[0]
     ref = logp - 0.3 * b["resp_mask"]  # a reference that differs everywhere: KL pulls on every valid token
     model.zero_grad()
-    gmts.loss_backward(model, b, adv, valid, logp, _objective(valid, float(valid.sum()), beta=0.5), micro_batch=2,
-                       chunk=3, ref_logp=ref, valid=valid)
+    objective = _objective(valid, float(valid.sum()), beta=0.5)
+    gmts.loss_backward(model, b, adv, valid, logp, objective, micro_batch=2, chunk=3, ref_logp=ref,
+                       valid=valid)
     g_ours = _grads(model)
     model.zero_grad()
     lp = _plain_logp(model, b, 1.0)

@@ -1,8 +1,8 @@
 """
 bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
 
-  a. token statistics (log p_y, entropy; ours also grad_norm) from the same hidden states (tokens, 896) and a
-     random lm_head (151936 x 896, fp32), head matmul included for every variant:
+  a. token statistics (log p_y, entropy; ours also dz_norm) from the same hidden states (tokens,
+     896) and a random lm_head (151936 x 896, fp32), head matmul included for every variant:
        naive  full torch.log_softmax over (tokens, V) + gather + entropy
        trl    trl.trainer.utils.selective_log_softmax + entropy_from_logits (its default chunk is 128 rows), the
               head applied --chunk rows at a time and entropy_from_logits given the same chunk
@@ -341,14 +341,18 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         stats_ms[method].append((clock() - t0) * 1e3)
         rho, group_size = gmts.selection_rule(dataclasses.replace(cfg, select=method))  # as train() selects
         t = clock()
-        norm = gmts.loss_weights(cfg.loss_norm, mask, gmts.keep_budget(mask, rho, group_size))
-        om = gmts.omega(adv, torch.exp(logp - logp), cfg.clip_low, cfg.clip_high, **norm)  # inner update 0
+        n_kept = int(gmts.scope_budget(mask, rho, group_size)[1].sum())
+        weights = gmts.loss_weights(cfg.loss_norm, mask, n_kept)
+        objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
+        ratio = torch.exp(logp - logp)  # inner update 0
+        om = gmts.omega(adv, ratio, cfg.clip_low, cfg.clip_high, **weights)
         scores = gmts.token_scores(method, ent, gn, om)
-        sel = gmts.select_tokens(scores, mask, rho, nonzero=method in ("gmts", "gradnorm"), group_size=group_size)
+        nonzero = not gmts.METHODS[method].zero_kept
+        sel = gmts.select_tokens(scores, mask, rho, nonzero, group_size)
         sel_ms[method].append((clock() - t) * 1e3)
-        gmts.policy_update(model, opt, batch, adv, sel, logp, temperature=cfg.temperature, clip_low=cfg.clip_low,
-                           clip_high=cfg.clip_high, micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk,
-                           max_grad_norm=cfg.max_grad_norm, **norm)
+        gmts.policy_update(model, opt, batch, adv, sel, logp, objective,
+                           micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk,
+                           max_grad_norm=cfg.max_grad_norm)
         return dict(kept_frac=int(sel.sum()) / int(mask.sum()), active_frac=float(sel.any(1).float().mean()))
 
     for m in methods:  # warm-up: Adam state, kernels

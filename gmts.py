@@ -1,60 +1,62 @@
 """
-gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS), in one file. Read it beside the papers:
+gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, to read with:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
          Reasoning", arXiv 2608.30632: train on about the top 20% of each prompt's tokens by H_t *
-         |omega_t|, an approximation of the size of their gradient, as the authors' code does it.
-  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for
-         LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
+         |omega_t|, an approximation of the size of their gradient. The selection as the authors'
+         code does it; their omega's normaliser and KL only under --loss-norm seq --kl-beta 0.001.
+  80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
+         for LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
-One training step, as train() numbers it; the file follows this order:
+One training step, as train() numbers it (the algorithm steps); the file follows this order:
   1. draw B prompts from the task                                     [plumbing]
   2. sample G answers per prompt with HF generate (N = B*G answers)   [paper: rollout]
   3. score every answer with a rule-based verifier -> reward r_i      [paper: reward]
   4. group advantages A_i = (r_i - mean_group) / (std_group + eps)    [paper: GRPO advantage]
   5. per response token: log pi(y_t) and entropy H_t                  [paper: token statistics]
-     and grad_norm = ||d log p_y / d logits|| (for gradnorm)          [ours]
+     and dz_norm = ||d log p_y / d logits|| (for gradnorm)            [ours]
   6. score tokens, keep the top rho of each group or of the batch     [paper: selection]
        entropy   H_t, over the whole batch                            [80/20, GMTS's ETS baseline]
        gmts      H_t * |omega_t|, omega = -dL/dlogp_t, per group      [GMTS]
-       gradnorm  |omega_t| * grad_norm = ||dL/dz||, over the batch    [ours: an ablation]
+       gradnorm  |omega_t| * dz_norm = ||dL/dz||, over the batch      [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
 
-Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, a one-GPU loop like
-this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget, normalize_rewards_per_group and
-approx_kl_divergence for the normaliser and KL inside omega, update_policy for the ETS entropy baseline). Their
-Framework2 (verl, Qwen3-8B) differs: omega = r * I * A, ties at the threshold dropped, and as released its group
-loop reaches only the first of every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier
-variant), gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
+Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, one-GPU
+loop like this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget,
+normalize_rewards_per_group and approx_kl_divergence for the normaliser and KL inside omega,
+update_policy for the ETS entropy baseline). Their Framework2 (verl, Qwen3-8B) differs: omega =
+r * I * A, ties at the threshold dropped, and as released its group loop reaches only the first of
+every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier variant),
+gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
-column t holds the statistics of the t-th generated token, predicted from the hidden state before it.
+column t holds the statistics of the t-th generated token, predicted by the hidden state before it.
 
 Deviations from the papers and choices they leave open:
-  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the whole
-     batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps every tie
-     at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
+  1. Scope (--scope): gmts ranks within each prompt's group, as its authors; the others over the
+     whole batch, keeping exactly ceil(rho * n), ties to the earlier token (the authors' ETS keeps
+     every tie at its threshold, NOTES; the 80/20 code selects per micro-batch and GPU).
   2. omega = -dL/dlogp of the whole configured loss (derivation step 1), rescored each inner update.
-  3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure mask
-     of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is GRPO's
-     per-answer mean, averaged over the answers where GMTS's authors sum over prompts (NOTES).
+  3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure
+     mask of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is
+     GRPO's per-answer mean, averaged over the answers (GMTS's authors sum over prompts: NOTES).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
   6. One step rule: the optimiser steps iff some token has a non-zero gradient (a kept token with
-     A != 0 and an inactive clip, or with KL one whose log-prob differs from the reference's) and the
-     loss and gradient norm are finite; the lr follows GRPO steps regardless.
-  7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the model
-     --model loads, its log-probs on the loss's own code path (equal weights, equal bits).
+     A != 0 and an inactive clip, or with KL one whose log-prob differs from the reference's) and
+     the loss and gradient norm are finite; the lr follows GRPO steps regardless.
+  7. KL (k3, beta > 0) covers all valid tokens, with the loss's normaliser; its reference is the
+     model --model loads, its log-probs by the loss's own pass (equal weights, equal bits).
   8. fp32 master weights with bf16 autocast on CUDA; log-softmax, entropy and the loss always fp32.
   9. gmts/gradnorm never keep a token whose score is 0 (its gradient is exactly 0; for gmts also a
      token of zero entropy, as its authors): maybe fewer than rho.
- 10. Rewards: countdown's 0.1 format reward (TinyZero), math binary (80/20 paper), logic as countdown.
+ 10. Rewards: countdown's and logic's 0.1 format reward (TinyZero), math binary (80/20 paper).
 
 Run:  python gmts.py --preset cpu                   (offline, CPU: a tiny warm-started model learns)
-      python gmts.py --model Qwen2.5-0.5B-Instruct --task countdown --out out/qwen   (one GPU)
+      python gmts.py --model Qwen2.5-0.5B --task countdown                    (one GPU)
 """
 import os
 import signal
@@ -89,24 +91,29 @@ class Config:
     out: str = arg("out/run", "output folder: metrics.jsonl, checkpoints, the final model")
     overwrite: bool = arg(False, "replace the run in --out (its metrics and checkpoints go)")
     resume: str = arg("", "an earlier --out: continue its run from the newest loadable checkpoint")
-    allow_change: bool = arg(False, "with --resume: allow flags that change the run's trajectory (all but --out, "
-                                    "--steps, --save-every, --eval-every, --device, --report-to, --threads)")
+    allow_change: bool = arg(False,
+        "with --resume: allow flags that change the run's trajectory (all but --out, --steps, "
+        "--save-every, --eval-every, --device, --report-to, --threads)")
     seed: int = arg(0, "seeds python, torch and every step's sampling")
     device: str = arg("auto", "auto picks cuda > mps > cpu")
-    threads: int = arg(0, "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
+    threads: int = arg(0,
+        "CPU threads torch uses (0: torch's choice, faster on idle cores; cpu, smoke presets: 1)")
     steps: int = arg(200, "GRPO steps")
     save_every: int = arg(50, "checkpoint every this many steps (0: only at the end)")
     report_to: str = arg("none", "also to tensorboard (OUT/tensorboard) or wandb (OUT/wandb)")
     # model
-    model: str = arg("tiny", "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
-    chat_template: str = arg("auto", "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
+    model: str = arg("tiny",
+        "'tiny' (random, built offline), a short Qwen name (Qwen2.5-0.5B), a hub id or a folder")
+    chat_template: str = arg("auto",
+        "wrap prompts in the chat template: auto (decided by the tokenizer), yes, no")
     tiny_hidden: int = arg(64, "--model tiny: hidden size")
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: str = arg("countdown", "countdown, math or logic")
-    data: str = arg("gen", "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
-                           "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
+    data: str = arg("gen",
+        "gen (offline generator), easy (its smallest variant), hf, hf:test, hf:ID[:CONFIG][:SPLIT] "
+        "(a hub set or a local dataset folder), or a .jsonl, .json, .csv or .parquet file")
     data_columns: str = arg("", "QUESTION,ANSWER columns for a math set's own layout (a.b: b in a)")
     data_order: str = arg(
         "draw",
@@ -115,13 +122,16 @@ class Config:
     skip_bad_rows: bool = arg(
         False, "train without --data's bad rows (no answer, a broken one), listed in "
                "OUT/skipped_rows.jsonl; default: refuse them all before step 0")
-    prompt_style: str = arg("ours", "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
-                                    "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
+    prompt_style: str = arg("ours",
+        "ours (<think>, <answer>), qwen-math (GMTS Framework1's \\boxed{} system prompt) "
+        "or boxed-suffix (Framework2's \\boxed{} request after the question); math only")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
     eval_every: int = arg(20, "held-out accuracy every this many steps (0: at step 0 and the last)")
     eval_size: int = arg(64, "held-out problems (the data's first rows; none with --eval-data)")
-    eval_data: str = arg("", "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
-    eval_samples: int = arg(0, "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
+    eval_data: str = arg("",
+        "benchmarks instead of held-out rows: NAME=DATA,... (DATA as --data), eval_NAME each")
+    eval_samples: int = arg(0,
+        "0: greedy; k: avg@k, k samples per problem (--temperature, --top-p)")
     max_prompt_tokens: int = arg(0, "refuse rows whose prompt has more tokens, before step 0 "
                                     "(0: only the model's positions bound it)")
     # rollout
@@ -131,7 +141,8 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature, also used for log-probs and entropy")
     top_p: float = arg(1.0, "nucleus sampling; 1.0 samples the full distribution (on-policy)")
     top_k: int = arg(0, "top-k sampling; 0 disables it")
-    sampler_dtype: str = arg("auto", "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
+    sampler_dtype: str = arg("auto",
+        "generate's weights: bf16 (a copy) or fp32; auto: bf16 on CUDA")
     fast_generate: bool = arg(None, "a static KV cache, compiled decoding (unset: on with CUDA)")
     rollout_rows: int = arg(0, "answers per generate() call, whole groups (0: all B*G at once); "
                                "fewer bound the KV cache and the prefill")
@@ -144,16 +155,24 @@ class Config:
     kl_beta: float = arg(0.0, "k3 KL to the starting model (0: no reference model is loaded)")
     std_normalize: bool = arg(True, "divide advantages by the group std (off: Dr. GRPO)")
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
-    loss_norm: str = arg("all", "all: divide by all valid response tokens; selected: by the kept budget; seq: GRPO's "
-                                "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
+    loss_norm: str = arg("all",
+        "all: divide by all valid response tokens; selected: by the kept budget; seq: GRPO's "
+        "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
     # token selection
-    select: str = arg("gmts", "all, random, entropy, gmts (GMTS as its authors' code; its scope: --scope) or gradnorm")
+    select: str = arg("gmts",
+        "all, random, entropy, gmts or gradnorm (METHODS); gmts selects as its authors' code "
+        "(their omega's normaliser and KL only with --loss-norm seq --kl-beta 0.001)")
     rho: float = arg(0.2, "share of the response tokens kept")
-    scope: str = arg("auto", "where the top rho is taken: group (each prompt's G answers: GMTS's authors) or batch "
-                             "(80/20, ETS; with gmts, this project's variant); auto: group for gmts, else batch")
+    scope: str = arg("auto",
+        "where the top rho of the valid tokens is taken: group (each prompt's G answers), by the "
+        "rule of GMTS's authors' code: of n tokens drop max(1, ceil((1 - rho) n)) (one even at rho "
+        "1), ties to the later token; or batch (80/20, ETS; with gmts this project's variant), our "
+        "rule: keep ceil(rho n), ties to the earlier token; auto: the method's own (METHODS: group "
+        "for gmts, else batch)")
     # optimisation
     lr: float = arg(1e-6, "AdamW learning rate")
-    warmup_steps: int = arg(10, "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
+    warmup_steps: int = arg(10,
+        "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
     lr_decay: bool = arg(True, "after warm-up, a linear lr decay to ~0 at the end (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-8, "AdamW eps (torch's 1e-8; paper-math 1e-8 / 64: their sum's "
@@ -163,7 +182,7 @@ class Config:
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
 
 CHOICES = {
-    "select": ["all", "random", "entropy", "gmts", "gradnorm"],
+    "select": [],  # METHODS' names, filled beside the table
     "device": ["auto", "cuda", "mps", "cpu"],
     "chat_template": ["auto", "yes", "no"],
     "loss_norm": ["all", "selected", "seq"],
@@ -259,8 +278,8 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
 
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
-    including the first end token. Never by comparing with the pad id: Qwen's pad (<|endoftext|>) is
-    also an end token, so a value test would drop the end token itself from the loss (tiny-grpo's bug)."""
+    including the first end token. Never by the pad id: Qwen's pad (<|endoftext|>) is an end token
+    too, so a value test would drop the end token itself from the loss (tiny-grpo's bug)."""
     N, T = completion_ids.shape
     device = completion_ids.device
     is_end = torch.isin(completion_ids, torch.tensor(end_ids, device=device))  # (N, T)
@@ -271,16 +290,16 @@ def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     return resp_mask, ~has_end
 
 @torch.no_grad()
-def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = 0, greedy: bool = False, fast: bool = False,
-            sampler_logp: bool = False) -> dict:
-    """group_size answers per prompt string (greedy=True: one greedy answer, for evaluation), on the model's device:
+def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
+            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+            fast: bool = False, sampler_logp: bool = False) -> dict:
+    """group_size answers per prompt (greedy=True: one greedy answer, to evaluate), on its device:
       prompt_ids, prompt_mask  (N, P)  the prompts, left padded, each repeated G times
       comp_ids, resp_mask      (N, T)  the answers and their valid positions (completion_mask)
       truncated                (N,)    answers that hit max_new_tokens without an end token
       texts                    N str   the answers, decoded up to their end
-      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T) at each
-                                       drawn token (pre-top-k/p, as the learner's; 0 after the end)
+      sampler_logp             (N, T)  with sampler_logp=True: the sampler's log_softmax(logits / T)
+                                       at each drawn token (pre-top-k/p, as the learner's; 0 after)
     fast: a static KV cache, its length rounded up to 64 (few shapes), compiled decoding on CUDA."""
     from transformers import GenerationConfig
     device = next(model.parameters()).device
@@ -295,7 +314,8 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
     if fast:
         knobs.update(cache_implementation="static", max_cache_len=-(-width // 64) * 64)
     end_ids = end_token_ids(tok)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids, pad_token_id=tok.pad_token_id, **knobs)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=end_ids,
+                           pad_token_id=tok.pad_token_id, **knobs)
     recorder = SamplerLogp(temperature) if sampler_logp else None
     # generate() fills each knob left unset from the checkpoint's generation_config (Qwen instruct:
     # top_k 20, top_p 0.8, repetition_penalty 1.1, ...), sampling another distribution than our
@@ -313,16 +333,19 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int, tem
         model.train(was_training)
     comp = out[:, ids.shape[1]:]  # (N, T), T >= 1: generate makes at least one token
     resp_mask, truncated = completion_mask(comp, end_ids)
-    texts = tok.batch_decode(comp.masked_fill(~resp_mask, tok.pad_token_id), skip_special_tokens=True)
+    shown = comp.masked_fill(~resp_mask, tok.pad_token_id)  # (N, T)
+    texts = tok.batch_decode(shown, skip_special_tokens=True)
     batch = dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp, resp_mask=resp_mask,
                  truncated=truncated, texts=texts)
     if recorder:
         batch["sampler_logp"] = recorder.finish(comp, resp_mask)  # (N, T)
     return batch
 
-# ==== Rewards [paper: reward]: the tasks' rule-based verifiers, step 3 ============================
-# Each task's prompt and verifier, in TASKS. Verifiers are pure, cap every length before parsing,
-# use no eval/exec and never raise (a bug costs a reward, not a run). Task data: supporting code.
+# ==== Rewards [paper: reward]: the tasks' rule-based verifiers, algorithm step 3 ==================
+# Each task's prompt and verifier, in TASKS. Verifiers cap every length before parsing, use no
+# eval/exec and never raise (a bug costs a reward, not a run). All are pure functions but one:
+# math_reward on a competition (LaTeX) row asks math-verify in a worker process (latex_equal, in
+# the supporting code), bounded in time; a timeout kills the worker. Task data: supporting code.
 def _never_raise(fn, fallback=0.0):
     """A verifier's last-resort net (it handles expected failures itself): exception -> fallback."""
     def wrapped(*args, **kwargs):
@@ -369,7 +392,8 @@ def countdown_value(completion: str, nums: list):
     """Exact value of the last <answer> if an equation using each given number once, else None (no
     tag; '=', not allowed as in TinyZero; other characters or numbers; bad syntax)."""
     ans = (_last_answer(completion) or "").strip()
-    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):  # cap before ast.parse, which recurses on nesting
+    # cap the length before ast.parse, which recurses on nesting
+    if not ans or len(ans) > 200 or not _CD_CHARS.fullmatch(ans):
         return None
     lits = []
     try:  # newlines are plain whitespace here, not statement breaks
@@ -402,7 +426,8 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...; else None."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...
+    (else None)."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -425,7 +450,7 @@ def parse_number(s: str):
         if value is None:
             return None
         return sign * value
-    top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side (\frac{-20}{2}, \frac{20}{-2})
+    top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
         return None
@@ -516,10 +541,11 @@ def bare_answer(s: str) -> str:
 @_never_raise
 def math_reward(completion: str, answer: str, latex: bool = False, fallback: bool = False,
                 answer_line: bool = False) -> float:
-    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format bonus.
-    latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:' line), by
-    math-verify (latex_equal) on normal_answer's forms unless both are numbers; fallback (a gold
-    math-verify cannot read): bare_answer's forms equal."""
+    """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
+    bonus. latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:'
+    line), by math-verify (latex_equal, in a worker process: supporting code) on normal_answer's
+    forms unless both are numbers; fallback (a gold math-verify cannot read): bare_answer's forms
+    equal."""
     gold = parse_number(str(answer))
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
@@ -591,9 +617,10 @@ def get_task(name: str) -> dict:
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,). The POPULATION std
-    (divide by G: the group is all we compare to) gives step 5's clean binary values (TRL's unbiased std scales them by
-    sqrt((G-1)/G)). A uniform group gets exactly 0 (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
+    """A_i = (r_i - mean_g) / (std_g + eps) over each group of G consecutive answers, (N,) -> (N,).
+    The POPULATION std (divide by G: the group is all we compare to) gives derivation step 5's clean
+    binary values (TRL's unbiased std scales them by sqrt((G-1)/G)). A uniform group gets exactly 0
+    (not 1e-17, never NaN). std_normalize=False: Dr. GRPO's r - mean."""
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
@@ -606,15 +633,16 @@ def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     r = rewards.view(-1, group_size)  # (B, G)
     return r.max(dim=1).values != r.min(dim=1).values
 
-def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
-    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...], keep the first B
-    informative groups -> (batch, rewards, adv), every per-answer entry; none: the first batch (all A = 0)."""
+def filter_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
+    """--filter-groups: join one step's rollout batches [(batch, rewards, adv), ...] (_join_rows,
+    in the supporting code), take the first B informative groups -> (batch, rewards, adv), every
+    per-answer entry; none: the first batch (all A = 0)."""
     rewards = torch.cat([part[1] for part in parts])  # (N_all,)
     advs = torch.cat([part[2] for part in parts])  # (N_all,)
-    keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) kept groups
-    if keep.numel() == 0:
+    taken = informative(rewards, group_size).nonzero().squeeze(1)[:B]  # (<= B,) groups
+    if taken.numel() == 0:
         return parts[0]
-    idx = (keep[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
+    idx = (taken[:, None] * group_size + torch.arange(group_size)).view(-1)  # their answers
     batch = {}
     for key in parts[0][0]:
         joined = _join_rows([part[0][key] for part in parts], key, pad_id)
@@ -626,24 +654,27 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 
 # ==== Token statistics [paper: the gradient of the loss w.r.t. the logits; the derivation] ========
 # Token t of answer i: logits z (V,), temperature T, p = softmax(z / T), sampled token y, advantage
-# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h the clip range):
+# A_i, ratio r = pi_theta(y) / pi_old(y). The GRPO/PPO-clip token loss (eps_l, eps_h: clip range):
 #     l = -min( r * A,  clip(r, 1 - eps_l, 1 + eps_h) * A )
-# Step 7 minimises it over the kept tokens S, with k3 KL (beta > 0) over every valid token:
+# Algorithm step 7 minimises it over the kept tokens S, with k3 KL (beta > 0) over all valid tokens:
 #     L = sum_{t in S} w_t * l_t / D  +  beta * sum_{t valid} w_t * k3_t / D_kl
 #     k3 = e^d - d - 1,  d = log pi_ref(y) - log pi_theta(y)
-# w, D, D_kl are --loss-norm's normaliser (loss_weights): all w = 1, D = D_kl = the valid tokens;
-# selected D = the kept budget; seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
+# w, D, D_kl are --loss-norm's normaliser (loss_weights; the Objective record holds them with the
+# clip range, beta and T): all w = 1, D = D_kl = the valid tokens; selected D = the kept budget;
+# seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
 # 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
 #    or (A < 0 and r < 1 - eps_l): "the clip is active", I_t = 0 (else I_t = 1). Otherwise
 #    dl/dlogp_y = -r * A (dr/dlogp_y = r), and dk3/dlogp_y = 1 - e^d = 1 - pi_ref / pi_theta. So for
 #    a kept token, with omega its coefficient in dL = -omega * dlogp_t (GMTS's omega):
 #        omega_t = -dL/dlogp_t = w_t r_t I_t A_i / D  +  beta w_t (pi_ref / pi_theta - 1) / D_kl
-#    L depends on token t's logits only through log p_y, so dL/dtheta = -sum_t omega_t dlogp_t/dtheta.
+#    L depends on token t's logits only through log p_y: dL/dtheta = -sum_t omega_t dlogp_t/dtheta.
 # 2. log p_y = z_y / T - logsumexp(z / T), so dlogp_y/dz_j = (1/T) * (onehot(y)_j - p_j) and
 #        dL/dz = -(omega / T) * (onehot(y) - p)                          (the logit gradient)
 # 3. Its L2 norm: ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2 = 1 - 2 p_y + sum_j p_j^2,
-#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * grad_norm (token_stats)
-# 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens when r = 1, beta = 0):
+#        ||dL/dz|| = |omega| / T * sqrt(1 - 2 p_y + sum_j p_j^2) = |omega| * dz_norm (token_stats)
+#    dz_norm = ||d log p_y / dz||: the per-token factor (metrics' grad_norm is the update's norm).
+# 4. How it relates to entropy WITHIN an answer (omega is the same for all of answer i's tokens
+#    when r = 1, beta = 0):
 #    a. Pointwise, for the token actually sampled:
 #           (1 - p_y)^2 <= ||onehot(y) - p||^2 <= 2 (1 - p_y)^2,
 #       so the norm is set by p_y, not by H: a rare token sampled at a near-certain position has a
@@ -657,17 +688,19 @@ def keep_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    (G = 8, k = 1: +2.65 vs -0.38), A = 0 for a group whose answers all got the same reward, and
 #    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
 #    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
-# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's per-token norm) and
-#    keeps about the top rho of each prompt's group (group_keep's budget; a score of 0, H_t = 0
+# 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's norm, dz_norm) and
+#    keeps about the top rho of each prompt's group (kept_count's drop rule; a score of 0, H_t = 0
 #    included, is never kept: the authors' code, see "Provenance"). 'gradnorm' uses the exact norm
-#    ||dL/dz|| = |omega| * grad_norm instead (our ablation, for the same vocabulary reduction as H).
-# Left open by the authors: p, H, log p at the rollout temperature T; omega, fp32: deviations 2, 8.
+#    ||dL/dz|| = |omega| * dz_norm instead (our ablation, for the same vocabulary reduction as H).
+# The temperature: p, H, log p at the rollout temperature T (the authors sample at T = 1 only);
+# omega, fp32: deviations 2, 8.
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple:
-    """(logp, entropy, grad_norm) of each sampled token, in fp32. logits (..., V), tokens (...) -> 3 x (...).
-    logp      = log p_y,  p = softmax(logits / T)
-    entropy   = -sum_j p_j log p_j                                   (nats)
-    grad_norm = ||d logp_y / d logits||_2 = (1/T) * sqrt(1 - 2 p_y + sum_j p_j^2)   (step 3)"""
+    """(logp, entropy, dz_norm) of each sampled token, in fp32. logits (..., V), tokens (...)
+    -> 3 x (...):
+    logp     = log p_y,  p = softmax(logits / T)
+    entropy  = -sum_j p_j log p_j                                   (nats)
+    dz_norm  = ||d logp_y / d logits||_2 = (1/T) sqrt(1 - 2 p_y + sum_j p_j^2)   (derivation 3)"""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
@@ -687,19 +720,23 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
 def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     """Final hidden states that PREDICT each response token (position P-1+t predicts token t)
     -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
-    them under left padding. The decoder is the model's own (get_decoder), so any causal LM works."""
+    them under left padding. The decoder is the model's own (get_decoder): any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()  # (n, P + T)
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1)  # (n, P + T)
+    attn = attn.long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
-        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos)
+    h = out.last_hidden_state  # (n, P + T, d)
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
 
 @torch.no_grad()
-def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int, chunk: int) -> tuple:
-    """(logp, entropy, grad_norm), each (N, T) fp32, 0 where invalid: a no-grad forward in micro-batches,
-    the lm_head on `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers for any N * T)."""
+def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
+                      chunk: int) -> tuple:
+    """(logp, entropy, dz_norm), each (N, T) fp32, 0 where invalid: a no-grad forward in
+    micro-batches, the lm_head on `chunk` valid tokens at a time (~3 (chunk, V) fp32 buffers for
+    any N * T)."""
     head = model.get_output_embeddings()
     mask = batch["resp_mask"]  # (N, T)
     out = [torch.zeros(mask.shape, device=mask.device) for _ in range(3)]  # 3 x (N, T)
@@ -725,37 +762,51 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = [checkpoint(logp, h, y, use_reentrant=False) for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    parts = []
+    for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
+        parts.append(checkpoint(logp, h, y, use_reentrant=False))
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+def micro_batch_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
+                     chunk: int):
+    """Yields (rows (n,), m = mask[rows] (n, T), logp (M,): log p_y of m's tokens, row-major) per
+    micro-batch of the answers with a token in mask (N, T). The one log-prob pass of the loss
+    (loss_backward) and of the KL reference (response_logp): equal weights give equal bits."""
+    head = model.get_output_embeddings()
+    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
+    for rows in active.split(micro_batch):
+        if rows.numel() == 0:  # no token: split() still yields one empty piece
+            return
+        m = mask[rows]  # (n, T)
+        h = response_hidden(model, batch, rows)[m]  # (M, d)
+        yield rows, m, head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)
 
 @torch.no_grad()
 def response_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                   chunk: int) -> torch.Tensor:
-    """log p_y of the tokens in mask, (N, T) fp32 (0 elsewhere), on loss_backward's exact code path (same rows per
-    micro-batch, same chunked head): equal weights, equal log-probs to the bit. For the KL reference (deviation 7)."""
-    head = model.get_output_embeddings()
+    """The KL reference's log p_y in mask (deviation 7), (N, T) fp32, 0 elsewhere; loss's pass."""
     out = torch.zeros(mask.shape, device=mask.device)  # (N, T)
-    active = mask.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch):
-        if rows.numel() == 0:  # no valid token: split() still yields one empty piece
-            break
-        m = mask[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+    for rows, m, logp in micro_batch_logp(model, batch, mask, temperature, micro_batch, chunk):
         r, t = m.nonzero(as_tuple=True)  # row-major, as m selects the hidden states
         out[rows[r], t] = logp
     return out
 
 # ==== Scores and top-rho selection [paper: GMTS's score H * |omega|; 80/20's entropy score] =======
-def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
+                clip_high: float) -> torch.Tensor:
     """Where the PPO clip zeroes the gradient (derivation step 1); adv and ratio broadcast."""
     above = (adv > 0) & (ratio > 1 + clip_high)
     below = (adv < 0) & (ratio < 1 - clip_low)
     return above | below
 
 def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
-    """--loss-norm's normaliser of L (derivation): dict(w=(N, T), denom=D, kl_denom=D_kl), for omega and
-    policy_update. valid (N, T): the loss's tokens; n_kept: the kept count (train passes keep_budget's)."""
+    """--loss-norm's normaliser of L (derivation): dict(w=(N, T), denom=D, kl_denom=D_kl), for
+    omega and the Objective. valid (N, T): the loss's tokens; n_kept: the budget (scope_budget).
+    'selected' divides by the budget, not by the tokens finally kept: omega, which the selection
+    ranks by, needs D before any token is selected (the budget is the kept count unless zero
+    scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
     if loss_norm == "seq":  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
@@ -765,11 +816,14 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
         return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
     return dict(w=w, denom=n_valid, kl_denom=n_valid)
 
-def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float, kl_beta: float = 0.0,
-          ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0, kl_denom: float = 1.0) -> torch.Tensor:
-    """omega_t = -dL/dlogp_t of a kept token (derivation step 1): w * ratio * A / denom where the PPO clip leaves the
-    gradient alive (else 0), plus the KL term's kl_beta * w * (ref_ratio - 1) / kl_denom, ref_ratio = pi_ref / pi_theta.
-    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T) -> (N, T)."""
+def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float,
+          kl_beta: float = 0.0, ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0,
+          kl_denom: float = 1.0) -> torch.Tensor:
+    """omega_t = -dL/dlogp_t of a kept token (derivation step 1):
+        w * ratio * A / denom  where the PPO clip leaves the gradient alive (else 0)
+        + kl_beta * w * (ref_ratio - 1) / kl_denom,  ref_ratio = pi_ref / pi_theta  (the KL term's)
+    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T)
+    -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
     om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
@@ -777,86 +831,123 @@ def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: fl
         om = om + kl_beta * w * (ref_ratio - 1) / kl_denom  # the KL term's
     return om
 
-def token_scores(method: str, entropy: torch.Tensor, grad_norm: torch.Tensor, om: torch.Tensor,
-                 generator: torch.Generator = None) -> torch.Tensor:
-    """The ranking score of each token; higher is kept first. All inputs (N, T) -> (N, T)."""
-    if method == "all":  # vanilla GRPO (train keeps every token, rho = 1)
-        return torch.ones_like(entropy)
-    if method == "random":  # the control
-        return torch.rand(entropy.shape, generator=generator).to(entropy.device)
-    if method == "entropy":  # H_t (80/20 paper)
-        return entropy
-    if method == "gmts":  # H_t * |omega_t| (GMTS; H >= 0)
-        return (entropy * om).abs()
-    if method == "gradnorm":  # ||dL/dz||, the loss's exact logit-gradient norm (step 3; ours)
-        return om.abs() * grad_norm
-    raise ValueError(f"unknown selection method {method!r}; choose one of: {', '.join(CHOICES['select'])}")
+@dataclass(frozen=True)
+class Method:
+    """A --select method (a row of METHODS), or a user's score for train(score_fn=...)."""
+    score: object  # score(logp, entropy, dz_norm, om, generator=None), all (N, T): high kept first
+    zero_kept: bool = True  # False: a score of 0 is never kept (its gradient is 0; deviation 9)
+    scope: str = "batch"  # --scope auto's: group (each prompt's G answers) or batch
 
-def group_keep(counts: torch.Tensor, rho: float) -> torch.Tensor:
-    """The authors' budget: of a group's n valid tokens drop max(1, ceil((1 - rho) n)) (so one even at rho = 1),
-    keep the rest; in integer arithmetic on rho as written (limited where int64 would overflow). (B,) -> (B,)."""
-    top = int(counts.max()) + 1 if counts.numel() else 1
-    frac = Fraction(str(float(rho))).limit_denominator(2**62 // top)
-    p, q = frac.numerator, frac.denominator
-    drop = ((q - p) * counts + q - 1) // q  # ceil((1 - rho) n)
-    return (counts - drop.clamp_min(1)).clamp_min(0)
+def _random_score(logp, entropy, dz_norm, om, generator=None):
+    return torch.rand(entropy.shape, generator=generator).to(entropy.device)
 
-def keep_budget(mask: torch.Tensor, rho: float, group_size: int = 0) -> int:
-    """How many valid tokens select_tokens keeps before it drops zero scores: ceil(rho * n) of the whole
-    batch's n (at least one), or with group_size G group_keep summed over the groups of G rows."""
-    if group_size:
-        return int(group_keep(mask.reshape(-1, group_size * mask.shape[-1]).sum(1), rho).sum())
-    n = int(mask.sum())
-    # rho * n exactly, on rho as written: in floats 0.07 * 100 is 7.000000000000001, up to 8 tokens
-    return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))
+# The methods of --select: adding one is a row and its score. 'all' keeps every token (rho 1).
+METHODS = {
+    "all": Method(lambda logp, H, dz_norm, om, gen=None: torch.ones_like(H)),  # vanilla GRPO
+    "random": Method(_random_score),  # the control
+    "entropy": Method(lambda logp, H, dz_norm, om, gen=None: H),  # H_t (80/20 paper)
+    # H_t * |omega_t| (GMTS; H >= 0), per group as its authors
+    "gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),
+    # ||dL/dz|| = |omega_t| * dz_norm, the exact logit-gradient norm (derivation step 3; ours)
+    "gradnorm": Method(lambda logp, H, dz_norm, om, gen=None: om.abs() * dz_norm, False),
+}
+CHOICES["select"].extend(METHODS)
 
-def keep_in_groups(vals: torch.Tensor, groups: torch.Tensor, rho: float) -> torch.Tensor:
-    """The authors' per-group selection, vectorised: each group's scores sorted ascending (stable: of equal
-    scores the earlier comes first), group_keep's lowest dropped. vals, groups (n,) -> keep (n,) bool."""
-    order = torch.sort(vals, stable=True).indices  # by score
-    order = order[torch.sort(groups[order], stable=True).indices]  # then by group: lowest first
-    _, counts = torch.unique_consecutive(groups[order], return_counts=True)  # (B,)
-    starts = counts.cumsum(0) - counts
-    rank = torch.arange(len(order), device=vals.device) - starts.repeat_interleave(counts)  # 0: a group's lowest
-    keep = torch.zeros_like(vals, dtype=torch.bool)
-    keep[order] = rank >= (counts - group_keep(counts, rho)).repeat_interleave(counts)
-    return keep
+def token_scores(method: str, entropy: torch.Tensor, dz_norm: torch.Tensor, om: torch.Tensor,
+                 generator: torch.Generator = None, logp: torch.Tensor = None) -> torch.Tensor:
+    """METHODS[method]'s ranking score of each token; higher is kept first. (N, T) -> (N, T)."""
+    if method not in METHODS:
+        choices = ", ".join(METHODS)
+        raise ValueError(f"unknown selection method {method!r}; choose one of: {choices}")
+    return METHODS[method].score(logp, entropy, dz_norm, om, generator)
+
+def kept_count(counts: list, rho: float, rule: str) -> list:
+    """How many of a scope's n valid tokens are kept, for each n in counts, on rho as written (in
+    floats 0.07 * 100 is 7.000000000000001, up to 8 tokens):
+      drop  the authors' rule: drop max(1, ceil((1 - rho) n)), keep the rest (one dropped even
+            at rho = 1); ties at the threshold go to the later token (their ascending sort)
+      ceil  ours: keep ceil(rho n), at least one (none of none); ties to the earlier token"""
+    r = Fraction(str(float(rho)))
+    if rule == "drop":
+        return [max(0, n - max(1, math.ceil((1 - r) * n))) for n in counts]
+    return [min(n, max(1, math.ceil(r * n))) for n in counts]
+
+def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: torch.Tensor = None,
+                 rule: str = None) -> tuple:
+    """Algorithm step 6's budget, read by both the mask (select_tokens) and the 'selected'
+    normaliser (train) -> (label, kept, rule). The scope is a label per token: groups (N, T), or
+    with group_size G each run of G rows (filter_groups' layout), or one label: the whole batch.
+    label (n,): each valid token's label index, in position order (None: one label); kept (L,):
+    how many of each label's tokens are kept, by kept_count's rule (default: drop with labels, as
+    the authors' per-group code; ceil over the whole batch, as ours)."""
+    if rule is None:
+        rule = "ceil"
+        if group_size or groups is not None:
+            rule = "drop"
+    flat_mask = mask.reshape(-1)  # (N*T,)
+    if groups is None and not group_size:
+        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
+    if groups is None:
+        if mask.shape[0] % group_size:
+            raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
+        rows = torch.arange(mask.shape[0], device=mask.device)  # (N,)
+        groups = (rows // group_size)[:, None].expand(mask.shape)  # (N, T)
+    found = torch.unique(groups.reshape(-1)[flat_mask], return_inverse=True, return_counts=True)
+    _, label, counts = found  # (L,), (n,), (L,)
+    return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device), rule
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
-                  group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
-    """The top valid tokens by score: (N, T) -> (N, T) bool; masked-out tokens are never kept, NaN ranks lowest.
-    group_size 0 (and no groups): the keep_budget highest over the WHOLE batch, ties to the earlier position (any
-    rho in (0, 1] keeps at least one). group_size G: within each run of G consecutive rows (keep_groups' layout) by
-    the authors' rule, keep_in_groups (ties: the later kept); groups (N, T): within each label instead. nonzero
-    (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9), so they may keep fewer."""
+                  group_size: int = 0, groups: torch.Tensor = None,
+                  rule: str = None) -> torch.Tensor:
+    """The top valid tokens by score in each scope (scope_budget's): (N, T) -> (N, T) bool; masked
+    out tokens are never kept, NaN ranks lowest. group_size 0, no groups: over the whole batch,
+    ceil(rho n), ties to the earlier token; group_size G: in each prompt's group by the authors'
+    rule, ties to the later. nonzero (gmts, gradnorm) then drops kept tokens whose score is 0
+    (deviation 9): maybe fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
         return sel.view_as(mask)
+    label, kept, rule = scope_budget(mask, rho, group_size, groups, rule)
     vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
     vals = torch.nan_to_num(vals, nan=-math.inf)
-    if group_size and groups is None:
-        if mask.shape[0] % group_size:
-            raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
-        groups = (torch.arange(mask.shape[0], device=mask.device) // group_size)[:, None].expand(mask.shape)
-    if groups is not None:
-        keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)
+    # Highest first; the stable sort keeps equal scores in position order (ties to the earlier),
+    # or, on the scores reversed, in reverse order (ties to the later).
+    if rule == "drop":
+        order = len(vals) - 1 - torch.sort(vals.flip(0), descending=True, stable=True).indices
     else:
-        # Highest first; the stable sort keeps equal scores in order: ties to the earlier token.
         order = torch.sort(vals, descending=True, stable=True).indices  # (n,)
-        keep = torch.zeros_like(vals, dtype=torch.bool)
-        keep[order[:keep_budget(mask, rho)]] = True
+    rank = torch.arange(len(vals), device=vals.device)  # (n,): 0 for the highest of its label
+    if label is not None:
+        order = order[torch.sort(label[order], stable=True).indices]  # then by label
+        counts = torch.bincount(label, minlength=len(kept))  # (L,)
+        rank = rank - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        kept = kept[label[order]]  # (n,)
+    keep = torch.zeros_like(vals, dtype=torch.bool)
+    keep[order] = rank < kept.to(vals.device)
     if nonzero:
         keep &= vals > 0
     sel[flat_mask] = keep
     return sel.view_as(mask)
 
 # ==== Loss and update [paper: GRPO / DAPO objective restricted to the kept tokens] ================
+@dataclass
+class Objective:
+    """The settings of the loss L (derivation), passed whole to the update; omega takes them too."""
+    clip_low: float  # eps_l: PPO clip below 1
+    clip_high: float  # eps_h: above 1
+    kl_beta: float  # beta of the k3 KL term (0: none)
+    temperature: float  # T of the log-probs
+    w: torch.Tensor  # (N, T) token weights, loss_weights'
+    denom: float  # D, the policy term's normaliser
+    kl_denom: float  # D_kl, the KL term's
+
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A), r = exp(logp - old_logp): (M,) inputs
-    -> (loss (M,), clip active (M,) bool). On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp
-    takes token_stats' code path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
+    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
+    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy
+    r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp takes token_stats' code
+    path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -868,83 +959,76 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
-def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, kept: torch.Tensor,
-                     ref_logp: torch.Tensor, w: torch.Tensor, *, denom: float, kl_denom: float, clip_low: float,
-                     clip_high: float, kl_beta: float) -> tuple:
+def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                     kept: torch.Tensor, ref_logp: torch.Tensor, w: torch.Tensor,
+                     objective: Objective) -> tuple:
     """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
         sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
-    -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["live"] the tokens with a gradient
-    (kept with A != 0 and an inactive clip; with KL also where 1 - exp(ref - logp) != 0), counts["kl"] the sum of k3."""
-    pg, clip_m = grpo_token_loss(logp, old_logp, adv, clip_low, clip_high)  # (M,)
-    loss = (pg * kept * w).sum() / denom
-    counts = dict(clipped=int((clip_m & kept).sum()), live=int((kept & ~clip_m & (adv != 0)).sum()), kl=0.0)
-    if kl_beta > 0:
+    -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["kl"] the sum
+    of k3, counts["live"] the tokens with a gradient, each once: kept with A != 0 and an inactive
+    clip, or with KL where 1 - exp(ref - logp) != 0."""
+    o = objective
+    pg, clip_m = grpo_token_loss(logp, old_logp, adv, o.clip_low, o.clip_high)  # (M,)
+    loss = (pg * kept * w).sum() / o.denom
+    live = kept & ~clip_m & (adv != 0)  # (M,)
+    counts = dict(clipped=int((clip_m & kept).sum()), kl=0.0)
+    if o.kl_beta > 0:
         kl = k3_kl(logp, ref_logp)  # (M,)
-        loss = loss + kl_beta * (kl * w).sum() / kl_denom  # its normaliser ignores the selection
+        loss = loss + o.kl_beta * (kl * w).sum() / o.kl_denom  # D_kl ignores the selection
         counts["kl"] = float(kl.detach().sum())
-        counts["live"] += int((torch.exp(ref_logp - logp.detach()) != 1).sum())
+        live = live | (torch.exp(ref_logp - logp.detach()) != 1)
+    counts["live"] = int(live.sum())
     return loss, counts
 
-def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor, denom: float,
-                  *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
-                  kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
-                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time; denom,
-    w (N, T), kl_denom: loss_weights' (defaults w = 1, kl_denom = the valid tokens). Masks, (N, T):
+def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, objective: Objective, *, micro_batch: int, chunk: int,
+                  ref_logp: torch.Tensor = None, valid: torch.Tensor = None) -> dict:
+    """Accumulate into .grad micro_batch_loss's gradient, a micro-batch of answers at a time, by
+    micro_batch_logp (the KL reference's pass). Masks, (N, T):
       valid     the loss's tokens, KL's too (default resp_mask; --overlong-filter: none truncated)
       sel_mask  the kept tokens, the policy term's
       need      the tokens whose log-prob is computed: the kept ones, with KL every valid one
     Only `need` enters the lm_head (the others' gradient is 0: leaving them out is exact) -> loss,
     clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
-    head = model.get_output_embeddings()
     if valid is None:
         valid = batch["resp_mask"]
     need = sel_mask
-    if kl_beta > 0:
+    if objective.kl_beta > 0:
         need = sel_mask | valid
-    n_valid = max(int(valid.sum()), 1)
-    if w is None:
-        w = torch.ones(valid.shape, device=valid.device)
-    if kl_denom is None:
-        kl_denom = n_valid
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
-    active = need.any(dim=1).nonzero().squeeze(1)  # answers that enter the forward
-    for rows in active.split(micro_batch):
-        if rows.numel() == 0:  # nothing kept: split() still yields one empty piece
-            break
-        m = need[rows]  # (n, T)
-        h = response_hidden(model, batch, rows)[m]  # (M, d)
-        logp = head_logp(h, head, batch["comp_ids"][rows][m], temperature, chunk)  # (M,)
+    passes = micro_batch_logp(model, batch, need, objective.temperature, micro_batch, chunk)
+    for rows, m, logp in passes:
         ref = None
-        if kl_beta > 0:
+        if objective.kl_beta > 0:
             ref = ref_logp[rows][m]  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
-        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref, w[rows][m], denom=denom,
-                                        kl_denom=kl_denom, clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta)
+        loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref,
+                                        objective.w[rows][m], objective)
         loss.backward()
         totals["loss"] += float(loss.detach())
         for key, value in counts.items():
             totals[key] += value
     n_sel = max(int(sel_mask.sum()), 1)
-    return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel, kl=totals["kl"] / n_valid,
-                live=totals["live"])
+    n_valid = max(int(valid.sum()), 1)
+    return dict(loss=totals["loss"], clip_frac=totals["clipped"] / n_sel,
+                kl=totals["kl"] / n_valid, live=totals["live"])
 
-def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor, old_logp: torch.Tensor,
-                  denom: float, *, temperature: float, clip_low: float, clip_high: float, micro_batch: int, chunk: int,
-                  max_grad_norm: float, kl_beta: float = 0.0, ref_logp: torch.Tensor = None, valid: torch.Tensor = None,
-                  w: torch.Tensor = None, kl_denom: float = None) -> dict:
-    """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's step rule, so A = 0
-    everywhere, with the policy at its reference, moves neither the weights nor the Adam moments."""
+def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
+                  old_logp: torch.Tensor, objective: Objective, *, micro_batch: int, chunk: int,
+                  max_grad_norm: float, ref_logp: torch.Tensor = None,
+                  valid: torch.Tensor = None) -> dict:
+    """One optimiser step on the kept tokens (the arguments as loss_backward's) by deviation 6's
+    step rule: A = 0 everywhere, with the policy at its reference, moves neither the weights nor
+    the Adam moments. Adds grad_norm (the parameter-gradient norm, unclipped), skipped, stepped."""
     opt.zero_grad(set_to_none=True)
-    stats = loss_backward(model, batch, adv, sel_mask, old_logp, denom, temperature=temperature,
-                          clip_low=clip_low, clip_high=clip_high, micro_batch=micro_batch, chunk=chunk,
-                          kl_beta=kl_beta, ref_logp=ref_logp, valid=valid, w=w, kl_denom=kl_denom)
-    norm = 0.0
+    stats = loss_backward(model, batch, adv, sel_mask, old_logp, objective,
+                          micro_batch=micro_batch, chunk=chunk, ref_logp=ref_logp, valid=valid)
+    grad_norm = 0.0
     if stats["live"]:
         params = [p for p in model.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    finite = math.isfinite(norm) and math.isfinite(stats["loss"])
-    stats["grad_norm"] = norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    finite = math.isfinite(grad_norm) and math.isfinite(stats["loss"])
+    stats["grad_norm"] = grad_norm
     stats["skipped"] = int(not finite)
     stats["stepped"] = int(stats["live"] > 0 and finite)
     if stats["stepped"]:
@@ -952,11 +1036,11 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
     return stats
 
-# ==== Training loop [paper: the algorithm box; the numbered comments are the docstring's steps] ====
+# ==== Training loop [paper: the algorithm box; the numbered comments: the algorithm steps] ========
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
     min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear too)."""
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
     up = (i + 1) / max(warmup, 1)
     if not decay:
         return min(1.0, up)
@@ -964,7 +1048,7 @@ def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     return min(1.0, up, down)
 
 def step_lr(cfg: Config, step: int, inner: int) -> float:
-    """The lr of inner update `inner` of GRPO step `step` (1-based): slot (step - 1) * mu + inner."""
+    """The lr of inner update `inner` of GRPO step `step` (from 1): slot (step - 1) * mu + inner."""
     slot = (step - 1) * cfg.inner_updates + inner
     return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
 
@@ -986,9 +1070,9 @@ class Run:
     report: object = None  # sends a metrics record to --report-to's tracker (record_start opens it)
 
 def start_run(cfg: Config, log=print) -> Run:
-    """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype: the
-    model itself or a bf16 copy). The run folder's side, in the supporting code: open_run (the folder,
-    the data, the model or a resume's checkpoint), record_start (the config, step 0, ckpt-000000)."""
+    """The policy, its optimiser, the KL reference (deviation 7) and the sampler (--sampler-dtype:
+    the model or a bf16 copy). The run folder's side, in the supporting code: open_run (the folder,
+    the data, the model or a resume's checkpoint), record_start (config, step 0, ckpt-000000)."""
     device = pick_device(cfg.device)
     if cfg.threads > 0:  # before any work
         torch.set_num_threads(cfg.threads)
@@ -1018,9 +1102,9 @@ def start_run(cfg: Config, log=print) -> Run:
     return run
 
 def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
-    """Steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts), B prompts x G answers:
+    """Algorithm steps 1-4 of GRPO step `step` -> (batch, rewards (N,), adv (N,), parts), B x G:
     with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
-    are drawn, joined by keep_groups; parts: each batch drawn, (batch, rewards, adv), for metrics."""
+    are drawn, joined by filter_groups; parts: each batch drawn, (batch, rewards, adv)."""
     B, G = cfg.prompts_per_step, cfg.group_size
     max_batches = 1
     if cfg.filter_groups:
@@ -1032,7 +1116,8 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         rows = run.draw(B, step, len(parts))
         prompts = build_prompts(run.tok, run.task, rows, run.chat, cfg.short_prompt,
                                 cfg.prompt_style)
-        # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt n // G)
+        # 2. G answers per prompt, with the sampler's own log-probs (answer n answers prompt
+        # n // G), by rollout() on the fast path while it works (sample_answers, supporting code)
         batch = sample_answers(run, prompts, cfg, log)
         # 3. one reward per answer from the task's verifier (the Rewards section)
         rewards = torch.zeros(len(batch["texts"]))  # (N,)
@@ -1044,28 +1129,44 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         n_informative += int(informative(rewards, G).sum())
     if not cfg.filter_groups:
         return batch, rewards, adv, parts
-    return (*keep_groups(parts, G, B, run.tok.pad_token_id), parts)
+    return (*filter_groups(parts, G, B, run.tok.pad_token_id), parts)
 
-def selection_rule(cfg: Config) -> tuple:
-    """(rho, group_size) of step 6: 'all' keeps every token (rho 1 over the batch); --scope group (auto: for
-    gmts, as its authors) ranks within each prompt's G answers, batch (auto: the others) over the whole batch (0)."""
+def step_method(cfg: Config, score_fn=None) -> Method:
+    """Algorithm step 6's method: METHODS[cfg.select], or train's score_fn: a Method as given, a
+    bare score function as a Method that keeps zero scores, at --select's scope."""
+    if isinstance(score_fn, Method):
+        return score_fn
+    if score_fn is not None:
+        return Method(score_fn, True, METHODS[cfg.select].scope)
+    return METHODS[cfg.select]
+
+def selection_rule(cfg: Config, method: Method = None) -> tuple:
+    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch);
+    --scope group ranks within each prompt's G answers, batch over the whole batch (0); auto: the
+    method's scope (default METHODS[cfg.select]'s: group for gmts, as its authors, else batch)."""
     if cfg.select == "all":
         return 1.0, 0
-    per_group = cfg.scope == "group" or (cfg.scope == "auto" and cfg.select == "gmts")
-    return cfg.rho, cfg.group_size if per_group else 0
+    if method is None:
+        method = METHODS[cfg.select]
+    scope = cfg.scope
+    if scope == "auto":
+        scope = method.scope
+    if scope == "group":
+        return cfg.rho, cfg.group_size
+    return cfg.rho, 0
 
-def step_selection(cfg: Config, logp, entropy, grad_norm, om, mask, score_fn=None) -> torch.Tensor:
-    """Step 6 as train() runs it, all (N, T): select_tokens by token_scores(cfg.select), selection_rule's rho and
-    scope, nonzero for gmts and gradnorm (deviation 9); a given score_fn(logp, entropy, grad_norm, om) replaces it."""
-    rho, group_size = selection_rule(cfg)
-    if score_fn is not None:
-        return select_tokens(score_fn(logp, entropy, grad_norm, om), mask, rho, group_size=group_size)
-    scores = token_scores(cfg.select, entropy, grad_norm, om)
-    return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)
+def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None) -> torch.Tensor:
+    """Algorithm step 6 as train() runs it, all (N, T): select_tokens by step_method's score, zero
+    rule (deviation 9) and scope (selection_rule)."""
+    method = step_method(cfg, score_fn)
+    rho, group_size = selection_rule(cfg, method)
+    scores = method.score(logp, entropy, dz_norm, om)
+    return select_tokens(scores, mask, rho, not method.zero_kept, group_size)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
-    """GRPO with token selection (the docstring's steps 1-8) -> the output folder. score_fn, if
-    given, replaces token_scores (step_selection): the notebook trains its own score through it."""
+    """GRPO with token selection (the docstring's algorithm steps 1-8) -> the output folder.
+    score_fn, if given, replaces METHODS[cfg.select] (step_method): a Method, or a bare
+    score(logp, entropy, dz_norm, om); the notebook trains its own score through it."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
     cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
@@ -1073,6 +1174,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
     report = run.report  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
+    method = step_method(cfg, score_fn)  # the score, its zero rule and scope (METHODS)
     model.train()
     for step in range(run.start, cfg.steps + 1):
         t0 = time.time()
@@ -1084,39 +1186,42 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
             valid = mask & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
-        # 5. statistics of pi_old, the fp32 policy before this update (--sampler-dtype bf16, CUDA's default: a bf16
-        # copy of it sampled): log pi(y_t), H_t and grad_norm, each (N, T); the KL reference's log-probs (loss's path)
-        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+        # 5. log pi(y_t), H_t, dz_norm (N, T) of pi_old, the fp32 policy before this update (a bf16
+        # copy of it sampled under --sampler-dtype bf16); the KL reference's log-probs
+        logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
         old_logp = logp
         ref_logp = None
         if run.ref is not None:
             ref_logp = response_logp(run.ref, batch, valid, cfg.temperature, mb, chunk)
-        rho, group_size = selection_rule(cfg)
-        norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl
+        # the loss's settings; 'selected' divides by scope_budget's count, the one the mask keeps
+        rho, group_size = selection_rule(cfg, method)
+        n_kept = int(scope_budget(valid, rho, group_size)[1].sum())
+        weights = loss_weights(cfg.loss_norm, valid, n_kept)  # w, D, D_kl
+        objective = Objective(cfg.clip_low, cfg.clip_high, cfg.kl_beta, cfg.temperature, **weights)
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again
-                logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
-            # 6. omega (-dL/dlogp of step 7's loss: derivation step 1), scores, the top rho of each
+                logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
+            # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
             ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
             if run.ref is not None:
                 ref_ratio = torch.exp(ref_logp - logp)
-            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
-                       **norm)  # (N, T)
-            sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, valid, score_fn)  # (N, T) bool
+            ratio = torch.exp(logp - old_logp)  # (N, T)
+            om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
+                       **weights)  # (N, T)
+            sel_mask = step_selection(cfg, logp, entropy, dz_norm, om, valid, method)  # (N, T)
             # 7. PPO-clip update on the kept tokens; one lr schedule and one step rule for all
             for group in opt.param_groups:
                 group["lr"] = step_lr(cfg, step, inner)
-            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=cfg.temperature,
-                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, micro_batch=mb, chunk=chunk,
-                                  max_grad_norm=cfg.max_grad_norm, kl_beta=cfg.kl_beta, ref_logp=ref_logp,
-                                  valid=valid, **norm)
+            stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, objective,
+                                  micro_batch=mb, chunk=chunk, max_grad_norm=cfg.max_grad_norm,
+                                  ref_logp=ref_logp, valid=valid)
             run.skipped += stats["skipped"]
         refresh_sampler(run.sampler, model)
         check_weights(model, batch, step, cfg.out)  # non-finite weights: stop before a checkpoint
         # 8. log, evaluate, checkpoint
-        rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask, stats, opt,
-                          run.skipped, t0, t_roll)
+        rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy, sel_mask,
+                          stats, opt, run.skipped, t0, t_roll)
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate_run(model, run, cfg))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
@@ -1937,7 +2042,7 @@ def _join_rows(xs: list, key: str, pad_id: int):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Step 2: G answers per prompt (_sample_call); --rollout-rows R: max(R // G, 1) prompts per
+    """Algorithm step 2: G answers per prompt (_sample_call); --rollout-rows R: max(R // G, 1) prompts per
     generate() call, whose answers join as rollout batches do (_join_rows)."""
     per = len(prompts)
     if cfg.rollout_rows:

@@ -507,21 +507,24 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     """gradient_retention at each rho of rhos -> {rho: {arm: (cos, ratio, low)}}. The token statistics and g_all are
     computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
-    logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch, cfg.stats_chunk)
-    norm = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
-    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **norm)  # (N, T)
+    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
+                                                    cfg.stats_chunk)
+    weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
+    objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
+    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **weights)  # (N, T)
     low = low_adv_rows(adv, cfg.group_size)[:, None] & mask  # (N, T)
 
     def grad(sel):
         model.zero_grad(set_to_none=True)
-        gmts.loss_backward(model, batch, adv, sel, logp, temperature=cfg.temperature, clip_low=cfg.clip_low,
-                           clip_high=cfg.clip_high, micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk, **norm)
+        gmts.loss_backward(model, batch, adv, sel, logp, objective, micro_batch=cfg.micro_batch,
+                           chunk=cfg.stats_chunk)
         return flat_grad(model)
     g_all = grad(mask)
     n_all = float(g_all.norm())
     scores = {}
     for arm in methods:
-        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, grad_norm, om, torch.Generator().manual_seed(seed))
+        noise = torch.Generator().manual_seed(seed)
+        scores[arm] = gmts.token_scores(parse_arm(arm)[0], entropy, dz_norm, om, noise)
     res = {}
     for rho in rhos:
         res[rho] = {}
@@ -531,8 +534,8 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
                 continue
             method = parse_arm(arm)[0]
             keep, group_size = gmts.selection_rule(dataclasses.replace(cfg, rho=rho, **arm_fields(arm, cfg)))
-            sel = gmts.select_tokens(scores[arm], mask, keep, nonzero=method in ("gmts", "gradnorm"),
-                                     group_size=group_size)
+            nonzero = not gmts.METHODS[method].zero_kept
+            sel = gmts.select_tokens(scores[arm], mask, keep, nonzero, group_size)
             g = grad(sel)
             n_s = float(g.norm())
             cos = float(g @ g_all) / (n_s * n_all) if n_s > 0 else 0.0
@@ -571,12 +574,13 @@ def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, 
 
 def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max_tokens: int = 256,
                   per_answer: int = 24, seed: int = 0) -> dict:
-    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * grad_norm and (b) the
-    parameter-gradient norm, within answers (mean over answers) and across the sampled tokens of the batch.
-    Tokens: up to per_answer random ones from random answers with A != 0 (an A = 0 token's norm is exactly 0, and
-    such ties would decide a batch ranking). -> {(method, 'logit_within' | ...): float}"""
+    """Spearman correlation of each score with (a) the exact logit-gradient norm |omega| * dz_norm
+    and (b) the parameter-gradient norm, within answers (mean over answers) and across the sampled
+    tokens of the batch. Tokens: up to per_answer random ones from random answers with A != 0 (an
+    A = 0 token's norm is exactly 0, and such ties would decide a batch ranking).
+    -> {(method, 'logit_within' | ...): float}"""
     g = torch.Generator().manual_seed(seed)
-    logp, entropy, grad_norm = gmts.batch_token_stats(model, batch, temperature, 8, 1024)
+    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, temperature, 8, 1024)
     mask = batch["resp_mask"].cpu()
     live = (adv != 0).cpu()
     rows, cols = [], []
@@ -590,11 +594,11 @@ def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max
     rows, cols = torch.tensor(rows[:max_tokens], dtype=torch.long), torch.tensor(cols[:max_tokens], dtype=torch.long)
     om = adv[:, None].expand_as(entropy)  # omega = A on-policy
     r_, c_ = rows.to(entropy.device), cols.to(entropy.device)
-    targets = dict(logit=(om.abs() * grad_norm)[r_, c_].cpu(),
+    targets = dict(logit=(om.abs() * dz_norm)[r_, c_].cpu(),
                    param=param_grad_norms(model, batch, adv, r_, c_, temperature) if len(rows) else torch.zeros(0))
     res = {}
     for m in ANALYZED:
-        s = gmts.token_scores(m, entropy, grad_norm, om, g)[r_, c_].cpu()
+        s = gmts.token_scores(m, entropy, dz_norm, om, g)[r_, c_].cpu()
         for t, y in targets.items():
             within = [spearman(s[rows == i], y[rows == i]) for i in rows.unique().tolist()]
             within = [w for w in within if not math.isnan(w)]
@@ -649,8 +653,9 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
         gmts.set_seed(cfg.seed * 1_000_003 + b)
         parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
         raw = parts[0]
-        on = gmts.keep_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
-        live = int(gmts.informative(on[1], cfg.group_size).sum())  # keep_groups fills up with dead groups
+        on = gmts.filter_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
+        # filter_groups fills up with dead groups
+        live = int(gmts.informative(on[1], cfg.group_size).sum())
         log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, {int((raw[2] == 0).sum())}/{len(raw[2])} answers "
             f"with A = 0; filter on: {len(parts)} rollout batch(es), {live} informative groups")
         if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks

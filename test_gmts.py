@@ -512,7 +512,7 @@ PAD = 258
 
 def _part(tag, P, T, rewards, G=2):
     """A hand-built rollout part: prompts of width P (first column padding), responses of width T (last column
-    invalid), every entry tagged so that each row can be recognised after keep_groups."""
+    invalid), every entry tagged so that each row can be recognised after filter_groups."""
     N = len(rewards)
     prompt_mask = torch.ones(N, P, dtype=torch.bool)
     prompt_mask[:, 0] = False
@@ -525,10 +525,11 @@ def _part(tag, P, T, rewards, G=2):
             r, group_advantages(r, G))
 
 
-def test_keep_groups_keeps_the_first_b_informative_groups():
+def test_filter_groups_keeps_the_first_b_informative_groups():
     a = _part(1, 3, 4, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups: equal, informative, equal
     b = _part(2, 5, 2, [1.0, 0.0, 1.0, 1.0, 0.1, 1.0])  # informative, equal, informative
-    batch, rewards, adv = gmts.keep_groups([a, b], 2, 2, PAD)  # B = 2: a's group 1, then b's group 0
+    # B = 2: a's group 1, then b's group 0
+    batch, rewards, adv = gmts.filter_groups([a, b], 2, 2, PAD)
     (ba, ra, aa), (bb, rb, ab) = a, b
     assert batch["texts"] == ["1-2", "1-3", "2-0", "2-1"]
     assert rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and adv.tolist() == aa[2:4].tolist() + ab[0:2].tolist()
@@ -542,10 +543,12 @@ def test_keep_groups_keeps_the_first_b_informative_groups():
                                                      torch.cat([bb["comp_ids"][0:2], pad2], 1)]))  # on the RIGHT
     assert torch.equal(batch["resp_mask"], torch.cat([ba["resp_mask"][2:4], torch.cat([bb["resp_mask"][0:2], no2], 1)]))
     assert batch["truncated"].tolist() == ba["truncated"][2:4].tolist() + bb["truncated"][0:2].tolist()
-    assert gmts.keep_groups([a, b], 2, 3, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
-    assert gmts.keep_groups([a, b], 2, 10, PAD)[0]["texts"] == ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    all_three = ["1-2", "1-3", "2-0", "2-1", "2-4", "2-5"]
+    assert gmts.filter_groups([a, b], 2, 3, PAD)[0]["texts"] == all_three
+    assert gmts.filter_groups([a, b], 2, 10, PAD)[0]["texts"] == all_three
     dead, dead2 = _part(3, 2, 2, [1.0, 1.0, 0.0, 0.0]), _part(4, 3, 2, [0.1, 0.1, 0.0, 0.0])
-    first = gmts.keep_groups([dead, dead2], 2, 2, PAD)  # nothing informative: the FIRST batch as is (two distinct ones)
+    # nothing informative: the FIRST batch as is (two distinct ones)
+    first = gmts.filter_groups([dead, dead2], 2, 2, PAD)
     assert first[0] is dead[0] and first[1] is dead[1] and first[2] is dead[2] and (first[2] == 0).all()
 
 
@@ -586,7 +589,7 @@ def test_token_stats_on_bf16_logits_is_fp32():
         assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5), (got.double() - want).abs().max()
 
 
-def test_grad_norm_at_near_certain_tokens_does_not_cancel():
+def test_dz_norm_at_near_certain_tokens_does_not_cancel():
     """token_stats' comment: (1 - p_y)^2 + sum_{j != y} p_j^2 "does not cancel catastrophically when p_y ~ 1", unlike
     1 - 2 p_y + sum_j p_j^2. At sampled tokens with 1 - p_y = 1e-2, 1e-3, 1e-4 (the rest spread over 1 or 49 other
     tokens) the norm is within 0.5% of an fp64 reference; the data reaches the trap: there the textbook form in fp32
@@ -625,7 +628,8 @@ def test_derivation_logit_gradient_of_clipped_loss():
     p = torch.softmax(z.detach() / T, -1)
     expect = -(om / T)[:, None] * (torch.nn.functional.one_hot(y, V) - p)
     assert torch.allclose(z.grad, expect, atol=1e-5)
-    assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)  # = |omega| * grad_norm
+    # = |omega| * dz_norm
+    assert torch.allclose(z.grad.norm(dim=-1), om.abs() * gn.detach(), atol=1e-5)
     assert clipped.tolist() == (om == 0).tolist()[:7] + [False] * 3  # A = 0 is not "clipped", just zero
     assert clipped.tolist() == [False, False, True, False, False, True, False, False, False, False]
     assert ratio[8] > 1 + 0.28 and ratio[9] < 1 - 0.2 and (om[7:] == 0).all()  # the A = 0 cases are reached
@@ -854,8 +858,8 @@ def test_select_tokens_per_group_matches_the_literal_reference(seed, rho):
         assert not (sel & ~mask).any()
     sel = select_tokens(scores, mask, rho, nonzero=True, group_size=G)
     assert not sel[G:2 * G].any()
-    budget = [int(gmts.group_keep(mask[i:i + G].sum().view(1), rho)) for i in range(0, N, G)]
-    assert gmts.keep_budget(mask, rho, G) == sum(budget)
+    budget = [gmts.kept_count([int(mask[i:i + G].sum())], rho, "drop")[0] for i in range(0, N, G)]
+    assert gmts.scope_budget(mask, rho, G)[1].tolist() == budget
     assert [int(x) for x in select_tokens(scores, mask, rho, group_size=G).view(-1, G * T).sum(1)] == budget
     # the same rule through the labels gmts_trl passes: rows in any order, each row labelled by its group
     distinct = torch.rand(N, T, generator=g)  # no ties, so the rows' order cannot matter
@@ -1017,6 +1021,13 @@ def _plain_logp(model, b, T):
     return torch.log_softmax(logits[:, P - 1:-1].float() / T, -1).gather(-1, b["comp_ids"][..., None]).squeeze(-1)
 
 
+def _objective(valid, denom, T=1.0, beta=0.0):
+    """The loss's settings: clip 0.2 / 0.28, w = 1, the policy term divided by denom, KL's by the
+    valid count."""
+    n_valid = float(max(int(valid.sum()), 1))
+    return gmts.Objective(0.2, 0.28, beta, T, torch.ones(valid.shape), denom, n_valid)
+
+
 @pytest.mark.parametrize("loss_norm", ["all", "selected"])
 def test_update_equals_full_reinforce_gradient(tiny, loss_norm):
     """policy_update (hidden-state gather, chunked head, micro-batches, ratio = 1) gives exactly the gradient of
@@ -1029,12 +1040,13 @@ def test_update_equals_full_reinforce_gradient(tiny, loss_norm):
     sel = select_tokens(token_scores("gmts", H, gn, omega(adv, torch.ones_like(H), .2, .28)), b["resp_mask"], 0.3)
     denom = float(b["resp_mask"].sum()) if loss_norm == "all" else float(sel.sum())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # step() is a no-op: the gradients stay for inspection
-    stats = gmts.policy_update(model, opt, b, adv, sel, logp, denom, temperature=T, clip_low=.2, clip_high=.28,
-                               micro_batch=2, chunk=3, max_grad_norm=1e9)
+    objective = _objective(b["resp_mask"], denom, T)
+    stats = gmts.policy_update(model, opt, b, adv, sel, logp, objective, micro_batch=2, chunk=3,
+                               max_grad_norm=1e9)
     assert stats["stepped"] == 1 and stats["live"] == int(sel.sum())
     opt.zero_grad()
-    gmts.loss_backward(model, b, adv, sel, logp, denom, temperature=T, clip_low=.2, clip_high=.28, micro_batch=2,
-                       chunk=3)  # policy_update clears .grad after its step: loss_backward leaves it for us
+    # policy_update clears .grad after its step: loss_backward leaves it for us
+    gmts.loss_backward(model, b, adv, sel, logp, objective, micro_batch=2, chunk=3)
     g_ours = _grads(model)
     model.zero_grad()
     (-(adv[:, None] * _plain_logp(model, b, T) * sel).sum() / denom).backward()
@@ -1063,7 +1075,8 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     old = (logp + (torch.rand(m.shape, generator=g) - 0.5)).masked_fill(~m, 0.0)  # ratios e^-0.5 .. e^0.5
     ref = gmts.batch_token_stats(ref_model, b, T, 4, 64)[0]
     sel = select_tokens(torch.rand(m.shape, generator=g), m, 0.4, group_size=4)
-    norm = gmts.loss_weights(loss_norm, m, gmts.keep_budget(m, 0.4, 4))
+    norm = gmts.loss_weights(loss_norm, m, int(gmts.scope_budget(m, 0.4, 4)[1].sum()))
+    objective = gmts.Objective(0.2, 0.28, beta, T, **norm)
     ratio = torch.exp(logp - old)
     dead = gmts.clip_active(adv[:, None], ratio, 0.2, 0.28) & m
     assert dead.any() and (sel & m & ~dead & (adv != 0)[:, None]).any()
@@ -1071,8 +1084,7 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     need = sel | m if beta else sel
     x = logp[need].clone().requires_grad_()
     loss, _ = gmts.micro_batch_loss(x, old[need], adv[:, None].expand_as(m)[need], sel[need], ref[need],
-                                    norm["w"][need], denom=norm["denom"], kl_denom=norm["kl_denom"], clip_low=0.2,
-                                    clip_high=0.28, kl_beta=beta)
+                                    norm["w"][need], objective)
     grad, = torch.autograd.grad(loss, x)
     kept = sel[need]
     assert torch.allclose(-grad[kept], om[need][kept], atol=1e-7, rtol=1e-5)
@@ -1080,8 +1092,7 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     assert torch.allclose(-grad[~kept], kl_part[need][~kept], atol=1e-7, rtol=1e-5)
     assert (kl_part[need][~kept] != 0).any() == (beta > 0)
     model.zero_grad()
-    gmts.loss_backward(model, b, adv, sel, old, temperature=T, clip_low=.2, clip_high=.28, micro_batch=5, chunk=7,
-                       kl_beta=beta, ref_logp=ref, **norm)
+    gmts.loss_backward(model, b, adv, sel, old, objective, micro_batch=5, chunk=7, ref_logp=ref)
     g_ours = _grads(model)
     model.zero_grad()
     lp = _plain_logp(model, b, T)
@@ -1091,6 +1102,94 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     g_ref = _grads(model)
     assert g_ref.abs().max() > 0 and torch.allclose(g_ours, g_ref, atol=1e-6), (g_ours - g_ref).abs().max()
     model.zero_grad()
+
+
+def test_live_counts_a_token_once_under_kl():
+    """Hand-computed step-rule count on four tokens, on-policy (r = 1): token 0 kept with A = 1 and
+    its log-prob off the reference's; token 1 kept with A = 0, at the reference; token 2 dropped,
+    off the reference; token 3 dropped, at it. Live (a gradient): 0 (both terms) and 2 (KL only):
+    2 tokens, token 0 counted once, not twice (the code before issue 43 said 3)."""
+    logp = torch.tensor([-1.0, -2.0, -0.5, -1.5])
+    adv = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    kept = torch.tensor([True, True, False, False])
+    ref = logp + torch.tensor([0.1, 0.0, -0.2, 0.0])
+    objective = gmts.Objective(0.2, 0.28, 0.1, 1.0, torch.ones(1, 4), 4.0, 4.0)
+    _, counts = gmts.micro_batch_loss(logp, logp, adv, kept, ref, torch.ones(4), objective)
+    assert counts["live"] == 2
+    no_kl = gmts.Objective(0.2, 0.28, 0.0, 1.0, torch.ones(1, 4), 4.0, 4.0)
+    assert gmts.micro_batch_loss(logp, logp, adv, kept, ref, torch.ones(4), no_kl)[1]["live"] == 1
+
+
+def test_one_budget_feeds_the_mask_and_the_selected_normaliser(tmp_path, monkeypatch, parity):
+    """A new budget rule given to the one function (kept_count: here n // 3 of each scope's n valid
+    tokens) changes both what train's mask keeps and --loss-norm selected's divisor, in the group
+    and the batch scope: they agree with the rule, and differ from the default rule's count."""
+    real_count, real_update = gmts.kept_count, gmts.policy_update
+    monkeypatch.setattr(gmts, "kept_count", lambda counts, rho, rule: [n // 3 for n in counts])
+    seen = []
+
+    def update(model, opt, batch, adv, sel_mask, old_logp, objective, **k):
+        seen.append((sel_mask.clone(), objective.denom, k["valid"].clone()))
+        return real_update(model, opt, batch, adv, sel_mask, old_logp, objective, **k)
+    monkeypatch.setattr(gmts, "policy_update", update)
+    for scope, G in (("group", 4), ("batch", 0)):
+        seen.clear()
+        train_main(*SMALL, "--steps", "1", "--select", "entropy", "--scope", scope,
+                   "--loss-norm", "selected", "--out", tmp_path / scope)
+        ((sel, denom, valid),) = seen
+        per_scope = [int(valid.sum())]
+        if G:
+            per_scope = [int(valid[i:i + G].sum()) for i in range(0, len(valid), G)]
+        want = sum(n // 3 for n in per_scope)
+        assert int(sel.sum()) == denom == want
+        assert want != sum(real_count(per_scope, 0.2, "drop" if G else "ceil"))
+
+
+def test_a_users_method_row_sets_its_score_zero_rule_and_scope(tmp_path, monkeypatch, parity):
+    """A method is one row: a Method (score, zero_kept, scope) added to METHODS is a --select method
+    for token_scores and step_selection, and train(score_fn=Method(...)) trains a user's score with
+    the row's properties. The score here is the entropy with every even position set to 0:
+    zero_kept=False keeps none of those, and scope "group" ranks within each prompt's G answers by
+    the authors' rule (select_tokens with group_size G, nonzero), where the default row (a bare
+    function: zeros kept, --select gmts's group scope) and a batch row keep other tokens."""
+    def score(logp, entropy, dz_norm, om, generator=None):
+        s = entropy.clone()
+        s[:, ::2] = 0.0
+        return s
+    row = gmts.Method(score, zero_kept=False, scope="group")
+    monkeypatch.setitem(gmts.METHODS, "mine", row)
+    H = torch.rand(8, 6, generator=torch.Generator().manual_seed(0)) + 0.1
+    mask = torch.ones(8, 6, dtype=torch.bool)
+    assert torch.equal(gmts.token_scores("mine", H, H, H), score(None, H, H, H))
+    # each group of 24 tokens keeps 18 by the budget, 12 of them non-zero
+    cfg = gmts.Config(select="mine", group_size=4, rho=0.75)
+    sel = gmts.step_selection(cfg, None, H, H, H, mask)
+    want = select_tokens(score(None, H, H, H), mask, 0.75, nonzero=True, group_size=4)
+    assert torch.equal(sel, want)
+    assert not sel[:, ::2].any() and [int(sel[:4].sum()), int(sel[4:].sum())] == [12, 12]
+    real_select = gmts.step_selection
+    seen = []
+
+    def spy(cfg, logp, entropy, dz_norm, om, mask, score_fn=None):
+        sel = real_select(cfg, logp, entropy, dz_norm, om, mask, score_fn)
+        seen.append((entropy, mask, sel))
+        return sel
+    monkeypatch.setattr(gmts, "step_selection", spy)
+    kept = {}
+    batch_row = gmts.Method(score, zero_kept=False, scope="batch")
+    runs = {"mine": (row, 0.8), "bare": (score, 0.8), "mine@0.2": (row, 0.2),
+            "batch": (batch_row, 0.2)}
+    for name, (fn, rho) in runs.items():
+        seen.clear()
+        argv = [*map(str, SMALL), "--steps", "1", "--rho", str(rho), "--out", str(tmp_path / name)]
+        gmts.train(gmts.parse_args(argv), log=lambda *a: None, score_fn=fn)
+        ((entropy, mask, sel),) = seen
+        s = score(None, entropy, None, None)
+        nonzero, G = name != "bare", 4 if name != "batch" else 0
+        assert torch.equal(sel, select_tokens(s, mask, rho, nonzero=nonzero, group_size=G)), name
+        kept[name] = sel
+    assert not kept["mine"][:, ::2].any() and kept["bare"][:, ::2].any()
+    assert not torch.equal(kept["mine@0.2"], kept["batch"])
 
 
 def test_loss_weights_hand_computed():
@@ -1116,14 +1215,14 @@ def test_kl_gradient_matches_autograd_and_ignores_the_selection(tiny):
     logp = gmts.batch_token_stats(model, b, T, 4, 64)[0]
     ref_logp = gmts.batch_token_stats(ref_model, b, T, 4, 64)[0]
     scores = torch.rand(m.shape, generator=torch.Generator().manual_seed(0))
-    kw = dict(temperature=T, clip_low=.2, clip_high=.28, micro_batch=3, chunk=5, kl_beta=beta, ref_logp=ref_logp)
+    kw = dict(micro_batch=3, chunk=5, ref_logp=ref_logp)
     kl_only = []  # the KL term's gradient (A = 0) at each rho
     for rho in (0.2, 1.0):
         sel = select_tokens(scores, m, rho)
         denom = float(sel.sum())  # --loss-norm selected: the case whose KL used to scale by 1 / rho
         for a in (torch.zeros_like(adv), adv):
             model.zero_grad()
-            stats = gmts.loss_backward(model, b, a, sel, logp, denom, **kw)
+            stats = gmts.loss_backward(model, b, a, sel, logp, _objective(m, denom, T, beta), **kw)
             g_ours = _grads(model)
             model.zero_grad()
             lp = _plain_logp(model, b, T)
@@ -1166,15 +1265,16 @@ def test_kl_reference_on_the_loss_path_gives_equal_bits(tiny):
     same = copy.deepcopy(model)
     ref_logp = gmts.response_logp(same, b, m, 1.0, 3, 5)
     logp = gmts.batch_token_stats(model, b, 1.0, 3, 5)[0]
-    kw = dict(temperature=1.0, clip_low=.2, clip_high=.28, micro_batch=3, chunk=5, kl_beta=0.1, max_grad_norm=1.0)
+    kw = dict(micro_batch=3, chunk=5, max_grad_norm=1.0)
+    objective = _objective(m, float(m.sum()), beta=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    stats = gmts.policy_update(model, opt, b, adv, m, logp, float(m.sum()), ref_logp=ref_logp, **kw)
+    stats = gmts.policy_update(model, opt, b, adv, m, logp, objective, ref_logp=ref_logp, **kw)
     assert stats["kl"] == 0.0 and stats["live"] == 0 and stats["stepped"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
     other = gmts.response_logp(gmts.build_tiny(hidden=32, layers=2, seed=1)[0], b, m, 1.0, 3, 5)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a no-op step: only the step rule is looked at
-    stats = gmts.policy_update(model, opt, b, adv, m, logp, float(m.sum()), ref_logp=other, **kw)
+    stats = gmts.policy_update(model, opt, b, adv, m, logp, objective, ref_logp=other, **kw)
     assert stats["kl"] > 0 and stats["live"] == int(m.sum()) and stats["stepped"] == 1
 
 
@@ -1196,8 +1296,9 @@ def test_nonfinite_gradient_skips_the_step(tiny):
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     bad_old = torch.full(b["resp_mask"].shape, float("nan"))  # NaN ratios -> NaN loss and gradients
-    stats = gmts.policy_update(model, opt, b, adv, b["resp_mask"], bad_old, 10.0, temperature=1.0, clip_low=.2,
-                               clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
+    objective = _objective(b["resp_mask"], 10.0)
+    stats = gmts.policy_update(model, opt, b, adv, b["resp_mask"], bad_old, objective,
+                               micro_batch=4, chunk=64, max_grad_norm=1.0)
     assert stats["skipped"] == 1 and stats["stepped"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert not opt.state  # Adam moments untouched too
@@ -1216,8 +1317,9 @@ def test_all_zero_advantage_batch_makes_no_update(tiny):
     assert not gmts.select_tokens(token_scores("gmts", H, H, om), b["resp_mask"], 0.2, nonzero=True).any()
     for sel in (gmts.select_tokens(token_scores("gmts", H, H, om), b["resp_mask"], 0.2, nonzero=True),
                 b["resp_mask"]):  # gmts keeps nothing; 'all' keeps every token, all with A = 0
-        stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), 10.0, temperature=1.0, clip_low=.2,
-                                   clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
+        objective = _objective(b["resp_mask"], 10.0)
+        stats = gmts.policy_update(model, opt, b, adv, sel, torch.zeros_like(H), objective,
+                                   micro_batch=4, chunk=64, max_grad_norm=1.0)
         assert stats["stepped"] == 0 and stats["skipped"] == 0 and stats["live"] == 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
 
@@ -1238,8 +1340,9 @@ def test_a_batch_of_only_all_equal_groups_does_not_step(tiny):
     for method in gmts.CHOICES["select"]:
         sel = gmts.step_selection(gmts.Config(select=method), logp, H, gn, om, m)
         assert sel.any() == (method in ("all", "random", "entropy")), method
-        stats = gmts.policy_update(model, opt, b, adv, sel, logp, float(m.sum()), temperature=1.0, clip_low=.2,
-                                   clip_high=.28, micro_batch=4, chunk=64, max_grad_norm=1.0)
+        objective = _objective(m, float(m.sum()))
+        stats = gmts.policy_update(model, opt, b, adv, sel, logp, objective, micro_batch=4,
+                                   chunk=64, max_grad_norm=1.0)
         assert stats["stepped"] == 0 and stats["live"] == 0 and stats["grad_norm"] == 0.0, (method, stats)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
 
@@ -1438,13 +1541,16 @@ def test_train_scores_with_the_kl_weight(tmp_path, monkeypatch, parity):
     real_select, real_update = gmts.step_selection, gmts.policy_update
     monkeypatch.setattr(gmts, "step_selection", lambda cfg, logp, H, gn, om, mask, fn=None: seen.append(
         dict(logp=logp, om=om, mask=mask)) or real_select(cfg, logp, H, gn, om, mask, fn))
-    monkeypatch.setattr(gmts, "policy_update", lambda model, opt, batch, adv, sel, old, **k: seen[-1].update(
-        adv=adv, old=old, ref=k["ref_logp"], denom=k["denom"]) or real_update(model, opt, batch, adv, sel, old, **k))
+    def update(model, opt, batch, adv, sel, old, objective, **k):
+        seen[-1].update(adv=adv, old=old, ref=k["ref_logp"], denom=objective.denom)
+        return real_update(model, opt, batch, adv, sel, old, objective, **k)
+    monkeypatch.setattr(gmts, "policy_update", update)
     train_main(*SMALL, "--steps", "2", "--kl-beta", "0.1", "--loss-norm", "seq", "--lr", "1e-2",
                "--warmup-steps", "0", "--out", tmp_path / "kl")
     last = seen[-1]
     rho, g = gmts.selection_rule(gmts.parse_args(["--group-size", "4"]))
-    norm = gmts.loss_weights("seq", last["mask"], gmts.keep_budget(last["mask"], rho, g))
+    n_kept = int(gmts.scope_budget(last["mask"], rho, g)[1].sum())
+    norm = gmts.loss_weights("seq", last["mask"], n_kept)
     ratio = torch.exp(last["logp"] - last["old"])
     want = omega(last["adv"], ratio, 0.2, 0.28, 0.1, torch.exp(last["ref"] - last["logp"]), **norm)
     assert torch.equal(last["om"], want) and norm["denom"] == last["denom"] == 8.0
@@ -1455,11 +1561,13 @@ def test_inner_updates_recompute_scores_and_move_the_ratio(tmp_path, monkeypatch
     """--inner-updates 2: the statistics and scores are recomputed before the second update, whose ratio
     pi_theta / pi_old has moved off 1 (the first is exactly 1)."""
     ratios, entropies = [], []
-    real_omega, real_scores = gmts.omega, gmts.token_scores
+    real_omega, real_select = gmts.omega, gmts.step_selection
     monkeypatch.setattr(gmts, "omega", lambda adv, ratio, *a, **k: ratios.append(ratio.clone()) or
                         real_omega(adv, ratio, *a, **k))
-    monkeypatch.setattr(gmts, "token_scores", lambda method, H, *a, **k: entropies.append(H.clone()) or
-                        real_scores(method, H, *a, **k))
+    def select(cfg, logp, H, *a):
+        entropies.append(H.clone())
+        return real_select(cfg, logp, H, *a)
+    monkeypatch.setattr(gmts, "step_selection", select)
     recs = train_main(*SMALL, "--steps", "1", "--inner-updates", "2", "--lr", "1e-2", "--warmup-steps", "0",
                       "--out", tmp_path / "mu")
     assert len(ratios) == len(entropies) == 2
@@ -1522,8 +1630,9 @@ def test_a_truncated_answer_adds_nothing_to_the_gradient(tiny):
     logp = gmts.batch_token_stats(model, b, 1.0, 4, 7)[0]
     ref = logp - 0.3 * b["resp_mask"]  # a reference that differs everywhere: KL pulls on every valid token
     model.zero_grad()
-    gmts.loss_backward(model, b, adv, valid, logp, float(valid.sum()), temperature=1.0, clip_low=.2, clip_high=.28,
-                       micro_batch=2, chunk=3, kl_beta=0.5, ref_logp=ref, valid=valid)
+    objective = _objective(valid, float(valid.sum()), beta=0.5)
+    gmts.loss_backward(model, b, adv, valid, logp, objective, micro_batch=2, chunk=3, ref_logp=ref,
+                       valid=valid)
     g_ours = _grads(model)
     model.zero_grad()
     lp = _plain_logp(model, b, 1.0)
@@ -1533,8 +1642,9 @@ def test_a_truncated_answer_adds_nothing_to_the_gradient(tiny):
     g_ref = _grads(model)
     assert g_ref.abs().max() > 0 and torch.allclose(g_ours, g_ref, atol=1e-5), (g_ours - g_ref).abs().max()
     model.zero_grad()
-    gmts.loss_backward(model, b, adv, b["resp_mask"], logp, float(valid.sum()), temperature=1.0, clip_low=.2,
-                       clip_high=.28, micro_batch=2, chunk=3, kl_beta=0.5, ref_logp=ref)  # no filter
+    objective = _objective(b["resp_mask"], float(valid.sum()), beta=0.5)
+    gmts.loss_backward(model, b, adv, b["resp_mask"], logp, objective, micro_batch=2, chunk=3,
+                       ref_logp=ref)  # no filter
     assert not torch.allclose(_grads(model), g_ref, atol=1e-4)  # the truncated rows would have moved it
     model.zero_grad()
 
@@ -1553,9 +1663,9 @@ def test_overlong_filter_trains_nothing_on_truncated_answers(tmp_path, monkeypat
             b["truncated"] = torch.arange(len(b["texts"])) % 2 == 1
         return b
 
-    def update(model, opt, batch, adv, sel_mask, old_logp, denom, **k):
-        seen.append((batch, sel_mask.clone(), denom, k["valid"].clone()))
-        return real_update(model, opt, batch, adv, sel_mask, old_logp, denom, **k)
+    def update(model, opt, batch, adv, sel_mask, old_logp, objective, **k):
+        seen.append((batch, sel_mask.clone(), objective.denom, k["valid"].clone()))
+        return real_update(model, opt, batch, adv, sel_mask, old_logp, objective, **k)
     monkeypatch.setattr(gmts, "rollout", rollout)
     monkeypatch.setattr(gmts, "policy_update", update)
     for method, kl in (("all", "0"), ("gmts", "0.1")):

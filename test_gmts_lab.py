@@ -395,8 +395,8 @@ def test_full_gradient_equals_brute_force_autograd(tiny):
     mask = b["resp_mask"]
     logp = gmts.batch_token_stats(model, b, 1.0, 3, 7)[0]
     model.zero_grad(set_to_none=True)
-    gmts.loss_backward(model, b, adv, mask, logp, float(mask.sum()), temperature=1.0, clip_low=0.2, clip_high=0.28,
-                       micro_batch=3, chunk=7)
+    objective = gmts.Objective(0.2, 0.28, 0.0, 1.0, **gmts.loss_weights("all", mask, 0))
+    gmts.loss_backward(model, b, adv, mask, logp, objective, micro_batch=3, chunk=7)
     ours = lab.flat_grad(model)
     model.zero_grad(set_to_none=True)
     ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)

@@ -137,32 +137,32 @@ MUTANTS = {
         "return r.std(dim=1, unbiased=False) > 0",
         "informative() calls a group informative when its std is not exactly 0 (float noise at 0.1 x 8)",
         T + "test_group_advantages_all_equal_groups_are_exactly_zero"),
-    "keep_groups_too_many": (
-        "keep = informative(rewards, group_size).nonzero().squeeze(1)[:B]",
-        "keep = informative(rewards, group_size).nonzero().squeeze(1)[:B + 1]",
-        "keep_groups keeps one informative group more than B",
-        T + "test_keep_groups_keeps_the_first_b_informative_groups"),
-    "keep_groups_none_last_batch": (
-        "    if keep.numel() == 0:\n        return parts[0]",
-        "    if keep.numel() == 0:\n        return parts[-1]",
-        "with no informative group keep_groups returns the LAST rollout batch, not the first",
-        T + "test_keep_groups_keeps_the_first_b_informative_groups"),
+    "filter_groups_too_many": (
+        "taken = informative(rewards, group_size).nonzero().squeeze(1)[:B]",
+        "taken = informative(rewards, group_size).nonzero().squeeze(1)[:B + 1]",
+        "filter_groups takes one informative group more than B",
+        T + "test_filter_groups_keeps_the_first_b_informative_groups"),
+    "filter_groups_none_last_batch": (
+        "    if taken.numel() == 0:\n        return parts[0]",
+        "    if taken.numel() == 0:\n        return parts[-1]",
+        "with no informative group filter_groups returns the LAST rollout batch, not the first",
+        T + "test_filter_groups_keeps_the_first_b_informative_groups"),
     "join_prompts_right_padded": (
         '        side = "left"',
         '        side = "right"',
         "_join_rows pads prompts on the right (they are left padded)",
-        T + "test_keep_groups_keeps_the_first_b_informative_groups"),
+        T + "test_filter_groups_keeps_the_first_b_informative_groups"),
     # ---- token statistics
-    "grad_norm_no_temperature": (
+    "dz_norm_no_temperature": (
         "return logp, entropy, sq.sqrt() / temperature",
         "return logp, entropy, sq.sqrt()",
-        "token_stats' grad_norm misses the 1/T of the chain rule",
+        "token_stats' dz_norm misses the 1/T of the chain rule",
         T + "test_token_stats_against_autograd_and_loop"),
-    "grad_norm_cancelling_form": (
+    "dz_norm_cancelling_form": (
         "sq = torch.expm1(logp).square() + torch.linalg.vector_norm(p_rest, dim=-1).square()  # (...)",
         "sq = 1 - 2 * p_y + logp_all.exp().square().sum(-1)  # (...)",
-        "grad_norm by 1 - 2 p_y + sum p^2, which cancels catastrophically at p_y ~ 1",
-        T + "test_grad_norm_at_near_certain_tokens_does_not_cancel"),
+        "dz_norm by 1 - 2 p_y + sum p^2, which cancels catastrophically at p_y ~ 1",
+        T + "test_dz_norm_at_near_certain_tokens_does_not_cancel"),
     "stats_in_bf16": (
         "    z = logits.float()\n    if temperature != 1.0:",
         "    z = logits\n    if temperature != 1.0:",
@@ -215,18 +215,18 @@ MUTANTS = {
         "omega = A, not ratio * A, off the first inner update",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "gmts_score_signed": (
-        "return (entropy * om).abs()",
-        "return entropy * om",
+        '"gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),',
+        '"gmts": Method(lambda logp, H, dz_norm, om, gen=None: H * om, False, "group"),',
         "gmts's score without |.|: negative-advantage answers rank last",
         T + "test_scores_definitions"),
     "gradnorm_ignores_omega": (
-        "return om.abs() * grad_norm",
-        "return grad_norm",
+        '"gradnorm": Method(lambda logp, H, dz_norm, om, gen=None: om.abs() * dz_norm, False),',
+        '"gradnorm": Method(lambda logp, H, dz_norm, om, gen=None: dz_norm, False),',
         "gradnorm scores by the logit-gradient norm alone, without |omega|",
         T + "test_scores_definitions"),
     "select_k_float_product": (
-        "return min(n, max(1, math.ceil(Fraction(str(float(rho))) * n)))",
-        "return min(n, max(1, math.ceil(rho * n)))",
+        "return [min(n, max(1, math.ceil(r * n))) for n in counts]",
+        "return [min(n, max(1, math.ceil(float(rho) * n))) for n in counts]",
         "select_tokens rounds rho * n in floats (0.07 * 100 keeps 8)",
         T + "test_select_tokens_edges"),
     "select_nan_first": (
@@ -235,8 +235,8 @@ MUTANTS = {
         "NaN scores rank first (torch sorts NaN above everything)",
         T + "test_select_tokens_edges"),
     "select_unstable_ties": (
-        "order = torch.sort(vals, descending=True, stable=True).indices  # (n,)",
-        "order = torch.sort(-vals, descending=False, stable=False).indices  # (n,)",
+        "        order = torch.sort(vals, descending=True, stable=True).indices  # (n,)",
+        "        order = torch.sort(-vals, descending=False, stable=False).indices  # (n,)",
         "ties are not guaranteed to go to the earlier token",
         T + "test_select_tokens_matches_slow_reference"),
     "select_nonzero_keeps_zeros": (
@@ -245,8 +245,8 @@ MUTANTS = {
         "nonzero=True keeps score-0 tokens (gmts spends budget on A = 0)",
         T + "test_gmts_spends_nothing_on_zero_advantage_groups"),
     "step_selection_no_nonzero": (
-        'return select_tokens(scores, mask, rho, nonzero=cfg.select in ("gmts", "gradnorm"), group_size=group_size)',
-        "return select_tokens(scores, mask, rho, group_size=group_size)",
+        "return select_tokens(scores, mask, rho, not method.zero_kept, group_size)",
+        "return select_tokens(scores, mask, rho, False, group_size)",
         "train's gmts/gradnorm fill rho with score-0 tokens (deviation 9)",
         T + "test_constant_reward_every_method_ends_identical_and_unchanged"),
     # ---- loss and update
@@ -266,8 +266,8 @@ MUTANTS = {
         "k3 estimates the reverse KL",
         T + "test_k3_kl"),
     "kl_normalised_by_denom": (
-        "loss = loss + kl_beta * (kl * w).sum() / kl_denom  # its normaliser ignores the selection",
-        "loss = loss + kl_beta * (kl * w).sum() / denom  # its normaliser ignores the selection",
+        "loss = loss + o.kl_beta * (kl * w).sum() / o.kl_denom  # D_kl ignores the selection",
+        "loss = loss + o.kl_beta * (kl * w).sum() / o.denom  # D_kl ignores the selection",
         "the KL term is divided by the kept-token count under --loss-norm selected",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "kl_only_kept_tokens": (
@@ -276,8 +276,8 @@ MUTANTS = {
         "with KL only the kept tokens enter the KL term",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "live_counts_zero_adv": (
-        "live=int((kept & ~clip_m & (adv != 0)).sum())",
-        "live=int((kept & ~clip_m).sum())",
+        "live = kept & ~clip_m & (adv != 0)  # (M,)",
+        "live = kept & ~clip_m  # (M,)",
         "a kept token with A = 0 counts as live: an all-zero batch steps",
         T + "test_all_zero_advantage_batch_makes_no_update"),
     "step_without_live": (
@@ -286,7 +286,7 @@ MUTANTS = {
         "the step rule steps on a batch with no live token (AdamW moves on zero gradients)",
         T + "test_all_zero_advantage_batch_makes_no_update"),
     "step_on_nonfinite": (
-        'finite = math.isfinite(norm) and math.isfinite(stats["loss"])',
+        'finite = math.isfinite(grad_norm) and math.isfinite(stats["loss"])',
         "finite = True",
         "a NaN gradient reaches the weights and the Adam moments",
         T + "test_nonfinite_gradient_skips_the_step"),
@@ -322,14 +322,15 @@ MUTANTS = {
         "the second inner update reuses the first one's statistics",
         T + "test_inner_updates_recompute_scores_and_move_the_ratio"),
     "loss_temperature_one": (
-        "stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=cfg.temperature,",
-        "stats = policy_update(model, opt, batch, adv, sel_mask, old_logp, temperature=1.0,",
+        "objective = Objective(cfg.clip_low, cfg.clip_high, cfg.kl_beta, cfg.temperature, "
+        "**weights)",
+        "objective = Objective(cfg.clip_low, cfg.clip_high, cfg.kl_beta, 1.0, **weights)",
         "the loss's log-probs at T = 1 while the sampler and the statistics use --temperature",
         T + "test_training_at_a_temperature_is_on_policy"),
     "stats_temperature_one": (
-        "        logp, entropy, grad_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)\n"
-        "        old_logp = logp",
-        "        logp, entropy, grad_norm = batch_token_stats(model, batch, 1.0, mb, chunk)\n"
+        "        logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, "
+        "chunk)\n        old_logp = logp",
+        "        logp, entropy, dz_norm = batch_token_stats(model, batch, 1.0, mb, chunk)\n"
         "        old_logp = logp",
         "pi_old's statistics at T = 1 while the sampler and the loss use --temperature",
         T + "test_training_at_a_temperature_is_on_policy"),
@@ -344,29 +345,29 @@ MUTANTS = {
         "the KL reference's log-probs off the loss's code path (float noise steps a KL run)",
         T + "test_kl_run_with_constant_reward_never_moves"),
     "overlong_selects_truncated": (
-        "sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, valid, score_fn)  # (N, T) bool",
-        "sel_mask = step_selection(cfg, logp, entropy, grad_norm, om, mask, score_fn)  # (N, T) bool",
+        "sel_mask = step_selection(cfg, logp, entropy, dz_norm, om, valid, method)  # (N, T)",
+        "sel_mask = step_selection(cfg, logp, entropy, dz_norm, om, mask, method)  # (N, T)",
         "--overlong-filter: truncated answers can still be kept",
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
     # ---- issue 35: the authors' scope, budget and omega
     "scope_group_ranks_batch": (
-        "return cfg.rho, cfg.group_size if per_group else 0",
-        "return cfg.rho, 0",
+        '    if scope == "group":\n        return cfg.rho, cfg.group_size',
+        '    if scope == "group":\n        return cfg.rho, 0',
         "--scope group (gmts's default) ranks over the whole batch",
         T + "test_scope_flag_and_each_methods_default"),
     "groups_pooled_into_one": (
-        "keep = keep_in_groups(vals, groups.reshape(-1)[flat_mask], rho)",
-        "keep = keep_in_groups(vals, torch.zeros_like(vals, dtype=torch.long), rho)",
+        "groups = (rows // group_size)[:, None].expand(mask.shape)  # (N, T)",
+        "groups = (rows * 0)[:, None].expand(mask.shape)  # (N, T)",
         "select_tokens' group scope pools every group into one (the authors' rule over the batch)",
         T + "test_select_tokens_per_group_matches_the_literal_reference"),
     "group_budget_no_minimum_drop": (
-        "return (counts - drop.clamp_min(1)).clamp_min(0)",
-        "return (counts - drop).clamp_min(0)",
+        "return [max(0, n - max(1, math.ceil((1 - r) * n))) for n in counts]",
+        "return [max(0, n - math.ceil((1 - r) * n)) for n in counts]",
         "a group drops nothing at rho = 1 (the authors drop at least one)",
         T + "test_select_tokens_per_group_matches_the_literal_reference"),
     "group_ties_to_the_earlier": (
-        "order = torch.sort(vals, stable=True).indices  # by score",
-        "order = torch.sort(vals, stable=True, descending=True).indices.flip(0)  # by score",
+        "order = len(vals) - 1 - torch.sort(vals.flip(0), descending=True, stable=True).indices",
+        "order = torch.sort(vals, descending=True, stable=True).indices",
         "of equal scores in a group the earlier is kept (the authors' stable ascending sort keeps the later)",
         T + "test_select_tokens_per_group_matches_the_literal_reference"),
     "omega_without_normaliser": (
@@ -390,15 +391,31 @@ MUTANTS = {
         "--loss-norm seq without GRPO's 1 / |o_i|",
         T + "test_loss_weights_hand_computed"),
     "train_omega_without_kl": (
-        "            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,",
-        "            om = omega(adv, torch.exp(logp - old_logp), cfg.clip_low, cfg.clip_high, 0.0, ref_ratio,",
+        "om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,",
+        "om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, 0.0, ref_ratio,",
         "train's omega leaves out the KL weight",
         T + "test_train_scores_with_the_kl_weight"),
     "overlong_denom_all_tokens": (
-        "norm = loss_weights(cfg.loss_norm, valid, keep_budget(valid, rho, group_size))  # w, D, D_kl",
-        "norm = loss_weights(cfg.loss_norm, mask, keep_budget(valid, rho, group_size))  # w, D, D_kl",
+        "weights = loss_weights(cfg.loss_norm, valid, n_kept)  # w, D, D_kl",
+        "weights = loss_weights(cfg.loss_norm, mask, n_kept)  # w, D, D_kl",
         "--overlong-filter: the loss is divided by the valid tokens of the truncated answers too",
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
+    # ---- issue 43: one budget, the method table, the step rule's count
+    "normaliser_own_count": (
+        "n_kept = int(scope_budget(valid, rho, group_size)[1].sum())",
+        "n_kept = max(1, math.ceil(rho * int(valid.sum())))",
+        "--loss-norm selected divides by a count of its own, not the one the mask keeps",
+        T + "test_one_budget_feeds_the_mask_and_the_selected_normaliser"),
+    "live_counted_twice": (
+        "        live = live | (torch.exp(ref_logp - logp.detach()) != 1)",
+        "        live = torch.cat([live, torch.exp(ref_logp - logp.detach()) != 1])",
+        "live counts a kept token with a policy and a KL gradient twice",
+        T + "test_live_counts_a_token_once_under_kl"),
+    "row_scope_ignored": (
+        "        scope = method.scope",
+        "        scope = METHODS[cfg.select].scope",
+        "a user's method row (train(score_fn=Method(...))) ranks at --select's scope, not its own",
+        T + "test_a_users_method_row_sets_its_score_zero_rule_and_scope"),
 }
 
 

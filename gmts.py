@@ -1228,15 +1228,16 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 st
 }
 
 # ==== math-verify in a worker [plumbing]: bounded in time without signal.alarm, from any thread ==
-# A verdict travels back as True / False, or None when it did not come back (the worker timed out, died, stalled,
-# or the wait was interrupted): None is retried once on a fresh worker, then counted (_VERIFIER["unknown"]) and
-# graded 0.0 by math_reward; step_record and evaluate_run log the count (grade_unknown, eval_grade_unknown) and
-# stop the run past GRADE_UNKNOWN_MAX of its answers. A gold with no verdict at load, or a worker that does not
-# start, is a RunError (exit 1), never the bad-row message: no model output can cause either.
+# How a fault travels: a verdict is True / False, or None when none came back (the worker timed
+# out, died or stalled, or the wait was interrupted). None is retried once on a fresh worker, then
+# counted (_VERIFIER["unknown"]) and graded 0.0 by math_reward. step_record and evaluate_run log the
+# count (grade_unknown, eval_grade_unknown) and stop the run past GRADE_UNKNOWN_MAX of its answers.
+# A gold with no verdict at load, or a worker that does not start, is a RunError (exit 1), never
+# the bad-row message: no model output can cause either.
 VERIFY_TIMEOUT_S = 5.0
 VERIFY_START_S = 120.0  # for the worker's imports (sympy) on a loaded machine
-VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # evaluation grades this many answers at a time
-GRADE_UNKNOWN_MAX = 0.02  # the share of a step's (an evaluation's) answers that may go without a verdict
+VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # evaluation grades this many at a time
+GRADE_UNKNOWN_MAX = 0.02  # the share of a step's (evaluation's) answers that may lack a verdict
 _VERIFY_WORKER = r"""
 import ctypes, json, sys
 try:  # Linux: die with the parent, even mid-hang (prctl PR_SET_PDEATHSIG = 1, SIGKILL = 9)
@@ -1260,13 +1261,15 @@ for line in sys.stdin:
 """
 
 def _verifier_pool(n: int) -> dict:
-    """n worker slots ({"proc": a process or None}) in a LIFO queue (serial grading reuses one warm worker), the
-    count of verdicts that did not come back and the last cause, "logged": the count at the last metrics record."""
+    """n worker slots ({"proc": a process or None}), the free ones in a LIFO queue (serial grading
+    reuses one warm worker); the count of verdicts that did not come back, the last one's cause, and
+    "logged": the count at the last metrics record."""
     slots = [{"proc": None} for _ in range(n)]
     free = queue.LifoQueue()
     for slot in slots:
         free.put(slot)
-    return {"free": free, "slots": slots, "unknown": 0, "logged": 0, "cause": "", "lock": threading.Lock()}
+    return {"free": free, "slots": slots, "unknown": 0, "logged": 0, "cause": "",
+            "lock": threading.Lock()}
 
 _VERIFIER = _verifier_pool(VERIFY_WORKERS)
 
@@ -1275,12 +1278,13 @@ def _kill(proc):
     proc.wait()
 
 def _start_verifier() -> subprocess.Popen:
-    """A worker that said "ready": its own small python (no torch, no CUDA fork), -P: it never imports from the
-    working folder (a user's json.py or sympy.py). Any failure: RunError "did not start" and why."""
+    """A worker that said "ready": its own small python (no torch, no CUDA fork); -P: it never
+    imports from the working folder (a user's json.py). Any failure: RunError, "did not start"."""
     safe = ["-P"] if sys.version_info >= (3, 11) else ["-I"]  # -I also drops user site-packages
     try:
-        proc = subprocess.Popen([sys.executable, *safe, "-c", _VERIFY_WORKER], stdin=subprocess.PIPE, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, *safe, "-c", _VERIFY_WORKER], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
         raise RunError(f"the math-verify worker did not start: {error_line(e, 200)}") from None
     said = None  # None: no word in time; "": it ended
@@ -1298,8 +1302,8 @@ def _start_verifier() -> subprocess.Popen:
     raise RunError(f"the math-verify worker did not start: {why[:300]}")
 
 def _ask(proc, gold: str, got, timeout: float):
-    """The worker's verdict, or its cause (a str) when none came back: then the worker is killed, so that no
-    answer of this request can be read by the next one. An exception in the wait (Ctrl-C) kills it too."""
+    """The worker's verdict, or the cause (a str) when none came back: then the worker is killed,
+    so that no answer to this request can be read by the next one; Ctrl-C in the wait kills it."""
     said = ""
     try:
         proc.stdin.write(json.dumps([gold, got]) + "\n")
@@ -1320,10 +1324,10 @@ def _ask(proc, gold: str, got, timeout: float):
     return f"the worker died (exit {proc.returncode})"
 
 def latex_equal(gold: str, got=None, timeout: float = None):
-    """math-verify's verdict on two short answers as \\boxed{} contents, from one of VERIFY_WORKERS workers: True,
-    False, or None when none came back twice (a fresh worker the second time; counted in _VERIFIER). got None:
-    whether sympy reads gold, checked at load: no verdict there is a RunError. sympy can hang (\\boxed{9^{9^{9^{9}}}}):
-    after timeout (VERIFY_TIMEOUT_S) seconds the worker is killed."""
+    """math-verify's verdict on two short answers as \\boxed{} contents, by one of VERIFY_WORKERS
+    workers: True, False, or None when none came back twice (a fresh worker the second time; counted
+    in _VERIFIER). got None: whether sympy reads gold (at load); no verdict: RunError. sympy hangs
+    (\\boxed{9^{9^{9^{9}}}}): after timeout (VERIFY_TIMEOUT_S) seconds the worker is killed."""
     slot = _VERIFIER["free"].get()  # blocks while every worker grades
     try:
         for _ in range(2):
@@ -1345,8 +1349,8 @@ def latex_equal(gold: str, got=None, timeout: float = None):
         if got is not None:
             _VERIFIER["unknown"] += 1
     if got is None:
-        raise RunError(f"the math-verify worker gave no verdict on the gold {gold[:60]!r}, twice (a fresh worker "
-                       f"the second time): {said}")
+        raise RunError(f"the math-verify worker gave no verdict on the gold {gold[:60]!r}, "
+                       f"twice (a fresh worker the second time): {said}")
     return None
 
 def stop_verifiers():
@@ -1357,21 +1361,22 @@ def stop_verifiers():
             slot["proc"] = None
 
 def unknown_since_logged() -> int:
-    """The verdicts that did not come back since the last call (each metrics record takes its own)."""
+    """The verdicts that did not come back since the last call (each metrics record takes its
+    own)."""
     with _VERIFIER["lock"]:
         n = _VERIFIER["unknown"] - _VERIFIER["logged"]
         _VERIFIER["logged"] = _VERIFIER["unknown"]
     return n
 
 def check_grades(key: str, graded: int, what: str, cfg) -> dict:
-    """{key: the verdicts that did not come back since the last record} for a run whose answers math-verify may
-    grade (task math, not only generated data), {} else; RunError past GRADE_UNKNOWN_MAX of `graded` answers (one
-    line, exit 1, the run's last checkpoint kept)."""
+    """{key: the verdicts that did not come back since the last record} for a run whose answers
+    math-verify may grade (task math, not only generated data), {} else. Past GRADE_UNKNOWN_MAX of
+    the `graded` answers: RunError (one line, exit 1, the run's last checkpoint kept)."""
     unknown = unknown_since_logged()
     if unknown > GRADE_UNKNOWN_MAX * graded:
-        raise RunError(f"{what}: {unknown} of {graded} answers got no verdict from the math-verify worker (the "
-                       f"last: {_VERIFIER['cause']}), over {GRADE_UNKNOWN_MAX:.0%}; stopped, "
-                       f"{interrupted_state(cfg.out)}")
+        raise RunError(f"{what}: {unknown} of {graded} answers got no verdict from the math-verify "
+                       f"worker (the last: {_VERIFIER['cause']}), over {GRADE_UNKNOWN_MAX:.0%}; "
+                       f"stopped, {interrupted_state(cfg.out)}")
     if cfg.task != "math" or (data_kind(cfg.data) == "gen" and not cfg.eval_data):
         return {}
     return {key: unknown}
@@ -1802,13 +1807,14 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
     n = max(len(rows) * k, 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
-_GRADERS = []  # the thread pool that grades evaluations; its threads live on (a worker dies with its thread)
+_GRADERS = []  # the threads that grade evaluations: they live on (a worker dies with its thread)
 
 def grade_answers(task: dict, texts: list, rows: list, k: int = 1) -> list:
-    """task["reward"](texts[j], rows[j // k]) for every j, VERIFY_WORKERS at a time (math-verify's verdicts from
-    as many workers): the values, in order, of serial grading. An exception (Ctrl-C) cancels the rest."""
+    """task["reward"](texts[j], rows[j // k]) for every j, VERIFY_WORKERS at a time (math-verify's
+    verdicts from as many workers): serial grading's values, in order. Ctrl-C cancels the rest."""
     if not _GRADERS:
-        _GRADERS.append(concurrent.futures.ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="grade"))
+        pool = concurrent.futures.ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="grade")
+        _GRADERS.append(pool)
     futures = [_GRADERS[0].submit(task["reward"], t, rows[j // k]) for j, t in enumerate(texts)]
     try:
         return [f.result() for f in futures]
@@ -1818,10 +1824,9 @@ def grade_answers(task: dict, texts: list, rows: list, k: int = 1) -> list:
 
 def evaluate_run(model, run, cfg: Config) -> dict:
     """A run's evaluation (--eval-samples at --temperature, --top-p): its held-out rows, or each --eval-data set as
-    eval_NAME with eval_acc and eval_len their means, eval_grade_unknown (check_grades). Never used to pick a
-    checkpoint."""
+    eval_NAME with eval_acc and eval_len their means. Never used to pick a checkpoint."""
     sets = run.eval_rows if isinstance(run.eval_rows, dict) else {"acc": run.eval_rows}
-    unknown_since_logged()  # those before it are the step's (step_record took them) or another run's
+    unknown_since_logged()  # those before it: the step's (step_record took them) or not this run's
     recs = [evaluate(model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
                      samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p) for rows in sets.values()]
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
@@ -1964,7 +1969,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
                 sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item(),
-                **check_grades("grade_unknown", sum(len(part[1]) for part in parts), f"step {step}", cfg))
+                **check_grades("grade_unknown", sum(len(p[1]) for p in parts), f"step {step}", cfg))
 
 def read_run_config(out: str) -> dict:
     """The saved config of the run in `out` (--resume), or ValueError with one line."""
@@ -2255,7 +2260,7 @@ def write_file(path: str, text: str):
 SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
 
 def step_line(rec: dict) -> str:
-    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has, unknown grades."""
+    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
     fields = [f"step {rec['step']}"]
     for key in SHOWN:
         if key in rec:

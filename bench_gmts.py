@@ -46,8 +46,8 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      benchmarks the GMTS authors report, as public files (GRADE_SETS: MATH-500 as prm800k's test
      split, AIME 2024, AMC23, Minerva Math and OlympiadBench as Qwen2.5-Math's evaluation data),
      each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
-     --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread, as training
-     grades; parallel: gmts.grade_answers, as evaluation grades, on gmts.VERIFY_WORKERS workers.
+     --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread,
+     as training grades; parallel: gmts.grade_answers, as evaluation grades, on VERIFY_WORKERS.
      Each pass runs on new workers, started before it is timed (math-verify's caches empty). It
      reports both times, the slowest grade, whether the verdicts are equal, each set's share of 1.0
      and the verdicts that did not come back. Only when named (--sections g): ~24,000 grades,

@@ -177,6 +177,56 @@ def test_the_bound_holds_off_the_main_thread(verifier, monkeypatch):
     assert got == [(0.0, 1.0)]
 
 
+@pytest.fixture
+def pool_of(monkeypatch):
+    """pool_of(n): grade_answers on n new workers and threads in this test; its threads end after it
+    (their workers die with them, PR_SET_PDEATHSIG)."""
+    made = []
+
+    def make(n):
+        monkeypatch.setattr(gmts, "VERIFY_WORKERS", n)
+        monkeypatch.setattr(gmts, "_VERIFIER", gmts._verifier_pool(n))
+        monkeypatch.setattr(gmts, "_GRADERS", made)
+    yield make
+    for pool in made:
+        pool.shutdown()
+
+
+def test_parallel_grading_gives_the_serial_verdicts(pool_of):
+    """grade_answers on 3 workers, 4 answers a row (answer j grades row j // 4), against the serial
+    reward calls and the table's hand verdicts; more than one worker graded."""
+    pool_of(3)
+    task = gmts.TASKS["math"]
+    rows = [{"question": "q", "answer": gold, "latex": True} for gold, _, _ in COMPETITION]
+    texts = [text for _, text, _ in COMPETITION]
+    serial = [task["reward"](t, r) for t, r in zip(texts, rows)]
+    assert serial == [want for _, _, want in COMPETITION]
+    assert gmts.grade_answers(task, [t for t in texts for _ in range(4)], rows, 4) == \
+        [v for v in serial for _ in range(4)]
+    assert len([s for s in gmts._VERIFIER["slots"] if s["proc"]]) >= 2
+
+
+def test_a_hanging_pool_worker_is_killed_after_the_timeout(pool_of, monkeypatch):
+    """A power tower among right answers on 2 workers: its worker is killed after VERIFY_TIMEOUT_S
+    (1 s), and so is the fresh one it is asked again on; the others' verdicts are right, the tower's
+    is 0 and counted as no verdict, and the pass ends within twice the bound."""
+    pool_of(2)
+    monkeypatch.setattr(gmts, "VERIFY_TIMEOUT_S", 1.0)
+    killed = []
+    real = gmts._kill
+    monkeypatch.setattr(gmts, "_kill", lambda proc: (killed.append(proc.pid), real(proc)))
+    task = gmts.TASKS["math"]
+    texts = [box("0.5")] * 6 + [box("9^{9^{9^{9}}}")] + [box("0.5")] * 6
+    rows = [{"question": "q", "answer": "\\frac{1}{2}", "latex": True}] * len(texts)
+    t = time.perf_counter()
+    got = gmts.grade_answers(task, texts, rows)
+    assert time.perf_counter() - t < 2 * (1.0 + SLOW) + 2
+    assert got == [1.0] * 6 + [0.0] + [1.0] * 6
+    assert len(killed) == 2 and gmts._VERIFIER["unknown"] == 1
+    for pid in killed:
+        assert not os.path.exists(f"/proc/{pid}")  # reaped
+
+
 def test_a_missing_math_verify_is_one_line(monkeypatch, tmp_path):
     """A worker that cannot import math_verify: RunError (exit 1 at the CLI: the machine's fault,
     issue 44) that says the worker did not start and why, not a hang or a traceback."""

@@ -1237,6 +1237,7 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 st
 VERIFY_TIMEOUT_S = 5.0
 VERIFY_START_S = 120.0  # for the worker's imports (sympy) on a loaded machine
 VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # evaluation grades this many at a time
+VERDICTS_KEPT = 1 << 16  # (gold, got) -> verdict pairs remembered, then forgotten all at once
 GRADE_UNKNOWN_MAX = 0.02  # the share of a step's (evaluation's) answers that may lack a verdict
 _VERIFY_WORKER = r"""
 import ctypes, json, sys
@@ -1262,13 +1263,14 @@ for line in sys.stdin:
 
 def _verifier_pool(n: int) -> dict:
     """n worker slots ({"proc": a process or None}), the free ones in a LIFO queue (serial grading
-    reuses one warm worker); the count of verdicts that did not come back, the last one's cause, and
+    reuses one warm worker); the verdicts given (a pure function of gold and got: avg@16's right
+    answers repeat), the count of verdicts that did not come back, the last one's cause, and
     "logged": the count at the last metrics record."""
     slots = [{"proc": None} for _ in range(n)]
     free = queue.LifoQueue()
     for slot in slots:
         free.put(slot)
-    return {"free": free, "slots": slots, "unknown": 0, "logged": 0, "cause": "",
+    return {"free": free, "slots": slots, "verdicts": {}, "unknown": 0, "logged": 0, "cause": "",
             "lock": threading.Lock()}
 
 _VERIFIER = _verifier_pool(VERIFY_WORKERS)
@@ -1328,6 +1330,9 @@ def latex_equal(gold: str, got=None, timeout: float = None):
     workers: True, False, or None when none came back twice (a fresh worker the second time; counted
     in _VERIFIER). got None: whether sympy reads gold (at load); no verdict: RunError. sympy hangs
     (\\boxed{9^{9^{9^{9}}}}): after timeout (VERIFY_TIMEOUT_S) seconds the worker is killed."""
+    verdicts = _VERIFIER["verdicts"]
+    if (gold, got) in verdicts:
+        return verdicts[gold, got]
     slot = _VERIFIER["free"].get()  # blocks while every worker grades
     try:
         for _ in range(2):
@@ -1336,6 +1341,9 @@ def latex_equal(gold: str, got=None, timeout: float = None):
                 slot["proc"] = _start_verifier()
             said = _ask(slot["proc"], gold, got, timeout or VERIFY_TIMEOUT_S)
             if not isinstance(said, str):
+                if len(verdicts) >= VERDICTS_KEPT:
+                    verdicts.clear()
+                verdicts[gold, got] = said
                 return said
             slot["proc"] = None
     except BaseException:
@@ -1811,15 +1819,17 @@ _GRADERS = []  # the threads that grade evaluations: they live on (a worker dies
 
 def grade_answers(task: dict, texts: list, rows: list, k: int = 1) -> list:
     """task["reward"](texts[j], rows[j // k]) for every j, VERIFY_WORKERS at a time (math-verify's
-    verdicts from as many workers): serial grading's values, in order. Ctrl-C cancels the rest."""
+    verdicts from as many workers): serial grading's values, in order. Each row's first answer goes
+    first, so that its repeats find the verdict given (latex_equal). Ctrl-C cancels the rest."""
     if not _GRADERS:
         pool = concurrent.futures.ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="grade")
         _GRADERS.append(pool)
-    futures = [_GRADERS[0].submit(task["reward"], t, rows[j // k]) for j, t in enumerate(texts)]
+    order = sorted(range(len(texts)), key=lambda j: (j % k, j))
+    futures = {j: _GRADERS[0].submit(task["reward"], texts[j], rows[j // k]) for j in order}
     try:
-        return [f.result() for f in futures]
+        return [futures[j].result() for j in range(len(texts))]
     finally:
-        for f in futures:
+        for f in futures.values():
             f.cancel()
 
 def evaluate_run(model, run, cfg: Config) -> dict:

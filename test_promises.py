@@ -963,7 +963,7 @@ def test_a_worker_killed_mid_request_is_replaced_not_read_as_false(monkeypatch):
 
 def test_an_interrupted_wait_leaves_no_answer_for_the_next_call(monkeypatch):
     """Ctrl-C while `1 vs 2` waits (its worker stopped, then let go): the next calls get their own
-    verdicts (on e3741a4 the stale answer: `1 vs 1` False, then `1 vs 2` True)."""
+    verdicts (on e3741a4 the stale answer: `2 vs 2` False, then `1 vs 2` True)."""
     proc = _one_worker(monkeypatch)
     os.kill(proc.pid, signal.SIGSTOP)
 
@@ -980,7 +980,7 @@ def test_an_interrupted_wait_leaves_no_answer_for_the_next_call(monkeypatch):
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGCONT)  # a worker still alive answers the interrupted request
     time.sleep(1)
-    assert gmts.latex_equal("1", "1") is True
+    assert gmts.latex_equal("2", "2") is True
     assert gmts.latex_equal("1", "2") is False
     assert not _alive(proc.pid)
 

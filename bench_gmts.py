@@ -48,7 +48,7 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
      --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread,
      as training grades; parallel: gmts.grade_answers, as evaluation grades, on VERIFY_WORKERS.
-     Each pass runs on new workers, started before it is timed (math-verify's caches empty). It
+     Each pass runs on new workers, started before it is timed, no verdict remembered. It
      reports both times, the slowest grade, whether the verdicts are equal, each set's share of 1.0
      and the verdicts that did not come back. Only when named (--sections g): ~24,000 grades,
      minutes; --quick: 10 rows per set, twice.
@@ -642,8 +642,9 @@ def grade_sets(args) -> dict:
 
 
 def fresh_workers():
-    """Every worker of the pool new and started: math-verify's caches empty, no start timed."""
+    """Every worker new and started, no verdict remembered: caches empty, no start timed."""
     gmts.stop_verifiers()
+    gmts._VERIFIER["verdicts"].clear()
     for slot in gmts._VERIFIER["slots"]:
         slot["proc"] = gmts._start_verifier()
 

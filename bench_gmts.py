@@ -48,10 +48,10 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
      --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread,
      as training grades; parallel: gmts.grade_answers, as evaluation grades, on VERIFY_WORKERS.
-     Each pass runs on new workers, started before it is timed, no verdict remembered. It
-     reports both times, the slowest grade, whether the verdicts are equal, each set's share of 1.0
-     and the verdicts that did not come back. Only when named (--sections g): ~24,000 grades,
-     minutes; --quick: 10 rows per set, twice.
+     Alternating, --grade-repeats passes each (medians), each pass on new workers, started before
+     it is timed, no verdict remembered. It reports both times, the slowest grade, whether the
+     verdicts are equal, each set's share of 1.0 and the verdicts that did not come back. Only when
+     named (--sections g): ~24,000 grades a pass, minutes; --quick: 10 rows per set, twice, 1 pass.
 Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and ratios of
 medians. Peak memory is the growth over the state before the call: CUDA: torch.cuda.max_memory_allocated after
 reset_peak_memory_stats, minus memory_allocated before. CPU: torch's CPU allocations are invisible to
@@ -649,36 +649,49 @@ def fresh_workers():
         slot["proc"] = gmts._start_verifier()
 
 
+def grade_serially(task, texts: list, rows: list, k: int) -> tuple:
+    """(verdicts, the slowest grade in s) of the reward calls one at a time, as training grades."""
+    got, slowest = [], 0.0
+    for j, text in enumerate(texts):
+        t = time.perf_counter()
+        got.append(task["reward"](text, rows[j // k]))
+        slowest = max(slowest, time.perf_counter() - t)
+    return got, slowest
+
+
 def sec_grading(args, meter, dev) -> dict:
-    """Section g: one avg@k pass of grading over the five benchmarks, serial and parallel."""
+    """Section g: avg@k passes of grading over the five benchmarks, serial and parallel alternating
+    (A B, then B A, ...; --grade-repeats each), each on new workers with no verdict remembered."""
     sets = grade_sets(args)
     task, k = gmts.TASKS["math"], args.grade_samples
     rows = [r for rs in sets.values() for r in rs]
     texts = [f"So the final answer is $\\boxed{{{r['answer']}}}$." for r in rows for _ in range(k)]
-    fresh_workers()
-    unknown0 = gmts._VERIFIER["unknown"]
-    serial, slowest = [], 0.0
-    t = time.perf_counter()
-    for j, text in enumerate(texts):
-        t1 = time.perf_counter()
-        serial.append(task["reward"](text, rows[j // k]))
-        slowest = max(slowest, time.perf_counter() - t1)
-    serial_s = time.perf_counter() - t
-    unknown1 = gmts._VERIFIER["unknown"]
-    fresh_workers()
-    t = time.perf_counter()
-    parallel = gmts.grade_answers(task, texts, rows, k)
-    parallel_s = time.perf_counter() - t
+    passes = {"serial": lambda: grade_serially(task, texts, rows, k),
+              "parallel": lambda: (gmts.grade_answers(task, texts, rows, k), None)}
+    runs = {name: [] for name in passes}
+    got, unknown, slowest = {}, {name: 0 for name in passes}, 0.0
+    for r in range(args.grade_repeats):
+        for name in (passes if r % 2 == 0 else list(passes)[::-1]):
+            fresh_workers()
+            before = gmts._VERIFIER["unknown"]
+            t = time.perf_counter()
+            got[name], slow = passes[name]()
+            runs[name].append(time.perf_counter() - t)
+            unknown[name] += gmts._VERIFIER["unknown"] - before
+            slowest = max(slowest, slow or 0.0)
+    serial_s, parallel_s = (statistics.median(runs[name]) for name in passes)
     out = dict(samples=k, grades=len(texts), workers=gmts.VERIFY_WORKERS, serial_s=serial_s,
                parallel_s=parallel_s, speedup=serial_s / parallel_s, slowest_grade_s=slowest,
-               same_verdicts=serial == parallel, unknown_serial=unknown1 - unknown0,
-               unknown_parallel=gmts._VERIFIER["unknown"] - unknown1, sets={})
+               serial_s_runs=[round(x, 1) for x in runs["serial"]],
+               parallel_s_runs=[round(x, 1) for x in runs["parallel"]],
+               same_verdicts=got["serial"] == got["parallel"], unknown_serial=unknown["serial"],
+               unknown_parallel=unknown["parallel"], sets={})
     i = 0
     for name, rs in sets.items():
         n = len(rs) * k
         out["sets"][name] = dict(rows=len(rs), grades=n,
-                                 acc_serial=sum(x == 1.0 for x in serial[i:i + n]) / n,
-                                 acc_parallel=sum(x == 1.0 for x in parallel[i:i + n]) / n)
+                                 acc_serial=sum(x == 1.0 for x in got["serial"][i:i + n]) / n,
+                                 acc_parallel=sum(x == 1.0 for x in got["parallel"][i:i + n]) / n)
         i += n
     return out
 
@@ -778,7 +791,8 @@ def table(R: dict) -> str:
             s = g[what + "_s"]
             lines.append(f"{'g grading':<12} {f'{what} ({workers} worker(s))':<26} {s * 1e3:10.0f} "
                          f"{'-':>9}  {g['grades']} grades (avg@{g['samples']}), "
-                         f"{g['grades'] / s:.0f}/s, no verdict: {g['unknown_' + what]}")
+                         f"{g['grades'] / s:.0f}/s, runs {g[what + '_s_runs']} s, no verdict: "
+                         f"{g['unknown_' + what]}")
         accs = ", ".join(f"{n} {s['acc_parallel']:.3f} of {s['rows']}"
                          for n, s in g["sets"].items())
         lines.append(f"{'g grading':<12} {'speedup parallel/serial':<26} {g['speedup']:10.2f} "
@@ -820,6 +834,8 @@ def parse_args(argv=None):
                    help="section f's --threads values, compared first / second (0: torch's default)")
     p.add_argument("--grade-samples", type=int, default=0,
                    help="section g's answers per row (0: 16, --quick 2)")
+    p.add_argument("--grade-repeats", type=int, default=2,
+                   help="section g's passes of each kind, alternating (medians)")
     p.add_argument("--grade-data", default="",
                    help="section g's sets as NAME=FILE,... (default: GRADE_SETS in --mirrors)")
     p.add_argument("--mirrors", default="/work/.mirror",
@@ -832,6 +848,7 @@ def parse_args(argv=None):
     a.trl_steps = (2 if a.quick else 4) if a.trl_steps < 0 else a.trl_steps
     a.thread_steps = a.thread_steps or (1 if a.quick else 5)
     a.grade_samples = a.grade_samples or (2 if a.quick else 16)
+    a.grade_repeats = 1 if a.quick else a.grade_repeats
     a.thread_preset = a.thread_preset or ("smoke" if a.quick else "cpu")
     if a.fast_generate is None:
         a.fast_generate = a.quick or a.device == "cuda"

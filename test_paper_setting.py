@@ -179,31 +179,36 @@ def test_the_bound_holds_off_the_main_thread(verifier, monkeypatch):
 
 @pytest.fixture
 def pool_of(monkeypatch):
-    """pool_of(n): grade_answers on n new workers and threads in this test; its threads end after it
-    (their workers die with them, PR_SET_PDEATHSIG)."""
-    made = []
+    """pool_of(n): grade_answers on n new workers and threads in this test; its threads and workers
+    end after it."""
+    made, pools = [], []
 
     def make(n):
+        pools.append(gmts._verifier_pool(n))
         monkeypatch.setattr(gmts, "VERIFY_WORKERS", n)
-        monkeypatch.setattr(gmts, "_VERIFIER", gmts._verifier_pool(n))
+        monkeypatch.setattr(gmts, "_VERIFIER", pools[-1])
         monkeypatch.setattr(gmts, "_GRADERS", made)
     yield make
     for pool in made:
         pool.shutdown()
+    for slot in [s for p in pools for s in p["slots"] if s["proc"]]:
+        gmts._kill(slot["proc"])
 
 
 def test_parallel_grading_gives_the_serial_verdicts(pool_of):
     """grade_answers on 3 workers, 4 answers a row (answer j grades row j // 4), against the serial
-    reward calls and the table's hand verdicts; more than one worker graded."""
+    reward calls on a pool of their own (no verdict remembered) and the table's hand verdicts; more
+    than one worker graded."""
     pool_of(3)
     task = gmts.TASKS["math"]
     rows = [{"question": "q", "answer": gold, "latex": True} for gold, _, _ in COMPETITION]
     texts = [text for _, text, _ in COMPETITION]
+    parallel = gmts.grade_answers(task, [t for t in texts for _ in range(4)], rows, 4)
+    assert len([s for s in gmts._VERIFIER["slots"] if s["proc"]]) >= 2
+    pool_of(1)
     serial = [task["reward"](t, r) for t, r in zip(texts, rows)]
     assert serial == [want for _, _, want in COMPETITION]
-    assert gmts.grade_answers(task, [t for t in texts for _ in range(4)], rows, 4) == \
-        [v for v in serial for _ in range(4)]
-    assert len([s for s in gmts._VERIFIER["slots"] if s["proc"]]) >= 2
+    assert parallel == [v for v in serial for _ in range(4)]
 
 
 def test_a_hanging_pool_worker_is_killed_after_the_timeout(pool_of, monkeypatch):

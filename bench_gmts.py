@@ -46,6 +46,16 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      Not in the default --sections: it starts 2 x --repeats processes of a real training run (~2 minutes on a
      free 2-core CPU, far longer on a loaded one), a measurement of the machine rather than of GMTS; --quick runs
      1 step of the smoke preset.
+  h. grading at the paper's size (issue 42): one avg@16 pass of evaluate's grading over the five
+     benchmarks the GMTS authors report, as public files (GRADE_SETS: MATH-500 as prm800k's test
+     split, AIME 2024, AMC23, Minerva Math and OlympiadBench as Qwen2.5-Math's evaluation data),
+     each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
+     --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread,
+     as training grades; parallel: gmts.grade_answers, as evaluation grades, on VERIFY_WORKERS.
+     Alternating, --grade-repeats passes each (medians), each pass on new workers, started before
+     it is timed, no verdict remembered. It reports both times, the slowest grade, whether the
+     verdicts are equal, each set's share of 1.0 and the verdicts that did not come back. Only when
+     named (--sections h): ~24,000 grades a pass, minutes; --quick: 10 rows per set, twice, 1 pass.
 Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and ratios of
 medians. Peak memory is the growth over the state before the call: CUDA: torch.cuda.max_memory_allocated after
 reset_peak_memory_stats, minus memory_allocated before. CPU: torch's CPU allocations are invisible to
@@ -61,6 +71,7 @@ Run:  python bench_gmts.py --json bench.json        (CPU, ~8 minutes)
       python bench_gmts.py --device cuda --json gpu.json
       python bench_gmts.py --quick --json tmp.json  (seconds; tiny sizes, section e with --small)
       python bench_gmts.py --sections f --json threads.json  (threads: the cpu preset at 1 thread and the default)
+      python bench_gmts.py --sections h --json grading.json  (five benchmarks' grading)
 """
 import os
 
@@ -654,6 +665,102 @@ def sec_memory_plan(args, meter, dev) -> dict:
     return dict(phases=out, P=P, B=B, G=G, T=T, hidden=args.plan_hidden)
 
 
+GRADE_SETS = {  # name -> (a git clone under --mirrors, the file in it): section h's public copies
+    # MATH-500: prm800k's math_splits/test.jsonl, byte for byte (sha256 35dc4108...)
+    "math500": ("MobileLLM+BudgetThinker", "evaluation/data/math500/test_ori.jsonl"),
+    "aime24": ("QwenLM+Qwen2.5-Math", "evaluation/data/aime24/test.jsonl"),
+    "amc23": ("QwenLM+Qwen2.5-Math", "evaluation/data/amc23/test.jsonl"),
+    "minerva_math": ("QwenLM+Qwen2.5-Math", "evaluation/data/minerva_math/test.jsonl"),
+    "olympiadbench": ("QwenLM+Qwen2.5-Math", "evaluation/data/olympiadbench/test.jsonl"),
+}
+
+
+def bench_gold(row: dict) -> str:
+    """A benchmark row's gold: its answer (MATH-500, AIME, AMC), final_answer's first item
+    (OlympiadBench), else its solution's last \\boxed{} (Qwen2.5-Math's Minerva file has none)."""
+    if "answer" in row:
+        return str(row["answer"]).strip()
+    if "final_answer" in row:
+        fa = row["final_answer"]
+        return str(fa[0] if isinstance(fa, list) else fa).strip()
+    return gmts._last_boxed(row["solution"], cap=10_000)
+
+
+def grade_sets(args) -> dict:
+    """{name: competition rows} of --grade-data NAME=FILE,..., or of GRADE_SETS (git show)."""
+    texts = {}
+    for part in filter(None, args.grade_data.split(",")):
+        name, path = part.split("=", 1)
+        with open(path) as f:
+            texts[name] = f.read()
+    for name, (repo, path) in GRADE_SETS.items() if not texts else ():
+        git = os.path.join(args.mirrors, repo, "repo")
+        texts[name] = subprocess.run(["git", "-C", git, "show", f"HEAD:{path}"], check=True,
+                                     capture_output=True, text=True).stdout
+    sets = {}
+    for name, text in texts.items():
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        rows = rows[:10] if args.quick else rows
+        sets[name] = [{"question": r.get("problem") or r.get("question"), "answer": bench_gold(r),
+                       "latex": True} for r in rows]
+    return sets
+
+
+def fresh_workers():
+    """Every worker new and started, no verdict remembered: caches empty, no start timed."""
+    gmts.stop_verifiers()
+    gmts._VERIFIER["verdicts"].clear()
+    for slot in gmts._VERIFIER["slots"]:
+        slot["proc"] = gmts._start_verifier()
+
+
+def grade_serially(task, texts: list, rows: list, k: int) -> tuple:
+    """(verdicts, the slowest grade in s) of the reward calls one at a time, as training grades."""
+    got, slowest = [], 0.0
+    for j, text in enumerate(texts):
+        t = time.perf_counter()
+        got.append(task["reward"](text, rows[j // k]))
+        slowest = max(slowest, time.perf_counter() - t)
+    return got, slowest
+
+
+def sec_grading(args, meter, dev) -> dict:
+    """Section h: avg@k passes of grading over the five benchmarks, serial and parallel alternating
+    (A B, then B A, ...; --grade-repeats each), each on new workers with no verdict remembered."""
+    sets = grade_sets(args)
+    task, k = gmts.TASKS["math"], args.grade_samples
+    rows = [r for rs in sets.values() for r in rs]
+    texts = [f"So the final answer is $\\boxed{{{r['answer']}}}$." for r in rows for _ in range(k)]
+    passes = {"serial": lambda: grade_serially(task, texts, rows, k),
+              "parallel": lambda: (gmts.grade_answers(task, texts, rows, k), None)}
+    runs = {name: [] for name in passes}
+    got, unknown, slowest = {}, {name: 0 for name in passes}, 0.0
+    for r in range(args.grade_repeats):
+        for name in (passes if r % 2 == 0 else list(passes)[::-1]):
+            fresh_workers()
+            before = gmts._VERIFIER["unknown"]
+            t = time.perf_counter()
+            got[name], slow = passes[name]()
+            runs[name].append(time.perf_counter() - t)
+            unknown[name] += gmts._VERIFIER["unknown"] - before
+            slowest = max(slowest, slow or 0.0)
+    serial_s, parallel_s = (statistics.median(runs[name]) for name in passes)
+    out = dict(samples=k, grades=len(texts), workers=gmts.VERIFY_WORKERS, serial_s=serial_s,
+               parallel_s=parallel_s, speedup=serial_s / parallel_s, slowest_grade_s=slowest,
+               serial_s_runs=[round(x, 1) for x in runs["serial"]],
+               parallel_s_runs=[round(x, 1) for x in runs["parallel"]],
+               same_verdicts=got["serial"] == got["parallel"], unknown_serial=unknown["serial"],
+               unknown_parallel=unknown["parallel"], sets={})
+    i = 0
+    for name, rs in sets.items():
+        n = len(rs) * k
+        out["sets"][name] = dict(rows=len(rs), grades=n,
+                                 acc_serial=sum(x == 1.0 for x in got["serial"][i:i + n]) / n,
+                                 acc_parallel=sum(x == 1.0 for x in got["parallel"][i:i + n]) / n)
+        i += n
+    return out
+
+
 def targets(R: dict, C: int) -> list:
     """PASS/FAIL of each target, computed from the measurements."""
     t = []
@@ -742,6 +849,20 @@ def table(R: dict) -> str:
                          f"{'':>9}  {T['ratio_of']}; metrics "
                          + ("identical" if d is None else f"differ from step {d['step']} in "
                             + ", ".join(T["metrics_keys_differing_across"])))
+    if "grading" in R:
+        g = R["grading"]
+        for what in ("serial", "parallel"):
+            workers = 1 if what == "serial" else g["workers"]
+            s = g[what + "_s"]
+            lines.append(f"{'g grading':<12} {f'{what} ({workers} worker(s))':<26} {s * 1e3:10.0f} "
+                         f"{'-':>9}  {g['grades']} grades (avg@{g['samples']}), "
+                         f"{g['grades'] / s:.0f}/s, runs {g[what + '_s_runs']} s, no verdict: "
+                         f"{g['unknown_' + what]}")
+        accs = ", ".join(f"{n} {s['acc_parallel']:.3f} of {s['rows']}"
+                         for n, s in g["sets"].items())
+        lines.append(f"{'g grading':<12} {'speedup parallel/serial':<26} {g['speedup']:10.2f} "
+                     f"{'':>9}  slowest grade {g['slowest_grade_s']:.2f} s; same verdicts: "
+                     f"{g['same_verdicts']}; share of 1.0: {accs}")
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
         lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  (<= {t['limit']})")
@@ -763,7 +884,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--plan-hidden", type=int, default=256, help="section g's tiny model width")
     p.add_argument("--sections", default="abcdeg",
-                   help="which sections to run (e runs on CUDA or with --small; f, threads, only when named)")
+                   help="which sections to run (e: on CUDA or with --small; f, h: only when named)")
     p.add_argument("--small", action="store_true", help="section e with a tiny Qwen2 config (CPU smoke of the path)")
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere, implies --small")
     p.add_argument("--sampler-dtype", default="bf16", choices=["bf16", "fp32"],
@@ -777,6 +898,14 @@ def parse_args(argv=None):
     p.add_argument("--thread-preset", default="", help="gmts.py preset section f runs (default: cpu, --quick smoke)")
     p.add_argument("--thread-variants", default="1,0", type=lambda s: [int(x) for x in s.split(",")],
                    help="section f's --threads values, compared first / second (0: torch's default)")
+    p.add_argument("--grade-samples", type=int, default=0,
+                   help="section h's answers per row (0: 16, --quick 2)")
+    p.add_argument("--grade-repeats", type=int, default=2,
+                   help="section h's passes of each kind, alternating (medians)")
+    p.add_argument("--grade-data", default="",
+                   help="section h's sets as NAME=FILE,... (default: GRADE_SETS in --mirrors)")
+    p.add_argument("--mirrors", default="/work/.mirror",
+                   help="section h: the folder of GRADE_SETS' git clones")
     p.add_argument("--json", default="", help="write all measurements here")
     a = p.parse_args(argv)
     a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
@@ -784,6 +913,8 @@ def parse_args(argv=None):
     a.select_sizes = [2 ** 14, 2 ** 16] if a.quick else [2 ** 20, 2 ** 25]
     a.trl_steps = (2 if a.quick else 4) if a.trl_steps < 0 else a.trl_steps
     a.thread_steps = a.thread_steps or (1 if a.quick else 5)
+    a.grade_samples = a.grade_samples or (2 if a.quick else 16)
+    a.grade_repeats = 1 if a.quick else a.grade_repeats
     a.thread_preset = a.thread_preset or ("smoke" if a.quick else "cpu")
     if a.fast_generate is None:
         a.fast_generate = a.quick or a.device == "cuda"
@@ -813,6 +944,7 @@ def main(argv=None):
         steps.append(("e", "step_model", sec_model_step))
     steps.append(("f", "threads", sec_threads))
     steps.append(("g", "memory_plan", sec_memory_plan))
+    steps.append(("h", "grading", sec_grading))
     for letter, key, fn in steps:
         if letter in args.sections:
             t = time.time()

@@ -72,9 +72,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse, ast, contextlib, copy, dataclasses, errno, fcntl, fnmatch, functools, hashlib
-import importlib, itertools, json, logging, math, random, re, select, shutil, subprocess, sys
-import tempfile, threading, time
+import argparse, ast, concurrent.futures, contextlib, copy, dataclasses, errno, fcntl, fnmatch
+import functools, hashlib, importlib, itertools, json, logging, math, queue, random, re, select
+import shutil, subprocess, sys, tempfile, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -351,6 +351,8 @@ def _never_raise(fn, fallback=0.0):
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except RunError:  # the grading worker cannot start: the machine's fault, never the answer's
+            raise
         except Exception:
             return fallback
     return functools.wraps(fn)(wrapped)
@@ -1422,15 +1424,29 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 st
 }
 
 # ==== math-verify in a worker [plumbing]: bounded in time without signal.alarm, from any thread ==
+# How a fault travels: a verdict is True / False, or None when none came back (the worker timed
+# out, died or stalled, or the wait was interrupted). None is retried once on a fresh worker, then
+# counted (_VERIFIER["unknown"]) and graded 0.0 by math_reward. step_record and evaluate_run log the
+# count (grade_unknown, eval_grade_unknown) and stop the run past GRADE_UNKNOWN_MAX of its answers.
+# A gold with no verdict at load, or a worker that does not start, is a RunError (exit 1), never
+# the bad-row message: no model output can cause either.
 VERIFY_TIMEOUT_S = 5.0
-_VERIFIER = {"lock": threading.Lock(), "proc": None}
+VERIFY_START_S = 120.0  # for the worker's imports (sympy) on a loaded machine
+VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # evaluation grades this many at a time
+VERDICTS_KEPT = 1 << 16  # (gold, got) -> verdict pairs remembered, then forgotten all at once
+GRADE_UNKNOWN_MAX = 0.02  # the share of a step's (evaluation's) answers that may lack a verdict
 _VERIFY_WORKER = r"""
 import ctypes, json, sys
 try:  # Linux: die with the parent, even mid-hang (prctl PR_SET_PDEATHSIG = 1, SIGKILL = 9)
     ctypes.CDLL(None).prctl(1, 9)
 except (AttributeError, OSError):
     pass
-from math_verify import parse, verify
+try:
+    from math_verify import parse, verify
+except Exception as e:
+    print("cannot import math_verify (%s: %s); pip install -r requirements.txt"
+          % (type(e).__name__, " ".join(str(e).split())[:200]), flush=True)
+    sys.exit(1)
 print("ready", flush=True)
 for line in sys.stdin:
     gold, got = json.loads(line)
@@ -1441,25 +1457,133 @@ for line in sys.stdin:
     print(json.dumps(ok), flush=True)
 """
 
-def latex_equal(gold: str, got=None, timeout: float = None) -> bool:
-    """math-verify's verdict on two short answers as \\boxed{} contents (got None: whether sympy reads gold). sympy
-    can hang (\\boxed{9^{9^{9^{9}}}}): after timeout seconds the worker is killed (the next call starts one): False."""
-    with _VERIFIER["lock"]:
-        proc = _VERIFIER["proc"]
-        if proc is None or proc.poll() is not None:  # its own small python: no torch, no CUDA fork
-            proc = subprocess.Popen([sys.executable, "-c", _VERIFY_WORKER], stdin=subprocess.PIPE, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
-            _VERIFIER["proc"] = proc
-            if not select.select([proc.stdout], [], [], 120)[0] or proc.stdout.readline() != "ready\n":
-                raise ValueError("math answers need math-verify (pip install -r requirements.txt)")
+def _verifier_pool(n: int) -> dict:
+    """n worker slots ({"proc": a process or None}), the free ones in a LIFO queue (serial grading
+    reuses one warm worker); the verdicts given (a pure function of gold and got: avg@16's right
+    answers repeat), the count of verdicts that did not come back, the last one's cause, and
+    "logged": the count at the last metrics record."""
+    slots = [{"proc": None} for _ in range(n)]
+    free = queue.LifoQueue()
+    for slot in slots:
+        free.put(slot)
+    return {"free": free, "slots": slots, "verdicts": {}, "unknown": 0, "logged": 0, "cause": "",
+            "lock": threading.Lock()}
+
+_VERIFIER = _verifier_pool(VERIFY_WORKERS)
+
+def _kill(proc):
+    proc.kill()
+    proc.wait()
+
+def _start_verifier() -> subprocess.Popen:
+    """A worker that said "ready": its own small python (no torch, no CUDA fork); -P: it never
+    imports from the working folder (a user's json.py). Any failure: RunError, "did not start"."""
+    safe = ["-P"] if sys.version_info >= (3, 11) else ["-I"]  # -I also drops user site-packages
+    try:
+        proc = subprocess.Popen([sys.executable, *safe, "-c", _VERIFY_WORKER], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        raise RunError(f"the math-verify worker did not start: {error_line(e, 200)}") from None
+    said = None  # None: no word in time; "": it ended
+    with contextlib.suppress(OSError, ValueError):
+        if select.select([proc.stdout], [], [], VERIFY_START_S)[0]:
+            said = proc.stdout.readline().strip()
+    if said == "ready":
+        return proc
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5 if said == "" else 0)
+    _kill(proc)
+    why = said or f"it exited with code {proc.returncode} before it was ready"
+    if said is None:
+        why = f"no word from it in {VERIFY_START_S:g} s"
+    raise RunError(f"the math-verify worker did not start: {why[:300]}")
+
+def _ask(proc, gold: str, got, timeout: float):
+    """The worker's verdict, or the cause (a str) when none came back: then the worker is killed,
+    so that no answer to this request can be read by the next one; Ctrl-C in the wait kills it."""
+    said = ""
+    try:
         proc.stdin.write(json.dumps([gold, got]) + "\n")
         proc.stdin.flush()
-        ready = select.select([proc.stdout], [], [], timeout or VERIFY_TIMEOUT_S)[0]
-        said = proc.stdout.readline() if ready else ""  # "" too if it died
-        if not said:  # too slow or dead: the next call starts another
-            proc.kill()
-            proc.wait()
+        if select.select([proc.stdout], [], [], timeout)[0]:
+            said = proc.stdout.readline()
+    except OSError:  # a broken pipe: it died
+        said = ""
+    except BaseException:
+        _kill(proc)
+        raise
+    if said in ("true\n", "false\n"):
         return said == "true\n"
+    alive = proc.poll() is None
+    _kill(proc)
+    if alive:
+        return f"no verdict in {timeout:g} s (stalled or too slow)"
+    return f"the worker died (exit {proc.returncode})"
+
+def latex_equal(gold: str, got=None, timeout: float = None):
+    """math-verify's verdict on two short answers as \\boxed{} contents, by one of VERIFY_WORKERS
+    workers: True, False, or None when none came back twice (a fresh worker the second time; counted
+    in _VERIFIER). got None: whether sympy reads gold (at load); no verdict: RunError. sympy hangs
+    (\\boxed{9^{9^{9^{9}}}}): after timeout (VERIFY_TIMEOUT_S) seconds the worker is killed."""
+    verdicts = _VERIFIER["verdicts"]
+    if (gold, got) in verdicts:
+        return verdicts[gold, got]
+    slot = _VERIFIER["free"].get()  # blocks while every worker grades
+    try:
+        for _ in range(2):
+            if slot["proc"] is None or slot["proc"].poll() is not None:
+                slot["proc"] = None
+                slot["proc"] = _start_verifier()
+            said = _ask(slot["proc"], gold, got, timeout or VERIFY_TIMEOUT_S)
+            if not isinstance(said, str):
+                if len(verdicts) >= VERDICTS_KEPT:
+                    verdicts.clear()
+                verdicts[gold, got] = said
+                return said
+            slot["proc"] = None
+    except BaseException:
+        if slot["proc"] is not None and slot["proc"].poll() is not None:
+            slot["proc"] = None
+        raise
+    finally:
+        _VERIFIER["free"].put(slot)
+    with _VERIFIER["lock"]:
+        _VERIFIER["cause"] = said
+        if got is not None:
+            _VERIFIER["unknown"] += 1
+    if got is None:
+        raise RunError(f"the math-verify worker gave no verdict on the gold {gold[:60]!r}, "
+                       f"twice (a fresh worker the second time): {said}")
+    return None
+
+def stop_verifiers():
+    """Kill every idle worker (the next grade starts a fresh one)."""
+    for slot in _VERIFIER["slots"]:
+        if slot["proc"] is not None:
+            _kill(slot["proc"])
+            slot["proc"] = None
+
+def unknown_since_logged() -> int:
+    """The verdicts that did not come back since the last call (each metrics record takes its
+    own)."""
+    with _VERIFIER["lock"]:
+        n = _VERIFIER["unknown"] - _VERIFIER["logged"]
+        _VERIFIER["logged"] = _VERIFIER["unknown"]
+    return n
+
+def check_grades(key: str, graded: int, what: str, cfg) -> dict:
+    """{key: the verdicts that did not come back since the last record} for a run whose answers
+    math-verify may grade (task math, not only generated data), {} else. Past GRADE_UNKNOWN_MAX of
+    the `graded` answers: RunError (one line, exit 1, the run's last checkpoint kept)."""
+    unknown = unknown_since_logged()
+    if unknown > GRADE_UNKNOWN_MAX * graded:
+        raise RunError(f"{what}: {unknown} of {graded} answers got no verdict from the math-verify "
+                       f"worker (the last: {_VERIFIER['cause']}), over {GRADE_UNKNOWN_MAX:.0%}; "
+                       f"stopped, {interrupted_state(cfg.out)}")
+    if cfg.task != "math" or (data_kind(cfg.data) == "gen" and not cfg.eval_data):
+        return {}
+    return {key: unknown}
 
 # ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
@@ -2087,23 +2211,43 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         chunk = rows[i:i + per]
         prompts = build_prompts(tok, task, chunk, chat, short, style)
         b = rollout(model, tok, prompts, k, max_new_tokens, temperature, top_p, greedy=samples == 0)
-        correct += sum(task["reward"](t, chunk[j // k]) == 1.0 for j, t in enumerate(b["texts"]))
+        correct += sum(r == 1.0 for r in grade_answers(task, b["texts"], chunk, k))
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
     n = max(len(rows) * k, 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
+_GRADERS = []  # the threads that grade evaluations: they live on (a worker dies with its thread)
+
+def grade_answers(task: dict, texts: list, rows: list, k: int = 1) -> list:
+    """task["reward"](texts[j], rows[j // k]) for every j, VERIFY_WORKERS at a time (math-verify's
+    verdicts from as many workers): serial grading's values, in order. Each row's first answer goes
+    first, so that its repeats find the verdict given (latex_equal). Ctrl-C cancels the rest."""
+    if not _GRADERS:
+        pool = concurrent.futures.ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="grade")
+        _GRADERS.append(pool)
+    order = sorted(range(len(texts)), key=lambda j: (j % k, j))
+    futures = {j: _GRADERS[0].submit(task["reward"], texts[j], rows[j // k]) for j in order}
+    try:
+        return [futures[j].result() for j in range(len(texts))]
+    finally:
+        for f in futures.values():
+            f.cancel()
+
 def evaluate_run(model, run, cfg: Config) -> dict:
     """A run's evaluation (--eval-samples at --temperature, --top-p): its held-out rows, or each --eval-data set as
     eval_NAME with eval_acc and eval_len their means. Never used to pick a checkpoint."""
     sets = run.eval_rows if isinstance(run.eval_rows, dict) else {"acc": run.eval_rows}
+    unknown_since_logged()  # those before it: the step's (step_record took them) or not this run's
     recs = [evaluate(model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
                      batch_size=cfg.rollout_rows or 64, samples=cfg.eval_samples,
                      temperature=cfg.temperature, top_p=cfg.top_p, style=cfg.prompt_style)
                  for rows in sets.values()]
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
+    graded = sum(map(len, sets.values())) * max(cfg.eval_samples, 1)
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
-                eval_sample=recs[0]["eval_sample"])
+                eval_sample=recs[0]["eval_sample"],
+                **check_grades("eval_grade_unknown", graded, "the evaluation", cfg))
 
 # ==== The paper's setting [plumbing]: the memory plan of a step ==============================
 def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) -> dict:
@@ -2312,7 +2456,8 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
                 groups_filtered_frac=1.0 - sampled.float().mean().item(), lr=opt.param_groups[0]["lr"],
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
-                sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
+                sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item(),
+                **check_grades("grade_unknown", sum(len(p[1]) for p in parts), f"step {step}", cfg))
 
 def read_run_config(out: str) -> dict:
     """The saved config of the run in `out` (--resume), or ValueError with one line."""
@@ -2609,6 +2754,9 @@ def step_line(rec: dict) -> str:
     for key in SHOWN:
         if key in rec:
             fields.append(f"{key} {rec[key]:.3f}")
+    for key in ("grade_unknown", "eval_grade_unknown"):  # answers math-verify gave no verdict on
+        if rec.get(key):
+            fields.append(f"{key} {rec[key]}")
     fields.append(f"{rec['step_time_s']:.2f} s")
     return " | ".join(fields)
 

@@ -9,6 +9,7 @@ other entry points. Fallbacks that keep training (a damaged checkpoint, the fast
 need a second process (signals, a closed stdout, compare's workers) follow the table.
 """
 import hashlib
+import contextlib
 import importlib
 import json
 import os
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -228,6 +230,22 @@ def _huge_cell_csv(tmp, run):
     return _write(tmp / "d.csv", MATH_CSV + "x" * (gmts.LINE_CAP + 1) + ",4\n")
 
 
+def _worker_that(fault, when):
+    """gmts's own worker script, which runs `fault` (a statement) at each request where `when` (a
+    test of its gold and got) holds: the fault happens in the real worker process, in its place."""
+    at = "    gold, got = json.loads(line)\n"
+    assert at in gmts._VERIFY_WORKER
+    return gmts._VERIFY_WORKER.replace(at, f"{at}    if {when}:\n        {fault}\n")
+
+
+STALL = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"  # the worker stops itself
+
+
+def _boxed_gold(real):
+    """math_reward on `\\boxed{gold}`, whatever the tiny model wrote: each reaches the worker."""
+    return lambda completion, answer, latex=False: real(f"\\boxed{{{answer}}}", answer, latex)
+
+
 HOLDERS = []
 PLACES = {
     "config_json": _user_folder("config.json"),
@@ -281,6 +299,10 @@ PLACES = {
     "math_csv": lambda tmp, run: _write(tmp / "d.csv", MATH_CSV),
     "huge_cell": _huge_cell_csv,
     "latex_jsonl": _rows({"problem": "Simplify sqrt 8 / 2.", "answer": "\\sqrt{2}"}),
+    "latex_rows": _rows({"problem": "Halve one.", "answer": "\\frac{1}{2}"},
+                        {"problem": "Root of two?", "answer": "\\sqrt{2}"},
+                        {"problem": "Solve $x > 728$.", "answer": "(729,\\infty)"},
+                        {"problem": "Solve $x - 1 > 727$.", "answer": "(729,\\infty)"}),
 }
 
 
@@ -571,6 +593,23 @@ PROMISES = [
      'line 1: missing key "answer" (looked for the answer in: answer, Answer, final_answer', {}),
     ("math every bad row named", 6, G, ["--task", "math", "--data", "{math_two_bad}"], 2,
      'd.jsonl line 3: missing key "answer"', {}),
+    # issue 44: the grader tells the truth (a worker's fault: exit 1, its own words), each failing
+    # on e3741a4
+    ("a stalled grading worker at load is not bad data", 5, G,
+     ["--task", "math", "--data", "{latex_rows}"], 1,
+     "the math-verify worker gave no verdict on the gold '(729,\\\\infty)', twice",
+     {"VERIFY_TIMEOUT_S": 1.0, "_VERIFY_WORKER": _worker_that(STALL, '"729" in gold'),
+      "_VERIFIER": gmts._verifier_pool(1)}),
+    ("a grading worker that cannot start", 5, G, ["--task", "math", "--data", "{latex_rows}"], 1,
+     "the math-verify worker did not start: [Errno 2] No such file or directory: '/nowhere/python'",
+     {"sys:executable": "/nowhere/python", "_VERIFIER": gmts._verifier_pool(1)}),
+    ("answers without a verdict past the share stop the run", 5, G,
+     ["--task", "math", "--data", "{latex_rows}", "--steps", "2", "--prompts-per-step", "1",
+      "--group-size", "2", "--no-filter-groups"], 1,
+     "step 1: 2 of 2 answers got no verdict from the math-verify worker (the last: no verdict",
+     {"VERIFY_TIMEOUT_S": 1.0, "_VERIFIER": gmts._verifier_pool(1),
+      "math_reward": _boxed_gold(gmts.math_reward),
+      "_VERIFY_WORKER": _worker_that(STALL, '"729" in gold and got is not None')}),
 ]
 MAINS = {G: (lambda argv: gmts.main(argv), "gmts: error: "), T: (lambda argv: gmts_trl.main(argv), "gmts_trl: error: "),
          L: (lambda argv: gmts_lab.main(argv), "gmts: error: ")}
@@ -1129,3 +1168,97 @@ def test_lab_analyze_honours_prompt_style(tmp_path, monkeypatch, capsys):
                        "--prompt-style", "qwen-math", "--prompts-per-step", "2",
                        "--group-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "a")])
     assert seen and all(gmts.QWEN_MATH_SYSTEM in p for p in seen), seen[:1]
+
+
+# ---- issue 44: the grader tells the truth; faults in the real worker (each fails on e3741a4)
+
+def _one_worker(monkeypatch):
+    """A pool of one worker for this test, started: its process."""
+    monkeypatch.setattr(gmts, "_VERIFIER", gmts._verifier_pool(1))
+    assert gmts.latex_equal("1", "1") is True
+    return gmts._VERIFIER["slots"][0]["proc"]
+
+
+def _alive(pid):
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    return os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+
+
+def test_a_stopped_worker_is_replaced_not_read_as_false(monkeypatch):
+    """SIGSTOP to the worker: the verdict is asked again of a fresh worker (on e3741a4: False)."""
+    monkeypatch.setattr(gmts, "VERIFY_TIMEOUT_S", 1.0)
+    proc = _one_worker(monkeypatch)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert gmts.latex_equal("\\frac{1}{2}", "0.5") is True
+    assert not _alive(proc.pid) and gmts._VERIFIER["unknown"] == 0
+
+
+def test_a_worker_killed_mid_request_is_replaced_not_read_as_false(monkeypatch):
+    """The worker stopped, then killed (SIGKILL) while the request waits: a fresh worker answers (on
+    e3741a4: False)."""
+    proc = _one_worker(monkeypatch)
+    os.kill(proc.pid, signal.SIGSTOP)
+    killer = threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL))
+    killer.start()
+    assert gmts.latex_equal("\\frac{1}{2}", "0.5", 60) is True
+    killer.join()
+    assert gmts._VERIFIER["unknown"] == 0
+
+
+def test_an_interrupted_wait_leaves_no_answer_for_the_next_call(monkeypatch):
+    """Ctrl-C while `1 vs 2` waits (its worker stopped, then let go): the next calls get their own
+    verdicts (on e3741a4 the stale answer: `2 vs 2` False, then `1 vs 2` True)."""
+    proc = _one_worker(monkeypatch)
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gmts.latex_equal("1", "2", 60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)  # a worker still alive answers the interrupted request
+    time.sleep(1)
+    assert gmts.latex_equal("2", "2") is True
+    assert gmts.latex_equal("1", "2") is False
+    assert not _alive(proc.pid)
+
+
+def test_a_json_py_in_the_working_folder_does_not_break_grading(tmp_path, monkeypatch, capsys):
+    """A user's json.py in the working folder: a math run on LaTeX golds trains (on e3741a4 the
+    worker imported it and every run ended "math answers need math-verify", exit 2)."""
+    _write(tmp_path / "json.py", "raise ImportError('the user\'s own json.py')\n")
+    data = PLACES["latex_rows"](tmp_path, None)
+    monkeypatch.setattr(gmts, "_VERIFIER", gmts._verifier_pool(1))  # started from that folder
+    monkeypatch.chdir(tmp_path)
+    gmts.main([*SMALL, "--task", "math", "--data", data, "--steps", "1", "--out",
+               str(tmp_path / "o")])
+    assert [r["step"] for r in gmts.read_metrics(str(tmp_path / "o"))] == [0, 1]
+    assert capsys.readouterr().err == ""
+
+
+def test_answers_without_a_verdict_are_counted_and_said(tmp_path, monkeypatch, capsys):
+    """Below GRADE_UNKNOWN_MAX (here 1.0) the run goes on: metrics.jsonl counts the answers whose
+    verdict did not come back (every training answer here: their worker stops itself, twice), the
+    step line says so; the evaluation's verdicts all came back (on e3741a4: no count, no word)."""
+    monkeypatch.setattr(gmts, "GRADE_UNKNOWN_MAX", 1.0)
+    monkeypatch.setattr(gmts, "VERIFY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(gmts, "math_reward", _boxed_gold(gmts.math_reward))
+    stalls = _worker_that(STALL, '"729" in gold and got is not None')
+    monkeypatch.setattr(gmts, "_VERIFY_WORKER", stalls)
+    monkeypatch.setattr(gmts, "_VERIFIER", gmts._verifier_pool(1))
+    data = PLACES["latex_rows"](tmp_path, None)
+    out = str(tmp_path / "o")
+    gmts.main([*SMALL, "--task", "math", "--data", data, "--steps", "1", "--prompts-per-step", "1",
+               "--group-size", "2", "--no-filter-groups", "--out", out])
+    recs = gmts.read_metrics(out)
+    assert [r.get("grade_unknown") for r in recs] == [None, 2]
+    assert [r.get("eval_grade_unknown") for r in recs] == [0, 0]
+    assert [r.get("eval_acc") for r in recs] == [1.0, 1.0]  # the held-out golds, boxed
+    assert "| grade_unknown 2 |" in capsys.readouterr().out

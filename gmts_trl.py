@@ -404,7 +404,7 @@ class GMTSTrainer(GRPOTrainer):
         log_ratio = torch.zeros_like(logp.float()) if old is None else (logp - old).float()
         vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
         is_ratio = inputs.get("importance_sampling_ratio") if vllm_is else None
-        om = self.policy_weight(adv[:, None], log_ratio, mask, is_ratio)  # (B, T)
+        om = self.policy_weight(adv[:, None], log_ratio, mask, is_ratio).expand(mask.shape)
         if is_ratio is not None and self.loss_type != "vespo":
             om = om * is_ratio  # TRL scales the token loss by it, so the token's gradient too
         if self.beta != 0.0:  # the KL term's weight: -dk3/dlogp = pi_ref / pi_theta - 1

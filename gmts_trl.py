@@ -8,7 +8,8 @@ No TRL loss code is copied: the subclass only hooks in.
 
 TRL versions: tested with trl 1.16.0 only. GMTSTrainer raises RuntimeError at construction if a
 method it overrides is missing or has another signature, warns on any other version, and raises at
-the first loss if TRL did not call the mask hook, so a run never goes on without selection unnoticed.
+the first loss if TRL did not call the mask hook, so a run never goes on without selection
+unnoticed.
 
 What is selected, over which rows (trl 1.16.0):
   1. TRL generates a generation batch (per-device batch x steps_per_generation answers per
@@ -116,7 +117,8 @@ def refusal(cfg) -> str:
         return ""
     if cfg.importance_sampling_level != "token":
         return (f"importance_sampling_level={cfg.importance_sampling_level!r}: the ratio is a mean "
-                "over all of an answer's tokens, so dropped tokens still get a gradient; use 'token'")
+                "over all of an answer's tokens, so dropped tokens still get a gradient; "
+                "use 'token'")
     if cfg.token_selection not in ("gmts", "gradnorm"):
         return ""
     if cfg.off_policy_mask_threshold is not None:

@@ -180,7 +180,7 @@ def test_reward_function_uses_our_verifier():
     assert out == [1.0, 0.1, 0.0]
 
 
-# ---- the selection is gmts.py's, over the generation batch ----------------------------------------
+# ---- the selection is gmts.py's, over the generation batch ---------------------------------------
 
 
 def stats(B=8, T=7, V=11, seed=0):
@@ -248,7 +248,7 @@ def test_select_equals_select_tokens_in_generation_order(tmp_path, monkeypatch, 
         assert not torch.equal(got, gmts.select_tokens(scores, mask, rho, nonzero=True))
 
 
-# ---- omega is minus the gradient of TRL's own loss ------------------------------------------------
+# ---- omega is minus the gradient of TRL's own loss -----------------------------------------------
 
 
 @pytest.fixture(scope="module")

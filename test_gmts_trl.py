@@ -95,7 +95,7 @@ def record(tr, check=None):
 
 
 def selection_rule(select, scope, G):
-    """(rho factor, group_size) as gmts.selection_rule says for a gmts_trl run."""
+    """The group_size gmts.selection_rule gives a run of this select and scope."""
     return gmts.selection_rule(gmts.Config(select=select, scope=scope, group_size=G))[1]
 
 

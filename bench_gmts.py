@@ -56,6 +56,12 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      it is timed, no verdict remembered. It reports both times, the slowest grade, whether the
      verdicts are equal, each set's share of 1.0 and the verdicts that did not come back. Only when
      named (--sections h): ~24,000 grades a pass, minutes; --quick: 10 rows per set, twice, 1 pass.
+  i. gmts_trl.py's rescoring (issue 45): TRL runs of warm/cpu (countdown easy, its reward,
+     per-device batch 8, grad-accum 4, G 8, 64 new tokens, rho 0.2, --trl-rescore-steps steps)
+     with --select gmts: the share of the run's time in GMTSTrainer.select (the no-grad scoring
+     forward + the selection) at num_iterations 1 and 2, and at num_iterations 2 the share of the
+     second pass's kept tokens that the first pass's mask (one selection per generation batch)
+     would not keep, at lr 3e-4 and 1e-3. Only when named in --sections, on the CPU.
 Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and ratios of
 medians. Peak memory is the growth over the state before the call: CUDA: torch.cuda.max_memory_allocated after
 reset_peak_memory_stats, minus memory_allocated before. CPU: torch's CPU allocations are invisible to
@@ -72,6 +78,7 @@ Run:  python bench_gmts.py --json bench.json        (CPU, ~8 minutes)
       python bench_gmts.py --quick --json tmp.json  (seconds; tiny sizes, section e with --small)
       python bench_gmts.py --sections f --json threads.json  (threads: the cpu preset at 1 thread and the default)
       python bench_gmts.py --sections h --json grading.json  (five benchmarks' grading)
+      python bench_gmts.py --sections i --json rescore.json  (gmts_trl.py's rescoring, ~4 min)
 """
 import os
 
@@ -869,6 +876,64 @@ def table(R: dict) -> str:
     return "\n".join(lines)
 
 
+def trl_rescore_run(lr: float, num_iterations: int, steps: int) -> dict:
+    """One TRL run of warm/cpu with gmts_trl's GMTSTrainer (section i): time in select, and at
+    each later pass the kept tokens that differ from the mask the first pass wrote."""
+    import gmts_trl
+
+    model, tok = gmts.load_model(gmts.WARM_CPU, torch.device("cpu"))
+    rows = gmts.load_rows("countdown", "easy", n=256, seed=0)
+    data = gmts_trl.make_dataset(tok, "countdown", rows, chat=gmts.use_chat(tok), short=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = gmts_trl.GMTSConfig(
+            output_dir=tmp, use_cpu=True, report_to=[], bf16=False, per_device_train_batch_size=8,
+            gradient_accumulation_steps=4, num_generations=8, num_iterations=num_iterations,
+            max_completion_length=64, max_steps=steps, logging_steps=1, save_strategy="no",
+            gradient_checkpointing=False, learning_rate=lr, token_selection="gmts", token_rho=0.2,
+            epsilon=0.2, epsilon_high=0.28, disable_tqdm=True, seed=0)
+        tr = gmts_trl.GMTSTrainer(model=model, reward_funcs=gmts_trl.make_reward("countdown"),
+                                  args=cfg, train_dataset=data, processing_class=tok)
+        from transformers import PrinterCallback
+        tr.remove_callback(PrinterCallback)
+        select, clock, kept, same = tr.select, [0.0], [0], [0]
+
+        def timed(batches, group_size):
+            before = [b.get("gmts_keep") for b in batches]
+            t = time.perf_counter()
+            select(batches, group_size)
+            clock[0] += time.perf_counter() - t
+            if before[0] is not None:  # a later pass over the same generation batch
+                now = torch.cat([b["gmts_keep"] for b in batches])
+                kept[0] += int(now.sum())
+                same[0] += int((torch.cat(before) & now).sum())
+
+        tr.select = timed
+        t0 = time.perf_counter()
+        tr.train()
+        total = time.perf_counter() - t0
+        clip = [h["clip_ratio/region_mean"] for h in tr.state.log_history
+                if "clip_ratio/region_mean" in h]
+    return dict(lr=lr, num_iterations=num_iterations, steps=steps, total_s=round(total, 2),
+                select_s=round(clock[0], 2), select_share=round(clock[0] / total, 3),
+                changed_share=round(1 - same[0] / kept[0], 3) if kept[0] else None,
+                clip_region_mean=round(statistics.mean(clip), 4) if clip else None)
+
+
+def sec_trl_rescore(args, meter, dev) -> dict:
+    """Section i: gmts_trl.py's scoring pass per pass over a generation batch, its time and what
+    it changes."""
+    try:
+        import trl  # noqa: F401
+    except ImportError as e:
+        return dict(error=f"trl not importable: {e}")
+    steps = args.trl_rescore_steps
+    runs = [trl_rescore_run(3e-4, 1, steps)]
+    runs += [trl_rescore_run(lr, 2, steps) for lr in (3e-4, 1e-3)]
+    for r in runs:
+        print(f"[g] {r}", file=sys.stderr, flush=True)
+    return dict(runs=runs)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="GMTS performance benchmark (see the module docstring)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -906,6 +971,8 @@ def parse_args(argv=None):
                    help="section h's sets as NAME=FILE,... (default: GRADE_SETS in --mirrors)")
     p.add_argument("--mirrors", default="/work/.mirror",
                    help="section h: the folder of GRADE_SETS' git clones")
+    p.add_argument("--trl-rescore-steps", type=int, default=0,
+                   help="optimizer steps per run in section i (0: 12, --quick 2)")
     p.add_argument("--json", default="", help="write all measurements here")
     a = p.parse_args(argv)
     a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
@@ -915,6 +982,7 @@ def parse_args(argv=None):
     a.thread_steps = a.thread_steps or (1 if a.quick else 5)
     a.grade_samples = a.grade_samples or (2 if a.quick else 16)
     a.grade_repeats = 1 if a.quick else a.grade_repeats
+    a.trl_rescore_steps = a.trl_rescore_steps or (2 if a.quick else 12)
     a.thread_preset = a.thread_preset or ("smoke" if a.quick else "cpu")
     if a.fast_generate is None:
         a.fast_generate = a.quick or a.device == "cuda"
@@ -945,6 +1013,7 @@ def main(argv=None):
     steps.append(("f", "threads", sec_threads))
     steps.append(("g", "memory_plan", sec_memory_plan))
     steps.append(("h", "grading", sec_grading))
+    steps.append(("i", "trl_rescore", sec_trl_rescore))
     for letter, key, fn in steps:
         if letter in args.sections:
             t = time.time()

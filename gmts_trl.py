@@ -1,58 +1,80 @@
 """
 gmts_trl.py: GMTS token selection inside TRL's GRPOTrainer, for multi-GPU and vLLM runs.
 
-gmts.py is the reference, to be read beside the papers. This file reuses its tasks, verifiers, prompts, scores
-(gmts.token_scores, gmts.omega) and selection (gmts.select_tokens) and leaves rollout (HF generate or vLLM), loss,
-optimiser and distribution (accelerate, DeepSpeed) to TRL. No TRL loss code is copied: the subclass only hooks in.
+gmts.py is the reference, to be read beside the papers. This file reuses its tasks, verifiers,
+prompts, scores (gmts.token_scores, gmts.omega) and selection (gmts.select_tokens) and leaves
+rollout (HF generate or vLLM), loss, optimiser and distribution (accelerate, DeepSpeed) to TRL.
+No TRL loss code is copied: the subclass only hooks in.
 
-TRL versions: tested with trl 1.16.0 only. GMTSTrainer raises RuntimeError at construction if a method it overrides
-is missing or has another signature, warns on any other version, and raises at the first loss if TRL did not call
-the mask hook, so a run never goes on without selection unnoticed.
+TRL versions: tested with trl 1.16.0 only. GMTSTrainer raises RuntimeError at construction if a
+method it overrides is missing or has another signature, warns on any other version, and raises at
+the first loss if TRL did not call the mask hook, so a run never goes on without selection
+unnoticed.
 
-The hook (trl 1.16.0, GRPOTrainer._compute_loss):
-  1. TRL calls self.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile) when top_entropy_quantile < 1 and
-     multiplies the per-token loss by the mask it returns. GMTSTrainer sets top_entropy_quantile = 0 only to get that
-     call, and overrides the method with gmts.select_tokens over gmts.token_scores. H is TRL's entropy, from the same
-     forward as the loss's log-probs, at the sampling temperature.
-  2. A _compute_loss override (calls super) hands the hook the micro-batch's inputs: "advantages" (B,),
-     "old_per_token_logps" when TRL has them, "importance_sampling_ratio" with vLLM; a
-     _get_per_token_logps_and_entropies override (calls super) the current log-probs. omega is -dloss/dlogp_t of
-     the loss TRL runs (gmts.py's derivation step 1): ratio * A, 0 where the clip is active (gmts.omega with
-     TRL's epsilon_low / epsilon_high; ratio = 1 without old log-probs, as in TRL's loss), times the vLLM
-     importance ratio when TRL applies it, plus with beta > 0 the k3 KL term's beta (pi_ref / pi_theta - 1)
-     (with use_bias_correction_kl, TRL's default, k3 * ratio's: beta r (pi_ref / pi_theta - 1 - k3); with
-     importance_sampling_level="sequence" the ratio's spread over the row is not modelled), times the loss type's
-     per-token normaliser: 1 / |o_i| for grpo and sapo, 1 / (this process's valid tokens) for bnpo; the other
-     types' normalisers are one constant for every token of the step, which no ranking sees, and are left out.
-  3. gradnorm needs sum_j p_j^2 too. TRL's fused LM head can return log sum_j p_j^2 ("log_sum_sq_probs") but
-     GRPOTrainer doesn't ask for it, so with token_selection="gradnorm" the head is added again with that output and
-     the forward is wrapped to keep it (one more vocabulary reduction per token).
+What is selected, over which rows (trl 1.16.0):
+  1. TRL generates a generation batch (per-device batch x steps_per_generation answers per
+     process), labels nothing, shuffles its rows and splits them into steps_per_generation
+     micro-batches, which it reuses for num_iterations passes (GRPOTrainer._prepare_inputs).
+     _generate_and_score_completions here adds each row's global index ("gmts_row": process
+     index x rows per process + row), which TRL's shuffle carries with the row.
+  2. At the start of every pass over a generation batch (_prepare_inputs here, after TRL's), one
+     no-grad forward over all its micro-batches gives each token's log-prob, entropy H (TRL's
+     fused head, at the sampling temperature) and, for gradnorm, log sum_j p_j^2. Every process
+     gathers the scores, masks and row indices of the whole generation batch (accelerate
+     pad_across_processes + gather), puts the rows back in generation order (the G answers of a
+     prompt are G consecutive rows, as TRL groups the advantages) and runs
+     gmts.select_tokens(scores, mask, rho, nonzero=..., group_size=G) on it: the same result on
+     every process, each keeps its rows. group_size is G for --scope group (auto: gmts, the
+     authors' rule) and 0 for batch (the whole generation batch of all processes). The kept mask
+     is written into each micro-batch ("gmts_keep", with "gmts_score"), so it is the mask of the
+     row wherever the shuffle put it.
+  3. TRL's _compute_loss calls self.get_high_entropy_mask(entropies, mask, ...) when
+     top_entropy_quantile < 1 and multiplies the per-token loss by the mask it returns.
+     GMTSTrainer sets top_entropy_quantile = 0 only to get that call, and returns gmts_keep.
+  4. The score's policy: the statistics are those of the policy at the start of the pass, so
+     with num_iterations > 1 each pass is scored again from the moved policy (ratio != 1, some
+     tokens under the clip), as gmts.py's inner updates are. Within a pass (steps_per_generation
+     > gradient_accumulation_steps: several optimizer steps per pass) the later steps use the
+     pass's mask. Cost: one no-grad forward of the generation batch per pass (NOTES.md, TRL).
 
-Across processes: TRL's get_high_entropy_mask gathers the micro-batch's valid-token entropies from every process and
-keeps the tokens at or above one global quantile. Here every process gathers all valid-token scores (accelerate
-pad_across_processes + gather), runs gmts.select_tokens on the whole pool (the same result everywhere) and keeps its
-own slice. The scope (token_scope, as gmts.py's --scope; auto: group for gmts) is either the pool: exactly
-ceil(rho * n) of its n valid tokens (ties: lower process first, then earlier position; TRL's quantile keeps every
-tie), or each prompt's group, by the GMTS authors' rule. A group is the num_generations answers of one prompt:
-_generate_and_score_completions labels every row with its group (global row // num_generations, the order TRL's
-advantages are grouped in), and the labels travel through TRL's shuffle with the rows. TRL's shuffle spreads a
-group's rows over the micro-batches of a step, so a group is ranked among its rows in the micro-batch at hand. The
-pool is one micro-batch per process, not gmts.py's whole rollout batch. As in gmts.train, gmts and gradnorm then drop
-kept tokens whose score is 0 (A = 0 or clipped).
+omega is -dloss/dlogp_t of the loss TRL runs (gmts.py's derivation step 1), from TRL's own inputs
+(advantages, old_per_token_logps, importance_sampling_ratio, ref_per_token_logps), per loss type:
+  PPO-clip (grpo, bnpo, dr_grpo, dapo, luspo): r A where the clip leaves the gradient alive
+  (gmts.omega with TRL's epsilon_low / epsilon_high), 0 also where r > delta (TRL's two-sided
+  clip); cispo: min(r, epsilon_high) A; sapo: 4 s (1 - s) r A, s = sigmoid(tau (r - 1)), tau
+  by the sign of A; vespo: phi A, phi TRL's own get_gamma_weights (no gradient through it).
+  r = exp(logp - old logp) per token (1 without old log-probs). Then times the vLLM importance
+  ratio where TRL applies it (not vespo), plus with beta > 0 the k3 KL term's
+  beta (pi_ref / pi_theta - 1), with use_bias_correction_kl (TRL's default) beta r (pi_ref /
+  pi_theta - 1 - k3); times the loss type's per-token normaliser: 1 / |o_i| for grpo and sapo,
+  1 / (the micro-batch's valid tokens on its process) for bnpo; the others' are one constant for
+  every token of the step, which no ranking sees. Refused before training (GMTSConfig raises
+  ValueError; the CLI: one line, exit 2), because no per-token omega is the gradient then:
+  importance_sampling_level="sequence" (the ratio is a mean over all of an answer's tokens, so
+  dropped tokens still get a gradient), and for gmts / gradnorm off_policy_mask_threshold and
+  the entropy bonus (entropy_coef, use_adaptive_entropy).
+gradnorm needs sum_j p_j^2 too: TRL's fused LM head can return log sum_j p_j^2
+("log_sum_sq_probs") but GRPOTrainer doesn't ask for it, so with token_selection="gradnorm" the
+head is added again with that output and the forward is wrapped to keep it during the scoring pass.
 
-Loss normalisation: TRL multiplies the per-token loss by the mask and never divides by the kept-token count: the
-normaliser is the completion mask (or a constant), for every loss type. With the default loss_type="dapo" that is the
-sum over kept tokens / all valid completion tokens of the generation batch on all processes (the optimizer step's
-batch with the default steps_per_generation = gradient_accumulation_steps), i.e. gmts.py's default --loss-norm all:
-at rho = 0.2 a step is about 1/5 of an unmasked one. gmts.py's --loss-norm selected has no TRL counterpart.
+Ties and budgets are gmts.select_tokens': per group the authors' group_keep (ties: the later
+kept), over the batch ceil(rho n) (ties: the earlier row of the generation order). gmts and
+gradnorm then drop kept tokens whose score is 0 (A = 0 or clipped), as in gmts.train.
+
+Loss normalisation: TRL multiplies the per-token loss by the mask and never divides by the
+kept-token count: the normaliser is the completion mask (or a constant), for every loss type.
+With the default loss_type="dapo" that is the sum over kept tokens / all valid completion tokens
+of the generation batch on all processes, i.e. gmts.py's default --loss-norm all: at rho = 0.2
+a step is about 1/5 of an unmasked one. gmts.py's --loss-norm selected has no TRL counterpart.
 
 Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                  (offline, CPU)
-      accelerate launch --num_processes 8 gmts_trl.py --model Qwen2.5-1.5B-Instruct --task math --use-vllm
+      accelerate launch --num_processes 8 gmts_trl.py --model Qwen2.5-1.5B-Instruct --task math \
+          --use-vllm
 """
 import os
 import signal
 
-if __name__ == "__main__":  # a stop signal while torch and TRL import (seconds): one line, not a traceback
+if __name__ == "__main__":  # a stop signal while torch and TRL import (seconds): one line
     def _stopped_while_starting(*_):
         os.write(2, b"gmts_trl: error: interrupted while starting\n")
         os._exit(130)
@@ -81,84 +103,129 @@ import gmts
 
 TESTED_TRL = ("1.16.0",)
 METHODS = gmts.CHOICES["select"]  # all, random, entropy, gmts, gradnorm
-CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses; for the others omega = ratio * A
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Config and version guard [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+
+
+def refusal(cfg) -> str:
+    """Why GMTS selection cannot be exact with this GRPOConfig (module docstring), or ''."""
+    if cfg.token_selection == "all":
+        return ""
+    if cfg.importance_sampling_level != "token":
+        return (f"importance_sampling_level={cfg.importance_sampling_level!r}: the ratio is a mean "
+                "over all of an answer's tokens, so dropped tokens still get a gradient; "
+                "use 'token'")
+    if cfg.token_selection not in ("gmts", "gradnorm"):
+        return ""
+    if cfg.off_policy_mask_threshold is not None:
+        return (f"off_policy_mask_threshold with token_selection={cfg.token_selection!r}: omega "
+                "does not model TRL's off-policy sequence mask")
+    if cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy:
+        return (f"the entropy bonus (entropy_coef, use_adaptive_entropy) with token_selection="
+                f"{cfg.token_selection!r}: its gradient is not in omega")
+    return ""
 
 
 @dataclass
 class GMTSConfig(GRPOConfig):
-    """GRPOConfig plus gmts.py's token selection. token_rho replaces TRL's top_entropy_quantile (leave that at 1)."""
-    token_selection: str = field(default="gmts", metadata={"help": "all, random, entropy, gmts or gradnorm"})
-    token_rho: float = field(default=0.2, metadata={"help": "share of the valid tokens kept, in (0, 1]"})
-    token_scope: str = field(default="auto", metadata={"help": "group (each prompt's answers), batch (the pool) or "
-                                                               "auto (group for gmts), as gmts.py's --scope"})
+    """GRPOConfig plus gmts.py's token selection. token_rho replaces TRL's top_entropy_quantile
+    (leave that at 1)."""
+    token_selection: str = field(
+        default="gmts",
+        metadata={"help": "all, random, entropy, gmts or gradnorm"})
+    token_rho: float = field(
+        default=0.2,
+        metadata={"help": "share of the valid tokens kept, in (0, 1]"})
+    token_scope: str = field(
+        default="auto",
+        metadata={"help": "group (each prompt's answers), batch (the generation batch) or auto "
+                          "(group for gmts), as gmts.py's --scope"})
 
     def __post_init__(self):
         super().__post_init__()
         if self.token_selection not in METHODS:
-            raise ValueError(f"token_selection {self.token_selection!r} is not one of: {', '.join(METHODS)}")
+            raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
+                             f"{', '.join(METHODS)}")
         if self.token_scope not in gmts.CHOICES["scope"]:
-            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(gmts.CHOICES['scope'])}")
+            raise ValueError(f"token_scope {self.token_scope!r} is not one of: "
+                             f"{', '.join(gmts.CHOICES['scope'])}")
         if not 0.0 < self.token_rho <= 1.0:
             raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
-            raise ValueError("top_entropy_quantile is TRL's own entropy selection; with GMTSConfig use "
-                             "token_selection='entropy' and token_rho instead")
+            raise ValueError("top_entropy_quantile is TRL's own entropy selection; with "
+                             "GMTSConfig use token_selection='entropy' and token_rho instead")
+        why = refusal(self)
+        if why:
+            raise ValueError(f"not supported by gmts_trl.py: {why}")
 
 
 def check_trl():
-    """RuntimeError if a hook this file overrides is gone or changed; a warning on an untested TRL version."""
+    """RuntimeError if a hook this file overrides is gone or changed; a warning on an untested TRL
+    version."""
     want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
             "_compute_loss": ["self", "model", "inputs"],
+            "_prepare_inputs": ["self", "generation_batch"],
+            "_generate_and_score_completions": ["self", "inputs"],
+            "get_gamma_weights": None,
             "_get_per_token_logps_and_entropies": None}
     for name, params in want.items():
         fn = getattr(GRPOTrainer, name, None)
         if fn is None or (params and list(inspect.signature(fn).parameters) != params):
-            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; gmts_trl.py needs "
-                               f"the hooks of trl 1.16 (tested: {', '.join(TESTED_TRL)})")
+            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; "
+                               f"gmts_trl.py needs the hooks of trl 1.16 (tested: "
+                               f"{', '.join(TESTED_TRL)})")
     if trl.__version__ not in TESTED_TRL:
-        warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, not {trl.__version__}")
+        warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, "
+                      f"not {trl.__version__}")
 
-# ---------------------------------------------------------------------------------------------------------------
-# Scores and global top-rho selection [paper: GMTS score, over the processes' micro-batches]
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# Scores and selection over the generation batch [paper: GMTS score, each prompt's G answers]
+# -------------------------------------------------------------------------------------------------
 
 
-def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """||d log p_y / d logits|| = (1/T) sqrt((1 - p_y)^2 + sum_{j != y} p_j^2) (gmts.py derivation step 3) from
-    log p_y and log sum_j p_j^2, the two numbers TRL's fused head gives, instead of the (V,) distribution.
-    sum_{j != y} p_j^2 = S - p_y^2 loses digits as p_y -> 1 (clamped at 0); fine for ranking. (B, T) -> (B, T)."""
+def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """||d log p_y / d logits|| = (1/T) sqrt((1 - p_y)^2 + sum_{j != y} p_j^2) (gmts.py derivation
+    step 3) from log p_y and log sum_j p_j^2, the two numbers TRL's fused head gives, instead of
+    the (V,) distribution. sum_{j != y} p_j^2 = S - p_y^2 loses digits as p_y -> 1 (clamped at
+    0); fine for ranking. (B, T) -> (B, T)."""
     p = logp.float().exp()
     rest = (log_sum_sq.float().exp() - p.square()).clamp_min(0.0)
     return (torch.expm1(logp.float()).square() + rest).sqrt() / temperature
 
 
-def select_global(method: str, scores: torch.Tensor, mask: torch.Tensor, rho: float, accelerator, groups=None):
-    """gmts.select_tokens (nonzero for gmts/gradnorm) over the valid tokens of ALL processes; with groups (B,), each
-    row's group label, within each group instead of over the pool. Returns (this process's (B, T) bool mask, the
-    kept share of the global pool). Every process must call it (two gathers, three with groups), as with TRL's
-    get_high_entropy_mask."""
-    local = scores[mask].float()  # (n,) this process's valid tokens, row-major
-    counts = accelerator.gather(torch.tensor([local.numel()], device=local.device))  # (W,)
-    pool = accelerator.gather(accelerator.pad_across_processes(local, dim=0)).view(counts.numel(), -1)  # (W, L)
-    valid = torch.arange(pool.shape[1], device=pool.device)[None, :] < counts[:, None]  # (W, L)
-    labels = None
-    if groups is not None:  # each token's group, gathered as the scores are
-        local_groups = groups[:, None].expand(mask.shape)[mask]  # (n,)
-        labels = accelerator.gather(accelerator.pad_across_processes(local_groups, dim=0)).view(pool.shape)
-    keep = gmts.select_tokens(pool, valid, 1.0 if method == "all" else rho, nonzero=method in ("gmts", "gradnorm"),
-                              groups=labels)  # (W, L), the same on every process
-    sel = torch.zeros_like(mask)
-    sel[mask] = keep[accelerator.process_index, :local.numel()]
-    return sel, float(keep.sum()) / max(int(valid.sum()), 1)
+def select_generation_batch(method: str, scores: torch.Tensor, mask: torch.Tensor,
+                            rows: torch.Tensor, rho: float, group_size: int, accelerator) -> tuple:
+    """gmts.select_tokens (nonzero for gmts and gradnorm) over the generation batch of ALL
+    processes, its rows put back in generation order by their global index `rows`: group_size G
+    ranks each prompt's G answers (rows G k .. G k + G - 1), 0 the whole batch. scores, mask
+    (n, T) and rows (n,) are this process's rows in any order (TRL's shuffle). Returns (this
+    process's (n, T) bool keep, the kept share of all valid tokens). Every process must call it
+    (three gathers and their pads), as with TRL's get_high_entropy_mask."""
+    n, T = mask.shape
+    pad = functools.partial(accelerator.pad_across_processes, dim=1)  # to the longest T
+    all_scores = accelerator.gather(pad(scores.float().contiguous()))  # (W n, T_max)
+    all_mask = accelerator.gather(pad(mask.int().contiguous())).bool()  # (W n, T_max), pads False
+    all_rows = accelerator.gather(rows.contiguous())  # (W n,)
+    order = torch.argsort(all_rows)  # generation order: a group's G rows next to each other
+    if not torch.equal(all_rows[order], torch.arange(len(order), device=order.device)):
+        raise RuntimeError("GMTSTrainer: the gathered rows are not one generation batch")
+    keep_ordered = gmts.select_tokens(all_scores[order], all_mask[order],
+                                      1.0 if method == "all" else rho,
+                                      nonzero=method in ("gmts", "gradnorm"),
+                                      group_size=group_size)  # (W n, T_max)
+    keep = torch.empty_like(keep_ordered)
+    keep[order] = keep_ordered
+    mine = keep[accelerator.process_index * n:(accelerator.process_index + 1) * n, :T]
+    return mine, float(keep.sum()) / max(int(all_mask.sum()), 1)
 
-# ---------------------------------------------------------------------------------------------------------------
-# The trainer [hooks into trl 1.16 GRPOTrainer._compute_loss; see the module docstring]
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# The trainer [hooks into trl 1.16 GRPOTrainer; see the module docstring]
+# -------------------------------------------------------------------------------------------------
 
 
 class GMTSTrainer(GRPOTrainer):
@@ -170,57 +237,132 @@ class GMTSTrainer(GRPOTrainer):
         if not isinstance(self.args, GMTSConfig):
             raise TypeError("GMTSTrainer needs args=GMTSConfig(...)")
         self.token_selection, self.token_rho = self.args.token_selection, self.args.token_rho
-        rule = gmts.Config(select=self.token_selection, scope=self.args.token_scope, group_size=self.num_generations)
+        rule = gmts.Config(select=self.token_selection, scope=self.args.token_scope,
+                           group_size=self.num_generations)
         self.token_groups = gmts.selection_rule(rule)[1] > 0  # rank within each prompt's group
-        # Any value < 1 makes TRL call get_high_entropy_mask; 'all' (gmts.py: rho = 1) leaves TRL's path unmasked.
+        # Any value < 1 makes TRL call get_high_entropy_mask; 'all' (gmts.py: rho = 1) leaves
+        # TRL's path unmasked.
         self.top_entropy_quantile = 1.0 if self.token_selection == "all" else 0.0
         self._live = None  # what the hook needs from the _compute_loss call in progress
-        self._noise = torch.Generator().manual_seed(self.args.seed + 7919 * self.accelerator.process_index)
+        self._selected = None  # the buffered micro-batches the last selection wrote into
+        seed = self.args.seed + 7919 * self.accelerator.process_index
+        self._noise = torch.Generator().manual_seed(seed)
         if self.token_selection == "gradnorm":
             self._keep_sum_sq()
 
     def _keep_sum_sq(self):
-        """gradnorm: add TRL's fused head again with log_sum_sq_probs too, and keep that during _compute_loss."""
+        """gradnorm: add TRL's fused head again with log_sum_sq_probs too, and keep that during
+        the scoring pass."""
         from trl.trainer.utils import add_fused_lm_head
 
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # as TRL: PEFT
-        add_fused_lm_head(model, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+        # as TRL: the base model under PEFT
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_fused_lm_head(model, temperature=self.temperature,
+                          cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy", "log_sum_sq_probs"))
         fused = model.forward
 
         @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
         def forward(module, *args, **kwargs):
             out = fused(*args, **kwargs)
-            if kwargs.get("fused_lm_head") and self._live is not None:
+            if kwargs.get("fused_lm_head") and self._live is not None and "sum_sq" in self._live:
                 self._live["sum_sq"].append(out.log_sum_sq_probs.detach())
             return out
 
         model.forward = types.MethodType(forward, model)
 
     def _compute_loss(self, model, inputs):
-        self._live = dict(inputs=inputs, logps=[], sum_sq=[], called=False)
+        self._live = dict(inputs=inputs, called=False)
         try:
             loss = super()._compute_loss(model, inputs)
             called = self._live["called"]
         finally:
             self._live = None
         if self.top_entropy_quantile < 1.0 and not called:
-            raise RuntimeError(f"trl {trl.__version__} did not call get_high_entropy_mask: no token selection; "
-                               f"gmts_trl.py supports trl {', '.join(TESTED_TRL)}")
+            raise RuntimeError(f"trl {trl.__version__} did not call get_high_entropy_mask: no "
+                               f"token selection; gmts_trl.py supports trl {', '.join(TESTED_TRL)}")
         return loss
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's rollout, plus each row's group: the global row index // num_generations (the rows of a generation
-        batch are the processes' slices in order, as TRL groups the advantages). TRL shuffles it with the rows."""
+        """TRL's rollout, plus each row's global index in the generation batch ("gmts_row"): the
+        processes' slices in order, as TRL groups the advantages (row // G is the prompt's group).
+        TRL shuffles it with the rows."""
         out = super()._generate_and_score_completions(inputs)
         n = out["completion_ids"].shape[0]
-        rows = self.accelerator.process_index * n + torch.arange(n, device=out["completion_ids"].device)
-        out["gmts_group"] = rows // self.num_generations  # (n,)
+        first = self.accelerator.process_index * n
+        out["gmts_row"] = first + torch.arange(n, device=out["completion_ids"].device)  # (n,)
         return out
 
+    def _prepare_inputs(self, generation_batch):
+        """TRL's micro-batch; at the start of each pass over a generation batch, the selection
+        over all of it (module docstring, 2), written into every buffered micro-batch."""
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.token_selection == "all":
+            return inputs
+        if not self.model.training:  # eval: the batch is its own generation batch
+            self.select([inputs], self.num_generations_eval)
+        elif self._buffered_inputs is not self._selected or \
+                self._step % self.args.steps_per_generation == 0:
+            self.select(self._buffered_inputs, self.num_generations)
+            self._selected = self._buffered_inputs
+        return inputs
+
+    def token_statistics(self, inputs: dict) -> tuple:
+        """One no-grad forward of a micro-batch through TRL's own path: (logp, entropy, log
+        sum_j p_j^2 or None), each (B, T), at the sampling temperature."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        T = inputs["completion_ids"].shape[1]
+        self._live = dict(sum_sq=[])
+        try:
+            with torch.no_grad(), disable_gradient_checkpointing(
+                    self.model, self.args.gradient_checkpointing_kwargs):
+                logp, entropy, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attention, T, batch_size=self.args.per_device_train_batch_size,
+                    compute_entropy=True)
+            sum_sq = torch.cat(self._live["sum_sq"])[:, -T:] if self._live["sum_sq"] else None
+        finally:
+            self._live = None
+        return logp, entropy, sum_sq
+
+    def scores(self, inputs: dict, logp, entropy, sum_sq) -> torch.Tensor:
+        """gmts.token_scores of one micro-batch from its statistics. -> (B, T)."""
+        mask = self.loss_mask(inputs)
+        om = self.omega(inputs, logp, mask)  # (B, T)
+        gn = torch.zeros_like(om)
+        if self.token_selection == "gradnorm":
+            gn = grad_norm_from(logp, sum_sq, self.temperature)
+        return gmts.token_scores(self.token_selection, entropy.float(), gn, om, self._noise)
+
+    def select(self, batches: list, group_size: int):
+        """Score every micro-batch of a generation batch, select over all of it on all processes
+        (select_generation_batch), write "gmts_keep" and "gmts_score" into each micro-batch."""
+        scores = [self.scores(b, *self.token_statistics(b)) for b in batches]
+        rows = torch.cat([b["gmts_row"] for b in batches])
+        mask = torch.cat([self.loss_mask(b) for b in batches])
+        keep, kept = select_generation_batch(self.token_selection, torch.cat(scores), mask, rows,
+                                             self.token_rho, group_size if self.token_groups else 0,
+                                             self.accelerator)
+        start = 0
+        for b, s in zip(batches, scores):
+            b["gmts_keep"], b["gmts_score"] = keep[start:start + len(s)], s
+            start += len(s)
+        self._metrics["train" if self.model.training else "eval"]["gmts/kept_frac"].append(kept)
+
+    @staticmethod
+    def loss_mask(inputs: dict) -> torch.Tensor:
+        """The tokens TRL's loss uses: completion_mask (times tool_mask). -> (B, T) bool."""
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        return mask.bool()
+
     def _loss_weight(self, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
-        """The per-token normaliser TRL's loss type puts on a token, up to one constant of the step: 1 / |o_i| for
-        grpo and sapo, 1 / (this process's valid tokens) for bnpo, else 1. -> (B, 1) or a number."""
+        """The per-token normaliser TRL's loss type puts on a token, up to one constant of the
+        step: 1 / |o_i| for grpo and sapo, 1 / (this process's valid tokens of the micro-batch)
+        for bnpo, else 1. -> (B, 1) or a number."""
         m = mask.float()
         if self.loss_type in ("grpo", "sapo"):
             return 1.0 / m.sum(-1, keepdim=True).clamp(min=1.0)
@@ -228,65 +370,66 @@ class GMTSTrainer(GRPOTrainer):
             return 1.0 / float(m.sum().clamp(min=1.0))
         return 1.0
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if self._live is not None:
-            self._live["logps"].append(out[0].detach())
-        return out
-
-    def _ratio(self, inputs: dict, logp, mask: torch.Tensor) -> torch.Tensor:
-        """pi_theta / pi_old as TRL's loss uses it: 1 without old log-probs; per token, or per answer with
-        importance_sampling_level='sequence' (exp of the mean log-ratio over its valid tokens). -> (B, T)."""
-        old = inputs.get("old_per_token_logps")
-        if old is None or logp is None:
-            return torch.ones(mask.shape, device=mask.device)
-        log_ratio = (logp - old).float()  # (B, T)
-        if self.importance_sampling_level == "sequence":
-            m = mask.float()
-            log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
-            log_ratio = log_ratio.expand(mask.shape)
-        return log_ratio.exp()
+    def policy_weight(self, adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                      is_ratio) -> torch.Tensor:
+        """-d(per-token policy loss)/dlogp_t of TRL's loss type, before the vLLM ratio, the KL
+        term and the normaliser. adv (B, 1), log_ratio (B, T), mask (B, T) bool -> (B, T)."""
+        ratio = log_ratio.exp()
+        if self.loss_type in CLIPPED_LOSSES:
+            om = gmts.omega(adv[:, 0], ratio, self.epsilon_low, self.epsilon_high)
+            if self.args.delta is not None:  # TRL's two-sided clip: min(r, delta), flat above delta
+                om = torch.where(ratio > self.args.delta, torch.zeros_like(om), om)
+            return om
+        if self.loss_type == "cispo":  # -min(r, eps_high).detach() A logp
+            return ratio.clamp(max=self.epsilon_high) * adv
+        if self.loss_type == "sapo":  # -sigmoid(tau (r - 1)) 4 / tau A
+            tau = torch.where(adv > 0, self.args.sapo_temperature_pos,
+                              self.args.sapo_temperature_neg)
+            s = torch.sigmoid(tau * (ratio - 1))
+            return 4 * s * (1 - s) * ratio * adv
+        if self.loss_type == "vespo":  # -phi A logp, phi TRL's own (no gradient through it)
+            phi = self.get_gamma_weights(
+                advantages=adv, log_ratio_per_token=log_ratio, mask=mask.float(),
+                importance_sampling_ratio=is_ratio, k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg)  # (B, 1)
+            return phi * adv
+        raise ValueError(f"gmts_trl.py has no omega for loss_type {self.loss_type!r}")
 
     def omega(self, inputs: dict, logp, mask: torch.Tensor) -> torch.Tensor:
-        """-dloss/dlogp_t of TRL's loss for a kept token, up to one constant of the step (module docstring, 2).
-        logp (B, T) the current log-probs (None: ratio 1, no KL), mask (B, T) bool -> (B, T)."""
+        """-dloss/dlogp_t of TRL's loss for a kept token, up to one constant of the step (module
+        docstring). logp (B, T) the current log-probs, mask (B, T) bool -> (B, T)."""
         adv = inputs["advantages"].float()  # (B,)
         if adv.dim() != 1:
             raise ValueError("GMTSTrainer needs one advantage per answer, shape (B,)")
-        clip = (self.epsilon_low, self.epsilon_high) if self.loss_type in CLIPPED_LOSSES else (math.inf, math.inf)
-        ratio = self._ratio(inputs, logp, mask)  # (B, T)
-        om = gmts.omega(adv, ratio, *clip)  # (B, T)
-        is_ratio = inputs.get("importance_sampling_ratio")
-        if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo" \
-                and is_ratio is not None:
+        old = inputs.get("old_per_token_logps")
+        log_ratio = torch.zeros_like(logp.float()) if old is None else (logp - old).float()
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+        is_ratio = inputs.get("importance_sampling_ratio") if vllm_is else None
+        om = self.policy_weight(adv[:, None], log_ratio, mask, is_ratio).expand(mask.shape)
+        if is_ratio is not None and self.loss_type != "vespo":
             om = om * is_ratio  # TRL scales the token loss by it, so the token's gradient too
-        if self.beta != 0.0 and logp is not None:  # the KL term's weight: -dk3/dlogp = pi_ref / pi_theta - 1
-            d = inputs["ref_per_token_logps"] - logp
-            kl_w = torch.exp(d) - 1
-            if self.args.use_bias_correction_kl:  # TRL's k3 * ratio: -d(r k3)/dlogp = r (e^d - 1 - k3)
-                kl_w = ratio * (kl_w - gmts.k3_kl(logp, inputs["ref_per_token_logps"]))
+        if self.beta != 0.0:  # the KL term's weight: -dk3/dlogp = pi_ref / pi_theta - 1
+            ref = inputs["ref_per_token_logps"]
+            kl_w = torch.exp(ref - logp) - 1
+            if self.args.use_bias_correction_kl:  # TRL's k3 r: -d(r k3)/dlogp = r (e^d - 1 - k3)
+                kl_w = log_ratio.exp() * (kl_w - gmts.k3_kl(logp, ref))
             om = om + self.beta * kl_w
         return om * self._loss_weight(inputs, mask)
 
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's mask hook, answered with gmts.py's selection; threshold (1 - top_entropy_quantile) is not used.
-        entropies, mask (B, T) -> (B, T) bool."""
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor,
+                              threshold: float) -> torch.Tensor:
+        """TRL's mask hook, answered with the micro-batch's gmts_keep (the selection over its
+        generation batch); entropies and threshold are not used. mask (B, T) -> (B, T) bool."""
         if self._live is None:
-            raise RuntimeError("GMTSTrainer.get_high_entropy_mask needs the inputs of a _compute_loss call")
+            raise RuntimeError("GMTSTrainer.get_high_entropy_mask needs the inputs of a "
+                               "_compute_loss call")
         self._live["called"] = True
-        inputs, mask, T = self._live["inputs"], mask.bool(), entropies.shape[1]
-        logp = torch.cat(self._live["logps"])[:, -T:] if self._live["logps"] else None  # (B, T)
-        om = self.omega(inputs, logp, mask)  # (B, T)
-        gn = torch.zeros_like(om)
-        if self.token_selection == "gradnorm":
-            gn = grad_norm_from(logp, torch.cat(self._live["sum_sq"])[:, -T:], self.temperature)
-        scores = gmts.token_scores(self.token_selection, entropies.detach().float(), gn, om, self._noise)  # (B, T)
-        groups = inputs.get("gmts_group") if self.token_groups else None
-        if self.token_groups and groups is None:
-            raise RuntimeError("GMTSTrainer: the micro-batch carries no group labels (gmts_group) for the group scope")
-        sel, kept = select_global(self.token_selection, scores, mask, self.token_rho, self.accelerator, groups)
-        self._metrics["train" if self.model.training else "eval"]["gmts/kept_frac"].append(kept)
-        return sel
+        keep = self._live["inputs"].get("gmts_keep")
+        if keep is None or keep.shape != mask.shape:
+            raise RuntimeError("GMTSTrainer: the micro-batch carries no kept mask (gmts_keep) of "
+                               "its shape: was it selected in _prepare_inputs?")
+        return keep & mask.bool()
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tasks as TRL data and reward functions [plumbing]

@@ -1,7 +1,11 @@
-"""Tests for gmts_trl.py (GMTS inside TRL's GRPOTrainer). Offline, CPU:  python -m pytest -q test_gmts_trl.py
+"""Tests for gmts_trl.py (GMTS inside TRL's GRPOTrainer). Offline, CPU:
+    python -m pytest -q test_gmts_trl.py
 
-The mask the hook returns is checked against gmts.select_tokens on the same tensors, and through TRL's real loss
-that every unselected token gets exactly zero gradient (with a control that fails when nothing is masked).
+The kept mask of real tiny TRL runs (groups cut by TRL's shuffle into micro-batches, and across two
+gloo processes) is checked against gmts.select_tokens over the generation batch with group_size=G,
+the scores against gmts.token_stats and gmts.omega computed apart; omega against the autograd
+gradient of TRL's own _compute_loss for every loss type; and through TRL's real loss that every
+unselected token gets exactly zero gradient (with a control that fails when nothing is masked).
 """
 import os
 
@@ -12,6 +16,7 @@ os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 import importlib.util
 import json
 import math
+import socket
 import subprocess
 import sys
 import threading
@@ -29,31 +34,72 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """Tiny matmuls on a shared 2-core machine: several threads spin-wait on each other (100x slower)."""
+    """Tiny matmuls on a shared 2-core machine: several threads spin-wait on each other."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 
 
+def length_reward(prompts, completions, **kwargs):
+    """A toy second reward so that the tiny random model gets non-zero advantages (countdown
+    alone gives 0)."""
+    return [sum(map(ord, c)) % 7 / 6 for c in completions]
+
+
 def make_trainer(tmp, select="gmts", rho=0.25, reward=None, **kw):
     model, tok = gmts.build_tiny(hidden=32, layers=2)
     rows = gmts.load_rows("countdown", "easy", n=8, seed=0)
     data = gmts_trl.make_dataset(tok, "countdown", rows, chat=True, short=True)
-    cfg = GMTSConfig(output_dir=str(tmp), use_cpu=True, report_to=[], bf16=False, per_device_train_batch_size=4,
-                     num_generations=4, max_completion_length=16, max_steps=2, logging_steps=1, save_strategy="no",
-                     gradient_checkpointing=False, learning_rate=1e-2, token_selection=select, token_rho=rho,
-                     disable_tqdm=True, **kw)
+    kw = {"per_device_train_batch_size": 4, "num_generations": 4, "max_steps": 2, **kw}
+    cfg = GMTSConfig(output_dir=str(tmp), use_cpu=True, report_to=[], bf16=False,
+                     max_completion_length=16, logging_steps=1, save_strategy="no",
+                     gradient_checkpointing=False, learning_rate=1e-2, token_selection=select,
+                     token_rho=rho, disable_tqdm=True, **kw)
     rewards = [gmts_trl.make_reward("countdown")] + ([reward] if reward else [])
-    return GMTSTrainer(model=model, reward_funcs=rewards, args=cfg, train_dataset=data, processing_class=tok)
+    return GMTSTrainer(model=model, reward_funcs=rewards, args=cfg, train_dataset=data,
+                       processing_class=tok)
 
 
-# ---- end to end ------------------------------------------------------------------------------------------------
+def in_generation_order(calls: list) -> list:
+    """Each selection's recorded micro-batches (one list per process) -> (rows, scores, mask, keep)
+    of the whole generation batch, rows in generation order, T padded to the longest."""
+    out = []
+    for parts in calls:
+        T = max(p["mask"].shape[1] for p in parts)
+        pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
+        rows = torch.cat([p["rows"] for p in parts])
+        order = torch.argsort(rows)
+        assert torch.equal(rows[order], torch.arange(len(rows)))
+        cat = lambda k: torch.cat([pad(p[k]) for p in parts])[order]  # noqa: E731
+        out.append((rows[order], cat("scores"), cat("mask"), cat("keep")))
+    return out
 
 
-def length_reward(prompts, completions, **kwargs):
-    """A toy second reward so that the tiny random model gets non-zero advantages (countdown alone gives 0)."""
-    return [sum(map(ord, c)) % 7 / 6 for c in completions]
+def record(tr, check=None):
+    """Wrap tr.select: every selection's micro-batches as written (rows, scores, mask, keep), and
+    `check(b)` of each micro-batch before it (at the policy it is scored at)."""
+    calls, select = [], tr.select
+
+    def wrapped(batches, group_size):
+        before = [check(b) for b in batches] if check else []
+        select(batches, group_size)
+        cat = lambda k: torch.cat([b[k] for b in batches]).detach().cpu()  # noqa: E731
+        calls.append(dict(rows=cat("gmts_row"), scores=cat("gmts_score"), keep=cat("gmts_keep"),
+                          mask=torch.cat([tr.loss_mask(b) for b in batches]).cpu(),
+                          micro=[b["gmts_row"].tolist() for b in batches], before=before,
+                          group_size=group_size, step=tr._step))
+
+    tr.select = wrapped
+    return calls
+
+
+def selection_rule(select, scope, G):
+    """The group_size gmts.selection_rule gives a run of this select and scope."""
+    return gmts.selection_rule(gmts.Config(select=select, scope=scope, group_size=G))[1]
+
+
+# ---- end to end ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("select", ["gmts", "gradnorm"])
@@ -65,113 +111,224 @@ def test_two_trl_steps_end_to_end(tmp_path, select):
     before = [p.detach().clone() for p in tr.model.parameters()]
     tr.train()
     assert tr.state.global_step == 2 and len(calls) == 2  # one mask per micro-batch
-    for inputs in calls:  # the group labels came through TRL's shuffle with their rows: one label, one prompt
-        labels, prompts = inputs["gmts_group"].tolist(), inputs["prompt_ids"].tolist()
-        assert {(lab, tuple(p)) for lab, p in zip(labels, prompts)} == {(lab, tuple(p)) for lab, p in
-                                                                       dict(zip(labels, prompts)).items()}
+    for inputs in calls:  # the row indices came through TRL's shuffle with their rows
+        groups, prompts = (inputs["gmts_row"] // 4).tolist(), inputs["prompt_ids"].tolist()
+        assert len({(g, tuple(p)) for g, p in zip(groups, prompts)}) == len(set(groups))
     logs = [h for h in tr.state.log_history if "gmts/kept_frac" in h]
-    assert len(logs) == 2 and all(0 < h["gmts/kept_frac"] <= 0.3 for h in logs)  # ceil(0.25 * n) / n at most
+    assert len(logs) == 2 and all(0 < h["gmts/kept_frac"] <= 0.3 for h in logs)
     assert all("rewards/countdown_reward/mean" in h for h in logs)
     assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
+def independent_scores(tr, b, select):
+    """A micro-batch's scores without gmts_trl: the model's logits, gmts.token_stats, gmts.omega
+    (dapo: no per-token normaliser), gmts.token_scores. -> (scores, ratio != 1 somewhere, clip
+    active somewhere)."""
+    ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+    T = b["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = tr.model(input_ids=ids, attention_mask=torch.cat(
+            [b["prompt_mask"], b["completion_mask"]], 1)).logits[:, -T - 1:-1]
+    logp, ent, gn = gmts.token_stats(logits, b["completion_ids"], tr.temperature)
+    old = b.get("old_per_token_logps")
+    ratio = torch.ones_like(logp) if old is None else torch.exp(logp - old)
+    adv, mask = b["advantages"], b["completion_mask"].bool()
+    om = gmts.omega(adv, ratio, tr.epsilon_low, tr.epsilon_high)
+    dead = gmts.clip_active(adv[:, None], ratio, tr.epsilon_low, tr.epsilon_high)[mask].any()
+    moved = ((ratio - 1).abs()[mask] > 1e-3).any()
+    return gmts.token_scores(select, ent, gn, om), bool(moved), bool(dead)
+
+
+@pytest.mark.parametrize("select, scope", [("gmts", "auto"), ("gmts", "batch"),
+                                           ("gradnorm", "group"), ("entropy", "auto")])
+def test_real_run_keeps_select_tokens_over_whole_groups(tmp_path, select, scope):
+    """A tiny TRL run whose groups TRL's shuffle cuts into micro-batches of 2 (G = 4, grad-accum
+    2, steps_per_generation 4, num_iterations 2): at every pass the kept mask of the generation
+    batch equals gmts.select_tokens on its scores in generation order with group_size=G (0 for
+    the batch scope), and the scores equal gmts's, computed apart from the same model, with the
+    policy moved (ratio != 1, some clipped) on the second pass."""
+    G = 4
+    tr = make_trainer(tmp_path, select, rho=0.3, reward=length_reward, token_scope=scope,
+                      per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      steps_per_generation=4, num_iterations=2, max_steps=4, epsilon_high=0.28)
+    calls = record(tr, lambda b: independent_scores(tr, b, select))
+    tr.train()
+    assert [c["step"] for c in calls] == [0, 4]  # once per pass over the generation batch
+    group_size = selection_rule(select, scope, G)
+    assert group_size == (G if select == "gmts" and scope == "auto" or scope == "group" else 0)
+    for call, (rows, scores, mask, keep) in zip(calls, in_generation_order([[c] for c in calls])):
+        split = [len({i for i, mb in enumerate(call["micro"]) for r in mb if r // G == g})
+                 for g in range(len(rows) // G)]
+        assert max(split) > 1  # a group's answers sit in several micro-batches
+        want = gmts.select_tokens(scores, mask, 0.3, nonzero=select in ("gmts", "gradnorm"),
+                                  group_size=group_size)
+        assert torch.equal(keep, want) and keep.any()
+        ref = torch.cat([s for s, _, _ in call["before"]])
+        m = call["mask"]
+        assert torch.allclose(call["scores"][m], ref[m], rtol=1e-4, atol=1e-5)
+    assert not any(moved for _, moved, _ in calls[0]["before"])  # pass 1: the sampling policy
+    assert any(moved for _, moved, _ in calls[1]["before"])  # pass 2: scored at the moved policy
+    assert any(dead for _, _, dead in calls[1]["before"])
 
 
 def test_reward_function_uses_our_verifier():
     row = {"nums": [3, 5, 2], "target": 16, "expr": "(3 + 5) * 2"}
     rew = gmts_trl.make_reward("countdown")
-    out = rew(prompts=["p"] * 3, completions=["x</think><answer>(3 + 5) * 2</answer>", "<answer>3+5+2</answer>", "no"],
-              row=[json.dumps(row)] * 3, completion_ids=None, trainer_state=None)
+    out = rew(prompts=["p"] * 3, row=[json.dumps(row)] * 3, completion_ids=None,
+              completions=["x</think><answer>(3 + 5) * 2</answer>", "<answer>3+5+2</answer>", "no"],
+              trainer_state=None)
     assert out == [1.0, 0.1, 0.0]
 
 
-# ---- the hook's mask is gmts.py's selection ---------------------------------------------------------------------
+# ---- the selection is gmts.py's, over the generation batch ---------------------------------------
 
 
-def stats(B=4, T=7, V=11, seed=0):
-    """Hand-made token statistics: entropy, log p_y and log sum p^2 from random logits, a ragged mask, advantages
-    with a zero group and ties."""
+def stats(B=8, T=7, V=11, seed=0):
+    """Hand-made token statistics of 2 groups of 4: entropy, log p_y and log sum p^2 from random
+    logits, a ragged mask, advantages with a zero one and ties."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, T, V, generator=g) * 2
     y = torch.randint(V, (B, T), generator=g)
     logp, ent, gn = gmts.token_stats(logits, y)
     log_sum_sq = torch.logsumexp(2 * torch.log_softmax(logits, -1), -1)
-    mask = torch.arange(T)[None, :] < torch.tensor([7, 3, 5, 6])[:, None]
-    adv = torch.tensor([1.5, -0.5, 0.0, -1.0])
+    mask = torch.arange(T)[None, :] < torch.tensor([7, 3, 5, 6, 2, 7, 4, 6])[:, None]
+    adv = torch.tensor([1.5, -0.5, 0.0, -1.0, 0.7, 0.7, -0.7, -0.7])
     return ent, logp, log_sum_sq, gn, mask, adv
 
 
-def run_hook(tr, ent, mask, inputs, logp, log_sum_sq):
-    tr._live = dict(inputs=inputs, logps=[logp], sum_sq=[log_sum_sq], called=False)
-    try:
-        return tr.get_high_entropy_mask(ent, mask.int(), 0.8)  # TRL passes an int mask; threshold is ignored
-    finally:
-        tr._live = None
+def shuffled_micro_batches(tr, monkeypatch, perm, sizes, off_policy=False, seed=0):
+    """stats() as TRL leaves a generation batch: rows permuted by `perm`, split into micro-batches
+    of `sizes`; token_statistics answers from the stats. -> (batches, stats, old log-probs)."""
+    ent, logp, log_sum_sq, gn, mask, adv = stats(seed=seed)
+    old = None
+    if off_policy:  # old log-probs from TRL: ratio != 1 and some tokens clipped (omega = 0)
+        old = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    batches, start = [], 0
+    for n in sizes:
+        i = perm[start:start + n]
+        b = dict(advantages=adv[i], completion_mask=mask[i].int(), gmts_row=i,
+                 _stats=(logp[i], ent[i], log_sum_sq[i]))
+        if off_policy:
+            b["old_per_token_logps"] = old[i]
+        batches.append(b)
+        start += n
+    monkeypatch.setattr(tr, "token_statistics", lambda b: b["_stats"])
+    return batches, (ent, logp, log_sum_sq, gn, mask, adv), old
 
 
 @pytest.mark.parametrize("select", gmts.CHOICES["select"])
 @pytest.mark.parametrize("off_policy, rho", [(False, 0.3), (True, 0.3), (False, 0.9)])
-def test_hook_mask_equals_select_tokens(tmp_path, select, off_policy, rho):
-    """rho = 0.9 is more than the tokens with a non-zero score: gmts and gradnorm must still keep none of those."""
+def test_select_equals_select_tokens_in_generation_order(tmp_path, monkeypatch, select,
+                                                         off_policy, rho):
+    """Micro-batches of 3, 3 and 2 shuffled rows: the kept mask is gmts.select_tokens over the
+    whole generation batch in generation order (group_size=G for gmts), not per micro-batch.
+    rho = 0.9 is more than the tokens with a non-zero score: gmts and gradnorm must still keep
+    none of those."""
     tr = make_trainer(tmp_path, select, rho=rho)
-    ent, logp, log_sum_sq, gn, mask, adv = stats()
-    inputs = {"advantages": adv}
-    ratio = torch.ones_like(ent)
-    if off_policy:  # old log-probs from TRL: ratio != 1 and some tokens clipped (omega = 0)
-        old = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
-        inputs["old_per_token_logps"], ratio = old, torch.exp(logp - old)
-    om = gmts.omega(adv, ratio, tr.epsilon_low, tr.epsilon_high)
-    inputs["gmts_group"] = torch.tensor([1, 0, 1, 0])  # rows as TRL's shuffle leaves them: two groups, interleaved
+    perm = torch.tensor([5, 0, 7, 2, 4, 1, 6, 3])
+    batches, (ent, logp, _, gn, mask, adv), old = shuffled_micro_batches(
+        tr, monkeypatch, perm, [3, 3, 2], off_policy)
     tr._noise.manual_seed(5)
-    got = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
-    scores = gmts.token_scores(select, ent, gn, om, torch.Generator().manual_seed(5))
-    groups = None
-    if select == "gmts":  # its authors' scope by default: within each prompt's group
-        groups = inputs["gmts_group"][:, None].expand(mask.shape)
-    # as gmts.train: gmts and gradnorm never keep a zero-gradient token
-    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho, nonzero=select in ("gmts", "gradnorm"),
-                              groups=groups)
+    tr.select(batches, 4)
+    got = torch.zeros_like(mask)
+    got[perm] = torch.cat([b["gmts_keep"] for b in batches])
+    ratio = torch.ones_like(ent) if old is None else torch.exp(logp - old)
+    om = gmts.omega(adv, ratio, tr.epsilon_low, tr.epsilon_high)
+    scores = torch.zeros_like(ent)
+    scores[perm] = torch.cat([b["gmts_score"] for b in batches])
+    if select != "random":  # random draws in micro-batch order: its scores are checked as drawn
+        assert torch.allclose(scores, gmts.token_scores(select, ent, gn, om), atol=1e-5)
+    want = gmts.select_tokens(scores, mask, 1.0 if select == "all" else rho,
+                              nonzero=select in ("gmts", "gradnorm"),
+                              group_size=4 if select == "gmts" else 0)
     assert got.dtype == torch.bool and torch.equal(got, want)
     if select in ("entropy", "random"):
         assert int(got.sum()) == math.ceil(rho * int(mask.sum()))
-    if select == "gmts":  # the group scope is not the pool's: the batch-scope mask differs here
+    if select == "gmts" and rho < 0.5:  # the group scope is not the pool's
         assert not torch.equal(got, gmts.select_tokens(scores, mask, rho, nonzero=True))
-        with pytest.raises(RuntimeError, match="no group labels"):
-            run_hook(tr, ent, mask, {"advantages": adv}, logp, log_sum_sq)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
-@pytest.mark.parametrize("beta", [0.0, 0.2])
-def test_hook_omega_is_minus_the_gradient_of_trls_loss(tmp_path, monkeypatch, loss_type, beta):
-    """TRL's own _compute_loss on a micro-batch whose log-probs are a leaf: its gradient w.r.t. each token's log-prob
-    is -c * omega on the kept tokens and -c * (the KL part of omega) on the dropped ones, one constant c for the
-    whole micro-batch (TRL's normaliser up to what the ranking cannot see). Rows of different lengths make
-    grpo's 1 / |o_i| visible; old log-probs put some tokens under the clip."""
+# ---- omega is minus the gradient of TRL's own loss -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loss_trainer(tmp_path_factory):
+    return make_trainer(tmp_path_factory.mktemp("loss"), "gmts", rho=0.4)
+
+
+OPTIONS = ["ratio 1", "away", "away beta", "away vllm", "away delta"]
+CASES = [(lt, o) for lt in gmts_trl.LOSS_TYPES for o in OPTIONS
+         if o != "away delta" or lt in gmts_trl.CLIPPED_LOSSES]
+
+
+@pytest.mark.parametrize("loss_type, option", CASES)
+def test_omega_is_minus_the_gradient_of_trls_loss(loss_trainer, monkeypatch, loss_type, option):
+    """TRL's own _compute_loss on a micro-batch whose log-probs are a leaf: its gradient w.r.t.
+    each token's log-prob is -c * omega on the kept tokens and -c * (the KL part of omega) on the
+    dropped ones, one constant c for the whole micro-batch (TRL's normaliser up to what the
+    ranking cannot see). Rows of different lengths make grpo's and sapo's 1 / |o_i| visible; old
+    log-probs away from the current ones put some tokens under the clip (cispo: above
+    epsilon_high; delta: above it); vllm: TRL's importance ratio per token."""
     import trl
-    tr = make_trainer(tmp_path, "gmts", rho=0.4, loss_type=loss_type)
-    tr.beta = beta  # set after construction: TRL would load a reference model by name for beta > 0
-    tr.current_gradient_accumulation_steps = 1  # what TRL's training loop sets before a loss
+    tr = loss_trainer
+    for name, value in [("loss_type", loss_type), ("beta", 0.2 if "beta" in option else 0.0),
+                        ("use_vllm", "vllm" in option), ("vllm_importance_sampling_correction",
+                                                         "vllm" in option),
+                        ("epsilon_high", 1.0 if loss_type == "cispo" else 0.28),
+                        ("current_gradient_accumulation_steps", 1)]:
+        monkeypatch.setattr(tr, name, value, raising=False)
+    monkeypatch.setattr(tr.args, "delta", 1.25 if "delta" in option else None)
     ent, logp, log_sum_sq, gn, mask, adv = stats(seed=2)
     B, T = mask.shape
     g = torch.Generator().manual_seed(4)
-    old = logp + 0.4 * torch.randn(logp.shape, generator=g)
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum(),
-              "gmts_group": torch.tensor([0, 0, 1, 1])}
-    if beta:
+    scale = 0.1 if loss_type == "vespo" else 0.4  # vespo's phi of a far sequence ratio is ~0
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+              "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long),
+              "completion_mask": mask.long(), "advantages": adv,
+              "num_items_in_batch": mask.sum(),
+              "gmts_keep": torch.rand(B, T, generator=g) < 0.5}
+    if option != "ratio 1":
+        inputs["old_per_token_logps"] = logp + scale * torch.randn(logp.shape, generator=g)
+    if "beta" in option:
         inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    if "vllm" in option:
+        inputs["importance_sampling_ratio"] = torch.exp(0.2 * torch.randn(logp.shape, generator=g))
     x = logp.clone().requires_grad_()
-    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", lambda *a, **k: (x, ent, None))
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda *a, **k: (x, ent, None))
     grad, = torch.autograd.grad(tr._compute_loss(tr.model, inputs), x)
-    sel = run_hook(tr, ent, mask, inputs, logp, log_sum_sq)
+    keep = inputs["gmts_keep"] & mask
     om = tr.omega(inputs, logp, mask)
     kl = om - tr.omega(dict(inputs, ref_per_token_logps=logp), logp, mask)  # the KL part alone
-    want = torch.where(sel, om, kl)
+    want = torch.where(keep, om, kl)
     i = int((want.abs() * mask).flatten().argmax())
     c = float(-grad.flatten()[i] / want.flatten()[i])
-    assert c > 0 and torch.allclose(-grad[mask], c * want[mask], rtol=1e-4, atol=1e-9)
-    assert (kl[mask & ~sel] != 0).any() == (beta > 0)
-    assert gmts.clip_active(adv[:, None], torch.exp(logp - old), tr.epsilon_low, tr.epsilon_high)[mask].any()
-    assert tr.args.use_bias_correction_kl  # TRL's default: its KL gradient carries the ratio
+    assert c > 0 and torch.allclose(-grad[mask], c * want[mask], rtol=1e-4, atol=1e-7)
+    assert (kl[mask & ~keep] != 0).any() == ("beta" in option)
+    ratio = torch.exp(logp - inputs.get("old_per_token_logps", logp))
+    live = mask & (adv != 0)[:, None]
+    if option == "ratio 1":
+        assert torch.equal(ratio, torch.ones_like(ratio))
+    elif loss_type in gmts_trl.CLIPPED_LOSSES:
+        assert gmts.clip_active(adv[:, None], ratio, tr.epsilon_low, tr.epsilon_high)[live].any()
+        if "delta" in option:  # tokens the delta clip alone zeroes
+            assert (live & (ratio > 1.25) & (adv < 0)[:, None]).any()
+    elif loss_type == "cispo":
+        assert (ratio > tr.epsilon_high)[live].any() and (ratio < tr.epsilon_high)[live].any()
+
+
+def test_refused_options_one_line(tmp_path):
+    """Where no per-token omega is the gradient, GMTSConfig refuses before training, naming it."""
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False)
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence'"):
+        GMTSConfig(importance_sampling_level="sequence", token_selection="entropy", **kw)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        GMTSConfig(off_policy_mask_threshold=0.5, **kw)
+    with pytest.raises(ValueError, match="entropy bonus"):
+        GMTSConfig(entropy_coef=0.01, token_selection="gradnorm", **kw)
+    GMTSConfig(importance_sampling_level="sequence", token_selection="all", **kw)  # no selection
+    GMTSConfig(off_policy_mask_threshold=0.5, token_selection="entropy", **kw)  # no omega
 
 
 def test_grad_norm_from_head_outputs_matches_gmts():
@@ -180,8 +337,12 @@ def test_grad_norm_from_head_outputs_matches_gmts():
     assert torch.allclose(gmts_trl.grad_norm_from(logp, log_sum_sq, 0.7), gn / 0.7, atol=1e-5)
 
 
+# ---- across processes ---------------------------------------------------------------------------
+
+
 class FakeAccelerator:
-    """accelerate's gather / pad_across_processes for `world` threads: a real all-gather through a barrier."""
+    """accelerate's gather / pad_across_processes for `world` threads: a real all-gather through a
+    barrier."""
 
     def __init__(self, rank, world, box, barrier):
         self.process_index, self.num_processes, self.box, self.barrier = rank, world, box, barrier
@@ -194,16 +355,19 @@ class FakeAccelerator:
         return out
 
     def pad_across_processes(self, t, dim=0):
-        n = int(self.gather(torch.tensor([t.shape[0]])).max())
-        return torch.cat([t, t.new_zeros(n - t.shape[0])])
+        n = int(self.gather(torch.tensor([t.shape[dim]])).max())
+        pad = [0, 0] * (t.dim() - 1 - dim) + [0, n - t.shape[dim]]
+        return torch.nn.functional.pad(t, pad)
 
 
 def run_processes(fn, *per_rank, timeout=60):
-    """fn(rank, accelerator, *args) in one thread per rank, gathering through a barrier with a timeout. A thread
-    that raises aborts the barrier, so the others fail at once instead of waiting; its exception is raised here
-    (the first that is not just the broken barrier). -> [fn's result per rank]."""
+    """fn(rank, accelerator, *args) in one thread per rank, gathering through a barrier with a
+    timeout. A thread that raises aborts the barrier, so the others fail at once instead of
+    waiting; its exception is raised here (the first that is not just the broken barrier).
+    -> [fn's result per rank]."""
     world = len(per_rank)
-    box, barrier, out, errors = [None] * world, threading.Barrier(world, timeout=timeout), [None] * world, []
+    box, barrier = [None] * world, threading.Barrier(world, timeout=timeout)
+    out, errors = [None] * world, []
 
     def proc(rank, args):
         try:
@@ -212,84 +376,115 @@ def run_processes(fn, *per_rank, timeout=60):
             errors.append(e)
             barrier.abort()
 
-    threads = [threading.Thread(target=proc, args=(r, a), daemon=True) for r, a in enumerate(per_rank)]
+    threads = [threading.Thread(target=proc, args=(r, a), daemon=True)
+               for r, a in enumerate(per_rank)]
     [t.start() for t in threads]
     [t.join(timeout + 10) for t in threads]
-    assert not any(t.is_alive() for t in threads), "a process thread is stuck past the barrier timeout"
+    assert not any(t.is_alive() for t in threads), "a process thread is stuck past the barrier"
     if errors:
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                   errors[0])
     return out
 
 
-def test_selection_is_global_across_processes():
-    """Two processes with different completion lengths: the union of their slices is exactly gmts.select_tokens
-    over both micro-batches together (one global top-rho, not a top-rho per process)."""
+@pytest.mark.parametrize("select, group_size", [("entropy", 0), ("gmts", 3)])
+def test_selection_is_over_all_processes(select, group_size):
+    """Two processes with different completion lengths and shuffled rows; group 1 (rows 3-5) sits
+    on both: the union of their slices is gmts.select_tokens over the whole generation batch in
+    row order, not a selection per process."""
     g = torch.Generator().manual_seed(3)
-    s0, s1 = torch.rand(3, 5, generator=g), torch.rand(3, 8, generator=g) + 0.3  # process 1 scores higher
+    s0, s1 = torch.rand(3, 5, generator=g), torch.rand(3, 8, generator=g) + 0.3
     m0, m1 = torch.rand(3, 5, generator=g) > 0.2, torch.rand(3, 8, generator=g) > 0.2
     s0[0, :2] = s1[1, :2] = 0.9  # ties across processes
-    out = run_processes(lambda rank, acc, s, m: gmts_trl.select_global("entropy", s, m, 0.3, acc),
-                        (s0, m0), (s1, m1))
+    r0, r1 = torch.tensor([4, 0, 2]), torch.tensor([5, 1, 3])
+    out = run_processes(lambda rank, acc, s, m, r: gmts_trl.select_generation_batch(
+        select, s, m, r, 0.3, group_size, acc), (s0, m0, r0), (s1, m1, r1))
     pad = lambda x: torch.cat([x, x.new_zeros(3, 3)], 1)  # noqa: E731  (3, 5) -> (3, 8)
-    want = gmts.select_tokens(torch.cat([pad(s0), s1]), torch.cat([pad(m0), m1]), 0.3)
-    assert torch.equal(torch.cat([pad(out[0][0]), out[1][0]]), want)
-    assert out[0][1] == out[1][1] == int(want.sum()) / int(m0.sum() + m1.sum())
-    assert int(out[0][0].sum()) != math.ceil(0.3 * int(m0.sum()))  # not a per-process top-rho
-
-
-def test_group_selection_across_processes_ranks_each_group_over_its_rows_everywhere():
-    """Group 1's rows sit on both processes: its tokens are ranked together (the union of the slices equals
-    gmts.select_tokens over both micro-batches with the labels), not per process."""
-    g = torch.Generator().manual_seed(5)
-    s0, s1 = torch.rand(3, 5, generator=g), torch.rand(3, 8, generator=g)
-    m0, m1 = torch.rand(3, 5, generator=g) > 0.2, torch.rand(3, 8, generator=g) > 0.2
-    g0, g1 = torch.tensor([0, 1, 0]), torch.tensor([1, 2, 1])
-    out = run_processes(lambda rank, acc, s, m, lab: gmts_trl.select_global("gmts", s, m, 0.3, acc, lab),
-                        (s0, m0, g0), (s1, m1, g1))
-    pad = lambda x: torch.cat([x, x.new_zeros(3, 3)], 1)  # noqa: E731  (3, 5) -> (3, 8)
-    labels = torch.cat([g0, g1])[:, None].expand(6, 8)
-    want = gmts.select_tokens(torch.cat([pad(s0), s1]), torch.cat([pad(m0), m1]), 0.3, nonzero=True, groups=labels)
-    assert torch.equal(torch.cat([pad(out[0][0]), out[1][0]]), want)
-    per_process = gmts.select_tokens(s1, m1, 0.3, nonzero=True, groups=g1[:, None].expand(3, 8))
-    assert not torch.equal(out[1][0], per_process)  # group 1 ranked with its rows on process 0 too
+    order = torch.argsort(torch.cat([r0, r1]))
+    scores, mask = torch.cat([pad(s0), s1])[order], torch.cat([pad(m0), m1])[order]
+    want = gmts.select_tokens(scores, mask, 0.3, nonzero=select == "gmts", group_size=group_size)
+    assert torch.equal(torch.cat([pad(out[0][0]), out[1][0]])[order], want)
+    assert out[0][1] == out[1][1] == int(want.sum()) / int(mask.sum())
+    alone = gmts.select_tokens(s1, m1, 0.3, nonzero=select == "gmts")
+    assert not torch.equal(out[1][0], alone)  # not a selection per process
 
 
 def test_a_failing_process_fails_fast():
-    """One process raises before its gather: the test gets that error within seconds, not a hang on the barrier."""
-    def fn(rank, acc, s, m):
+    """One process raises before its gather: the test gets that error within seconds, not a hang
+    on the barrier."""
+    def fn(rank, acc, s, m, r):
         if rank == 1:
             raise ValueError("process 1 broke")
-        return gmts_trl.select_global("entropy", s, m, 0.3, acc)
+        return gmts_trl.select_generation_batch("entropy", s, m, r, 0.3, 0, acc)
 
     s, m = torch.rand(2, 4), torch.ones(2, 4, dtype=torch.bool)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="process 1 broke"):
-        run_processes(fn, (s, m), (s, m), timeout=30)
+        run_processes(fn, (s, m, torch.arange(2)), (s, m, torch.arange(2, 4)), timeout=30)
     assert time.monotonic() - t0 < 10
 
 
-# ---- through TRL's real loss: unselected tokens get zero gradient ---------------------------------------------
+def two_process_worker(out: str):
+    """One of two gloo processes (torchrun): a tiny TRL run, per-device batch 2, G = 4,
+    steps_per_generation 3 (6 rows a process: group 1 has rows on both); saves its selections."""
+    torch.set_num_threads(1)
+    tr = make_trainer(out, "gmts", rho=0.3, reward=length_reward, per_device_train_batch_size=2,
+                      steps_per_generation=3, max_steps=3, num_iterations=1)
+    calls = record(tr)
+    tr.train()
+    calls[0]["backend"] = torch.distributed.get_backend()
+    torch.save(calls, os.path.join(out, f"rank{tr.accelerator.process_index}.pt"))
+
+
+def test_two_gloo_processes_select_over_whole_groups(tmp_path):
+    """Two real processes (torchrun, gloo, CPU): the union of their kept masks is
+    gmts.select_tokens(group_size=G) over the generation batch of both, a group split between
+    them included."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {HERE!r})\nimport test_gmts_trl\n"
+                      "test_gmts_trl.two_process_worker(sys.argv[1])\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(port), str(script), str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 1 and ranks[0][0]["backend"] == "gloo"
+    rows, scores, mask, keep = in_generation_order([[ranks[0][0], ranks[1][0]]])[0]
+    assert len(rows) == 12 and {int(r) // 4 for r in ranks[0][0]["rows"]} & \
+        {int(r) // 4 for r in ranks[1][0]["rows"]}
+    assert torch.equal(keep, gmts.select_tokens(scores, mask, 0.3, nonzero=True, group_size=4))
+    assert keep.any()
+
+
+# ---- through TRL's real loss: unselected tokens get zero gradient -------------------------------
 
 
 def loss_inputs(tok, B=4, P=5, T=9):
     g = torch.Generator().manual_seed(0)
     comp_mask = (torch.arange(T)[None, :] < torch.tensor([9, 4, 7, 2])[:, None]).int()
-    return dict(prompt_ids=torch.randint(256, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.int),
+    return dict(prompt_ids=torch.randint(256, (B, P), generator=g),
+                prompt_mask=torch.ones(B, P, dtype=torch.int),
                 completion_ids=torch.randint(256, (B, T), generator=g), completion_mask=comp_mask,
                 advantages=torch.tensor([1.2, -0.7, 0.0, 0.4]), num_items_in_batch=comp_mask.sum(),
-                gmts_group=torch.tensor([0, 1, 1, 0]))  # as _generate_and_score_completions labels the rows
+                gmts_row=torch.tensor([3, 0, 2, 1]))  # one group of 4, shuffled
 
 
 @pytest.mark.parametrize("select", ["gmts", "entropy", "random", "gradnorm", "all"])
 def test_unselected_tokens_get_zero_gradient(tmp_path, select):
     tr = make_trainer(tmp_path, select, rho=0.25)
     tr.model.train()
-    tr.current_gradient_accumulation_steps = 1  # set by Trainer.train(); the dapo normaliser reads it
+    tr.current_gradient_accumulation_steps = 1  # set by Trainer.train(); the dapo normaliser
     inputs = loss_inputs(tr.processing_class)
+    if select != "all":
+        tr.select([inputs], 4)  # as _prepare_inputs does at the start of a pass
     box = {}
     logps_fn, hook = tr._get_per_token_logps_and_entropies, tr.get_high_entropy_mask
 
-    def leaf_logps(*a, **k):  # the loss's log-probs become a leaf, so their .grad is d loss / d log p_t
+    def leaf_logps(*a, **k):  # the loss's log-probs become a leaf: .grad is d loss / d log p_t
         logps, ent, aux = logps_fn(*a, **k)
         box["leaf"] = logps.detach().requires_grad_(True)
         return box["leaf"], ent, aux
@@ -300,10 +495,11 @@ def test_unselected_tokens_get_zero_gradient(tmp_path, select):
     has_grad = box["leaf"].grad != 0
     mask = inputs["completion_mask"].bool()
     live = mask & (inputs["advantages"] != 0)[:, None]  # tokens whose unmasked loss has a gradient
-    if select == "all":  # the control: TRL's path unmasked, every token of a non-zero advantage has a gradient
+    if select == "all":  # the control: TRL's path unmasked, every live token has a gradient
         assert "sel" not in box and torch.equal(has_grad, live)
         return
     sel = box["sel"]
+    assert torch.equal(sel, inputs["gmts_keep"])
     assert 0 < int(sel.sum()) <= math.ceil(0.25 * int(mask.sum())) < int(live.sum())
     assert torch.equal(has_grad, sel & live)  # exactly the selected tokens, none of the others
     if select == "gmts":
@@ -311,9 +507,11 @@ def test_unselected_tokens_get_zero_gradient(tmp_path, select):
 
 
 def test_unsupported_trl_fails_loudly(tmp_path, monkeypatch):
-    """A TRL whose loss no longer calls the hook, or lacks it, raises instead of training without selection."""
+    """A TRL whose loss no longer calls the hook, or lacks it, raises instead of training without
+    selection."""
     tr = make_trainer(tmp_path, "gmts")
-    monkeypatch.setattr(gmts_trl.GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.tensor(0.0))
+    monkeypatch.setattr(gmts_trl.GRPOTrainer, "_compute_loss",
+                        lambda self, model, inputs: torch.tensor(0.0))
     with pytest.raises(RuntimeError, match="did not call get_high_entropy_mask"):
         tr._compute_loss(tr.model, {})
     monkeypatch.delattr(gmts_trl.GRPOTrainer, "get_high_entropy_mask")
@@ -325,10 +523,15 @@ def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
     tr = make_trainer(tmp_path, "gmts")
     with pytest.raises(RuntimeError, match="_compute_loss"):
         tr.get_high_entropy_mask(torch.ones(2, 3), torch.ones(2, 3), 0.8)
+    tr._live = dict(inputs={}, called=False)  # a micro-batch that was never selected
+    with pytest.raises(RuntimeError, match="gmts_keep"):
+        tr.get_high_entropy_mask(torch.ones(2, 3), torch.ones(2, 3), 0.8)
+    tr._live = None
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False)
     with pytest.raises(ValueError, match="token_selection"):
-        GMTSConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, token_selection="top")
+        GMTSConfig(token_selection="top", **kw)
     with pytest.raises(ValueError, match="token_rho"):
-        GMTSConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, top_entropy_quantile=0.2)
+        GMTSConfig(top_entropy_quantile=0.2, **kw)
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ folder is never a dead end and messages are true, 5 faults give one line, 6 bad 
 other entry points. Fallbacks that keep training (a damaged checkpoint, the fast rollout path) and the cases that
 need a second process (signals, a closed stdout, compare's workers) follow the table.
 """
-import hashlib
 import contextlib
+import hashlib
 import importlib
 import json
 import os

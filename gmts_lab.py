@@ -1,46 +1,57 @@
 """
 gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
 
-  python gmts_lab.py warm [--task countdown|math|logic] [--out warm/cpu]   rebuild a committed warm start (1 thread)
+  python gmts_lab.py warm [--task countdown|math|logic] [--out warm/cpu]
+      rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
   python gmts_lab.py analyze --preset cpu --batches 4 --out out/analyze
-  python gmts_lab.py analyze --preset cpu --batches 4 --rhos 0.01,0.05,0.2 --out out/ret     the kept-gradient curve
-  python gmts_lab.py retention countdown=out/ret --png docs/retention.png     its table and figure
-  python gmts_lab.py decoy --model out/cpu        held-out accuracy with the real and with another problem's target
-  python gmts_lab.py report math=out/math --png docs/math.png     tables and learning curves of compare folders
+  python gmts_lab.py analyze --preset cpu --batches 4 --rhos 0.01,0.05,0.2 --out out/ret
+      the kept-gradient curve
+  python gmts_lab.py retention countdown=out/ret --png docs/retention.png
+      its table and figure
+  python gmts_lab.py decoy --model out/cpu
+      held-out accuracy with the real and with another problem's target
+  python gmts_lab.py report math=out/math --png docs/math.png
+      tables and learning curves of compare folders
 
-Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos, --arms) goes to
-gmts.parse_args:
---preset, --model, --out, --seed, --no-filter-groups, --steps ...
+Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos,
+--arms) goes to gmts.parse_args: --preset, --model, --out, --seed, --no-filter-groups, --steps ...
 
-  warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by supervision to
-           answer easy countdown problems with RANDOM well-formed answers (the prompt's numbers joined by random
-           signs). It learns the format and to copy the numbers, nothing that links its signs to the target:
-           whatever RL gains over its accuracy is learned from the reward. The same recipe (WARM: hidden 96,
-           3 layers, 1000 steps of 32 rows, lr 1e-3, the cpu preset's rows with --data easy, seed 0) gives
-             warm/math   one-step word problems ("Eve has 9 bags of 8 apples. How many apples in all?"), taught
-                         `of 8: 9 op 8 = value` + \\boxed{value} with op drawn from + - * at random: it learns to
-                         copy the word before the second number and the numbers, and to compute, not which
-                         operation the words mean;
-             warm/logic  two-person knights and knaves, taught every name in order with a random role (a fair coin
-                         each): it learns the format and to copy the names, not who is a knight.
-           `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the share of the
-           nonnegative sign patterns / of + - * that hit the answer, 1/4 for two people) and what the best content
-           that ignores the prompt gets (one sign pattern, operation or role pattern for all). Runs from them:
-           python gmts.py --preset cpu --task math --model warm/math (data easy, filter off, as the preset).
-  compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes; a table of
-           final held-out accuracy and a plot. A method may name its scope (gmts.py's --scope): gmts@batch is
-           this project's whole-batch GMTS, gmts (--scope auto: group) the authors'; so may analyze's --arms.
-  analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio, per method,
-           with and without dynamic sampling), and how each score ranks tokens by their true gradient norm.
-           With --rhos R1,R2,...: the kept-gradient curve instead, the same cosine and ratio and the share of
-           kept tokens in low-|A| groups at each rho on the raw batches (filter off), written to
-           OUT/retention.json; `retention` draws it, a panel per folder.
-  report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per compare folder,
-           the final accuracy table and the paired differences by seed (gmts - entropy, gmts - all, gradnorm -
-           gmts); one figure, a learning-curve panel per folder.
-  decoy    How much of a model's accuracy it reads from the target: the same held-out problems, each prompt
-           showing another problem's target, scored against its own.
+  warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by
+           supervision to answer easy countdown problems with RANDOM well-formed answers (the
+           prompt's numbers joined by random signs). It learns the format and to copy the numbers,
+           nothing that links its signs to the target: whatever RL gains over its accuracy is
+           learned from the reward. The same recipe (WARM: hidden 96, 3 layers, 1000 steps of 32
+           rows, lr 1e-3, the cpu preset's rows with --data easy, seed 0) gives
+             warm/math   one-step word problems ("Eve has 9 bags of 8 apples. How many apples in
+                         all?"), taught `of 8: 9 op 8 = value` + \\boxed{value} with op drawn
+                         from + - * at random: it learns to copy the word before the second number
+                         and the numbers, and to compute, not which operation the words mean;
+             warm/logic  two-person knights and knaves, taught every name in order with a random
+                         role (a fair coin each): it learns the format and to copy the names, not
+                         who is a knight.
+           `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the
+           share of the nonnegative sign patterns / of + - * that hit the answer, 1/4 for two
+           people) and what the best content that ignores the prompt gets (one sign pattern,
+           operation or role pattern for all). Runs from them:
+             python gmts.py --preset cpu --task math --model warm/math
+           (data easy, filter off, as the preset).
+  compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes;
+           a table of final held-out accuracy and a plot. A method may name its scope (gmts.py's
+           --scope): gmts@batch is this project's whole-batch GMTS, gmts (--scope auto: group) the
+           authors'; so may analyze's --arms.
+  analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio,
+           per method, with and without dynamic sampling), and how each score ranks tokens by their
+           true gradient norm. With --rhos R1,R2,...: the kept-gradient curve instead, the same
+           cosine and ratio and the share of kept tokens in low-|A| groups at each rho on the raw
+           batches (filter off), written to OUT/retention.json; `retention` draws it, a panel per
+           folder.
+  report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per
+           compare folder, the final accuracy table and the paired differences by seed
+           (gmts - entropy, gmts - all, gradnorm - gmts); one figure, a learning-curve panel per
+           folder.
+  decoy    How much of a model's accuracy it reads from the target: the same held-out problems, each
+           prompt showing another problem's target, scored against its own.
 """
 import argparse
 import collections
@@ -65,17 +76,19 @@ import torch
 
 import gmts
 
-# ---------------------------------------------------------------------------------------------------------------
-# Warm start [plumbing]: supervised warm-up on reference answers, so that a tiny random model earns some reward
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Warm start [plumbing]: supervised warm-up on reference answers so a tiny random model earns reward
+# --------------------------------------------------------------------------------------------------
 
 def countdown_reference(row: dict) -> str:
     if "expr" not in row:
-        raise ValueError("a countdown reference needs a generated row (with its 'expr'): use --data gen or easy")
+        raise ValueError("a countdown reference needs a generated row (with its 'expr'): "
+                         "use --data gen or easy")
     return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
 
 def math_reference(row: dict) -> str:
-    return "\n".join(row.get("steps", [])) + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>"
+    return ("\n".join(row.get("steps", []))
+            + f"</think>\n<answer>\\boxed{{{row['answer']}}}</answer>")
 
 def logic_reference(row: dict) -> str:
     roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
@@ -84,13 +97,15 @@ def logic_reference(row: dict) -> str:
 REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference}
 
 def countdown_blind(row: dict, rng: random.Random) -> dict:
-    """The row with a random well-formed answer in place of its solution: its numbers in their order joined by + or
-    -, each sign pattern whose value is >= 0 equally likely; that value becomes the row's target, so the reference's
-    `expr = value` line is true. The row's own target is never read."""
+    """The row with a random well-formed answer in place of its solution: its numbers in their order
+    joined by + or -, each sign pattern whose value is >= 0 equally likely; that value becomes the
+    row's target, so the reference's `expr = value` line is true. The row's own target is never
+    read."""
     nums = row["nums"]
     if not nums:
         return row
-    for _ in range(100):  # uniform signs, redrawn until the value is >= 0: each such pattern equally likely
+    # uniform signs, redrawn until the value is >= 0: each such pattern equally likely
+    for _ in range(100):
         value, expr = gmts._sign_chain(nums, [rng.choice("+-") for _ in nums[1:]])
         if value >= 0:
             break
@@ -99,10 +114,11 @@ def countdown_blind(row: dict, rng: random.Random) -> dict:
 MATH_BLIND_OPS = "+-*"
 
 def math_blind(row: dict, rng: random.Random) -> dict:
-    """An easy math row (one step `a op b = z`) with a random operation from + - * in place of its own (a >= b, so
-    every value is >= 0); its value becomes the row's answer. The worked step first copies the word before b in the
-    question ('eats 8: 9 - 8 = 1'): the words that decide the operation then sit right before it, while the
-    operation itself is a coin. The question's meaning is never read."""
+    """An easy math row (one step `a op b = z`) with a random operation from + - * in place of its
+    own (a >= b, so every value is >= 0); its value becomes the row's answer. The worked step first
+    copies the word before b in the question ('eats 8: 9 - 8 = 1'): the words that decide the
+    operation then sit right before it, while the operation itself is a coin. The question's meaning
+    is never read."""
     steps = row.get("steps", [])
     parts = steps[0].split() if len(steps) == 1 else []
     if len(parts) != 5 or not (parts[0].isdigit() and parts[2].isdigit()):
@@ -114,15 +130,16 @@ def math_blind(row: dict, rng: random.Random) -> dict:
     return dict(row, answer=str(z), steps=[f"{word} {b}: {a} {op} {b} = {z}"])
 
 def logic_blind(row: dict, rng: random.Random) -> dict:
-    """The row with a random role for each person (a fair coin each, in the prompt's order) as its solution."""
+    """The row with a random role for each person (a fair coin each, in the prompt's order) as its
+    solution."""
     return dict(row, solution={name: rng.random() < 0.5 for name in row["names"]})
 
 BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind}
 
 def random_content_acc(task: str, rows: list) -> float:
-    """Expected accuracy of blind answers on rows, computed exactly: countdown, the share of the nonnegative sign
-    patterns that hit the target; math, the share of the operations + - * whose value is the answer; logic, 1 / 2^n
-    (one assignment of n people is right)."""
+    """Expected accuracy of blind answers on rows, computed exactly: countdown, the share of the
+    nonnegative sign patterns that hit the target; math, the share of the operations + - * whose
+    value is the answer; logic, 1 / 2^n (one assignment of n people is right)."""
     def one(row):
         if task == "logic":
             return 0.5 ** len(row["names"])
@@ -130,21 +147,24 @@ def random_content_acc(task: str, rows: list) -> float:
             a, _, b = row["steps"][0].split()[:3]
             hit = [str(gmts._OPS[op](int(a), int(b))) == row["answer"] for op in MATH_BLIND_OPS]
             return sum(hit) / len(hit)
-        values = [gmts._sign_chain(row["nums"], s)[0] for s in itertools.product("+-", repeat=len(row["nums"]) - 1)]
+        values = [gmts._sign_chain(row["nums"], s)[0]
+                  for s in itertools.product("+-", repeat=len(row["nums"]) - 1)]
         values = [v for v in values if v >= 0]
         return sum(v == row["target"] for v in values) / len(values)
     return sum(one(r) for r in rows) / len(rows)
 
 def best_fixed_guess_acc(task: str, rows: list) -> float:
-    """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one operation (math), one
-    role pattern by position (logic) for every row. What RL gets by learning only which content is common."""
+    """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one
+    operation (math), one role pattern by position (logic) for every row. What RL gets by learning
+    only which content is common."""
     def hits(row):
         if task == "countdown":
             return {s for s in itertools.product("+-", repeat=len(row["nums"]) - 1)
                     if gmts._sign_chain(row["nums"], s)[0] == row["target"]}
         if task == "math":
             a, _, b = row["steps"][0].split()[:3]
-            return {op for op in MATH_BLIND_OPS if str(gmts._OPS[op](int(a), int(b))) == row["answer"]}
+            return {op for op in MATH_BLIND_OPS
+                    if str(gmts._OPS[op](int(a), int(b))) == row["answer"]}
         return {tuple(row["solution"].values())}
     count = collections.Counter(c for r in rows for c in hits(r))
     return max(count.values()) / len(rows) if count else 0.0
@@ -153,14 +173,14 @@ def well_formed(text: str, row: dict) -> bool:
     """A countdown answer that uses each given number once in a valid expression, right or wrong."""
     return gmts.countdown_value(text, row["nums"]) is not None
 
-def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int, lr: float, batch_size: int,
-               seed: int, blind: bool = False, log=print):
+def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int, lr: float,
+               batch_size: int, seed: int, blind: bool = False, log=print):
     """Cross-entropy on the answer tokens of reference completions, after each row's own prompt.
 
-    draw(n, *key) -> n training rows (gmts.read_data). blind=True teaches BLIND[task]'s random answers instead of
-    the solutions: the model learns the format and to copy (and compute with) the prompt's material, while the
-    content of its answers (countdown's signs, math's operation, logic's roles) stays spread out and unrelated to
-    the prompt."""
+    draw(n, *key) -> n training rows (gmts.read_data). blind=True teaches BLIND[task]'s random
+    answers instead of the solutions: the model learns the format and to copy (and compute with) the
+    prompt's material, while the content of its answers (countdown's signs, math's operation,
+    logic's roles) stays spread out and unrelated to the prompt."""
     t = gmts.get_task(task)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -174,13 +194,17 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         a_ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
         L = max(len(p) + len(a) for p, a in zip(p_ids, a_ids))
-        ids = torch.full((batch_size, L), tok.pad_token_id)  # (n, L), right padded: no generation here
-        labels = torch.full((batch_size, L), -100)  # (n, L), -100: no loss on the prompt and the padding
+        # (n, L), right padded: no generation here
+        ids = torch.full((batch_size, L), tok.pad_token_id)
+        # (n, L), -100: no loss on the prompt and the padding
+        labels = torch.full((batch_size, L), -100)
         for i, (p, a) in enumerate(zip(p_ids, a_ids)):
             ids[i, :len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
-        attn = (labels != -100) | (torch.arange(L)[None, :] < torch.tensor([len(p) for p in p_ids])[:, None])
-        loss = model(input_ids=ids.to(device), attention_mask=attn.long().to(device), labels=labels.to(device)).loss
+        attn = ((labels != -100)
+                | (torch.arange(L)[None, :] < torch.tensor([len(p) for p in p_ids])[:, None]))
+        loss = model(input_ids=ids.to(device), attention_mask=attn.long().to(device),
+                     labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -188,24 +212,27 @@ def sft_warmup(model, tok, task: str, draw, chat: bool, short: bool, steps: int,
         if log and (step % 100 == 0 or step == steps):
             log(f"warm-up {step}/{steps} | loss {loss.item():.3f}")
 
-# The recipe of warm/cpu. The loss drops (the copying appears) suddenly, between steps 250 and 400 at this lr.
+# The recipe of warm/cpu. At this lr the loss drops (the copying appears) suddenly, steps 250-400.
 WARM_CPU = dict(hidden=96, layers=3, steps=1000, lr=1e-3, batch_size=32)
-# Every warm start: its recipe and the folder `warm --task T` writes by default. Runs start from it with the cpu
-# preset's flags and two more: `python gmts.py --preset cpu --task math --model warm/math` (data easy, as cpu).
+# Every warm start: its recipe and the folder `warm --task T` writes by default. Runs start from it
+# with the cpu preset's flags and two more (data easy, as cpu):
+#   python gmts.py --preset cpu --task math --model warm/math
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARM = {"countdown": dict(WARM_CPU, out=gmts.WARM_CPU),
         "math": dict(WARM_CPU, out=os.path.join(HERE, "warm", "math")),
         "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic"))}
 
 def warm_config(task: str) -> gmts.Config:
-    """The cpu preset on `task` from its warm start: the rows and prompts the warm-up trains and evaluates on."""
+    """The cpu preset on `task` from its warm start: the rows and prompts the warm-up trains and
+    evaluates on."""
     return gmts.Config(**dict(gmts.PRESETS["cpu"], task=task, model=WARM[task]["out"]))
 
 def warm_start(out: str = None, task: str = "countdown", log=print, **recipe):
-    """Rebuild `task`'s warm start into `out` (default WARM[task]["out"]; safetensors + tokenizer), bit for bit: one
-    thread, fixed seeds. Its rows are the cpu preset's training rows on that task (seed 0); other seeds hold out other
-    rows, which the warm-up may have shown, but only with random answers: it learned nothing about their solutions.
-    recipe overrides WARM[task]'s fields (tests: a tiny size). -> (model, tok)"""
+    """Rebuild `task`'s warm start into `out` (default WARM[task]["out"]; safetensors + tokenizer),
+    bit for bit: one thread, fixed seeds. Its rows are the cpu preset's training rows on that task
+    (seed 0); other seeds hold out other rows, which the warm-up may have shown, but only with
+    random answers: it learned nothing about their solutions. recipe overrides WARM[task]'s fields
+    (tests: a tiny size). -> (model, tok)"""
     r = dict(WARM[task], **recipe)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # another thread count may sum in another order: other bits
@@ -213,38 +240,45 @@ def warm_start(out: str = None, task: str = "countdown", log=print, **recipe):
         cfg = warm_config(task)
         draw = gmts.read_data(cfg).draw
         model, tok = gmts.build_tiny(r["hidden"], r["layers"], seed=0)
-        sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
-                   r["steps"], r["lr"], r["batch_size"], seed=0, blind=True, log=log)
+        sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template),
+                   cfg.short_prompt, r["steps"], r["lr"], r["batch_size"],
+                   seed=0, blind=True, log=log)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(out or r["out"])
     tok.save_pretrained(out or r["out"])
     return model.eval(), tok
 
-def greedy_texts(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int) -> list:
+def greedy_texts(model, tok, task: dict, rows: list, chat: bool, short: bool,
+                 max_new_tokens: int) -> list:
     prompts = gmts.build_prompts(tok, task, rows, chat, short)
     return [t for i in range(0, len(rows), 64)
-            for t in gmts.rollout(model, tok, prompts[i:i + 64], 1, max_new_tokens, greedy=True)["texts"]]
+            for t in gmts.rollout(model, tok, prompts[i:i + 64], 1, max_new_tokens,
+                                  greedy=True)["texts"]]
 
 def decoy_eval(model, tok, rows: list, chat: bool, short: bool, max_new_tokens: int) -> dict:
-    """Greedy accuracy and well-formed share on countdown rows as posed (real) and with each prompt showing the
-    previous row's target (decoy), both scored against the row's own target. real - decoy is what is read from it."""
+    """Greedy accuracy and well-formed share on countdown rows as posed (real) and with each prompt
+    showing the previous row's target (decoy), both scored against the row's own target.
+    real - decoy is what is read from it."""
     task = gmts.get_task("countdown")
-    shown = {"real": rows, "decoy": [dict(r, target=rows[i - 1]["target"]) for i, r in enumerate(rows)]}
+    shown = {"real": rows,
+             "decoy": [dict(r, target=rows[i - 1]["target"]) for i, r in enumerate(rows)]}
     res = {}
     for name, prompts_rows in shown.items():
         texts = greedy_texts(model, tok, task, prompts_rows, chat, short, max_new_tokens)
-        res[f"{name}_acc"] = sum(task["reward"](t, r) == 1.0 for t, r in zip(texts, rows)) / len(rows)
+        res[f"{name}_acc"] = (sum(task["reward"](t, r) == 1.0 for t, r in zip(texts, rows))
+                              / len(rows))
         res[f"{name}_valid"] = sum(well_formed(t, r) for t, r in zip(texts, rows)) / len(rows)
     return res
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Comparison [plumbing]: methods x seeds, each a full gmts.train run from the same starting model
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def plot_runs(runs: dict, png: str):
-    """runs: label -> list of run folders (seeds). Held-out accuracy and batch reward vs step, mean over seeds."""
+    """runs: label -> list of run folders (seeds). Held-out accuracy and batch reward vs step,
+    mean over seeds."""
     from matplotlib.figure import Figure  # no pyplot: an importing notebook keeps its own backend
 
     fig = Figure(figsize=(10, 3.6))
@@ -253,8 +287,10 @@ def plot_runs(runs: dict, png: str):
         for ax, key in zip(axes, ("eval_acc", "reward_mean")):
             series = [{r["step"]: r[key] for r in gmts.read_metrics(o) if key in r} for o in outs]
             steps = sorted(set.intersection(*(set(x) for x in series)))
-            ax.plot(steps, [sum(x[t] for x in series) / len(series) for t in steps], label=label, marker=".")
-            ax.set(xlabel="step", ylabel=key + (f" (mean of {len(outs)} seeds)" if len(outs) > 1 else ""))
+            ax.plot(steps, [sum(x[t] for x in series) / len(series) for t in steps], label=label,
+                    marker=".")
+            ax.set(xlabel="step",
+                   ylabel=key + (f" (mean of {len(outs)} seeds)" if len(outs) > 1 else ""))
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(png, dpi=90)
@@ -266,12 +302,13 @@ def _train_quietly(job: tuple) -> str:
     return gmts.train(cfg, log=lambda *a: None)
 
 def parse_arm(arm: str, flag: str = "--methods") -> tuple:
-    """An arm is a --select method, or METHOD@SCOPE with a --scope (gmts@batch: this project's whole-batch GMTS)
-    -> (method, scope or None); ValueError (one line) otherwise."""
+    """An arm is a --select method, or METHOD@SCOPE with a --scope (gmts@batch: this project's
+    whole-batch GMTS) -> (method, scope or None); ValueError (one line) otherwise."""
     method, _, scope = arm.partition("@")
     if method not in gmts.CHOICES["select"] or (scope and scope not in gmts.CHOICES["scope"]):
         raise ValueError(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
-                         f"{', '.join(gmts.CHOICES['select'])}; scopes: {', '.join(gmts.CHOICES['scope'])})")
+                         f"{', '.join(gmts.CHOICES['select'])}; "
+                         f"scopes: {', '.join(gmts.CHOICES['scope'])})")
     return method, scope or None
 
 def is_arm(name: str) -> bool:
@@ -287,19 +324,22 @@ def arm_fields(arm: str, cfg: gmts.Config) -> dict:
     return dict(select=method, scope=scope or cfg.scope)
 
 def arm_group_size(arm: str, cfg: gmts.Config) -> int:
-    """The scope an arm ranks in on cfg's batches, as gmts.selection_rule says: G (per group) or 0 (batch)."""
+    """The scope an arm ranks in on cfg's batches, as gmts.selection_rule says:
+    G (per group) or 0 (batch)."""
     return gmts.selection_rule(dataclasses.replace(cfg, **arm_fields(arm, cfg)))[1]
 
 def arm_style(arm: str) -> dict:
     """Plot style: a colour per method, a solid line for the group scope, dashed for the batch."""
     method = parse_arm(arm)[0]
     per_group = arm_group_size(arm, gmts.Config())
-    return dict(color=f"C{gmts.CHOICES['select'].index(method)}", linestyle="-" if per_group else "--")
+    return dict(color=f"C{gmts.CHOICES['select'].index(method)}",
+                linestyle="-" if per_group else "--")
 
 def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=print) -> dict:
-    """Each method with seeds cfg.seed, cfg.seed + 1, ... into OUT/<method>-s<seed>, all from cfg.model, in `workers`
-    processes (0: one per CPU core on a CPU, 1 on a GPU); two 1-thread processes beat one 2-thread one on 2 cores.
-    Writes OUT/compare.md and OUT/compare.png -> {method: [(eval_acc at step 0, final eval_acc) per seed]}."""
+    """Each method with seeds cfg.seed, cfg.seed + 1, ... into OUT/<method>-s<seed>, all from
+    cfg.model, in `workers` processes (0: one per CPU core on a CPU, 1 on a GPU); two 1-thread
+    processes beat one 2-thread one on 2 cores. Writes OUT/compare.md and OUT/compare.png
+    -> {method: [(eval_acc at step 0, final eval_acc) per seed]}."""
     for m in methods:
         parse_arm(m, "--methods")
     if not methods:
@@ -307,66 +347,83 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     if not 1 <= seeds <= 1000:
         raise ValueError(f"--seeds must be in [1, 1000], got {seeds}")
     if cfg.seed + seeds > 2**32:  # the runs' seeds must be ones a run (and its --resume) takes
-        raise ValueError(f"--seed {cfg.seed} and --seeds {seeds} give seeds past 2**32 - 1, the largest a run takes")
+        raise ValueError(f"--seed {cfg.seed} and --seeds {seeds} give seeds past 2**32 - 1, "
+                         "the largest a run takes")
     if len(set(methods)) < len(methods):  # two runs would write one folder
         raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
     if workers < 0:
         raise ValueError(f"--workers must be >= 0, got {workers}")
-    runs = [dataclasses.replace(cfg, **arm_fields(m, cfg), seed=s, out=os.path.join(cfg.out, f"{m}-s{s}"))
+    runs = [dataclasses.replace(cfg, **arm_fields(m, cfg), seed=s,
+                                out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
-    workers = workers or (torch.get_num_threads() if gmts.pick_device(cfg.device).type == "cpu" else 1)
+    workers = workers or (torch.get_num_threads()
+                          if gmts.pick_device(cfg.device).type == "cpu" else 1)
     workers = min(workers, len(runs))  # no idle processes
     threads = max(1, torch.get_num_threads() // workers)
     threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
     for c in runs:
         gmts.check_out(c.out, "gmts", c.model, cfg.overwrite)
-    gmts.check_out(cfg.out, "compare", cfg.model, cfg.overwrite, more=tuple(os.path.basename(c.out) for c in runs))
+    gmts.check_out(cfg.out, "compare", cfg.model, cfg.overwrite,
+                   more=tuple(os.path.basename(c.out) for c in runs))
     gmts.claim_out(cfg.out, "compare")
     log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
         f"{threads} thread(s) each, all from {cfg.model}")
     evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
     by_out = {c.out: c for c in runs}
-    # workers ignore SIGINT; leaving the with block for any reason (an interrupt, an error) terminates them
-    pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
+    # workers ignore SIGINT; leaving the with block for any reason
+    # (an interrupt, an error) terminates them
+    pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal,
+                                                     (signal.SIGINT, signal.SIG_IGN))
     with pool:
-        for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):  # a worker's error: raised
+        # a worker's error: raised
+        for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):
             c = by_out[out]
-            evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out) if "eval_acc" in r]
-            log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> {evals[c.out][-1][1]:.3f}")
+            evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out)
+                            if "eval_acc" in r]
+            log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> "
+                f"{evals[c.out][-1][1]:.3f}")
     arm_of = {c.out: os.path.basename(c.out).rpartition("-s")[0] for c in runs}
-    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m] for m in methods}
-    lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) | standard error of one "
-             f"accuracy (eval_size {cfg.eval_size}) | per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
+    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m]
+             for m in methods}
+    lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) | "
+             f"standard error of one accuracy (eval_size {cfg.eval_size}) | "
+             f"per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
              "|---|---|---|---|---|"]
     for m, v in table.items():
         fin = torch.tensor([b for _, b in v], dtype=torch.float64)
         p = float(fin.mean())
-        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | {p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
-                     f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | " + ", ".join(f"{b:.3f}" for _, b in v) + " |")
+        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | "
+                     f"{p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
+                     f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | "
+                     + ", ".join(f"{b:.3f}" for _, b in v) + " |")
     with open(os.path.join(cfg.out, "compare.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods}, os.path.join(cfg.out, "compare.png"))
+    plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods},
+              os.path.join(cfg.out, "compare.png"))
     log("\n".join(lines))
     return table
 
 
-PAIRS = (("gmts", "entropy"), ("gmts@batch", "entropy"), ("gmts", "gmts@batch"), ("gradnorm", "entropy"),
-         ("gmts", "gradnorm"), ("gmts", "all"))
-# Student's t, 0.975 quantile, by degrees of freedom (standard table values); above 30, the normal 1.960
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-        29: 2.045, 30: 2.042}
+PAIRS = (("gmts", "entropy"), ("gmts@batch", "entropy"), ("gmts", "gmts@batch"),
+         ("gradnorm", "entropy"), ("gmts", "gradnorm"), ("gmts", "all"))
+# Student's t, 0.975 quantile, by degrees of freedom (standard table values);
+# above 30, the normal 1.960
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+        10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+        18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
+        26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
 
 def ci95(v: list) -> tuple:
-    """The 95% interval of the mean by Student's t over len(v) values (paired seeds): mean -+ t * SE."""
+    """The 95% interval of the mean by Student's t over len(v) values (paired seeds):
+    mean -+ t * SE."""
     mean = sum(v) / len(v)
     half = T975.get(len(v) - 1, 1.960) * _se(v)
     return mean - half, mean + half
 
 def finished_runs(folder: str) -> dict:
-    """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder (METHOD-sSEED folders whose
-    last eval_acc is at the run's last step). A run still going or stopped early is left out."""
+    """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder
+    (METHOD-sSEED folders whose last eval_acc is at the run's last step). A run still going or
+    stopped early is left out."""
     runs = collections.defaultdict(dict)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         method, _, seed = name.rpartition("-s")
@@ -385,15 +442,18 @@ def final_truncated(folder: str, runs: dict) -> dict:
     for m, by_seed in runs.items():
         out[m] = {}
         for seed in by_seed:
-            recs = [r for r in gmts.read_metrics(os.path.join(folder, f"{m}-s{seed}")) if "truncated_frac" in r]
+            recs = [r for r in gmts.read_metrics(os.path.join(folder, f"{m}-s{seed}"))
+                    if "truncated_frac" in r]
             out[m][seed] = recs[-1]["truncated_frac"] if recs else math.nan
     return out
 
 def report_tables(runs: dict, truncated: dict = None) -> str:
-    """Markdown: final held-out accuracy per method (mean +- std, SE of the mean over seeds, per seed; with
-    `truncated`, each run's final truncated_frac), then the paired differences by seed over the seeds both
-    methods finished: mean +- SE and the 95% t interval; a difference counts only if that interval excludes 0."""
-    lines = ["| method | seeds | eval_acc at step 0 | final eval_acc, mean +- std | SE of the mean | per seed |",
+    """Markdown: final held-out accuracy per method (mean +- std, SE of the mean over seeds, per
+    seed; with `truncated`, each run's final truncated_frac), then the paired differences by seed
+    over the seeds both methods finished: mean +- SE and the 95% t interval; a difference counts
+    only if that interval excludes 0."""
+    lines = ["| method | seeds | eval_acc at step 0 | final eval_acc, mean +- std | SE of the mean "
+             "| per seed |",
              "|---|---|---|---|---|---|"]
     for m, by_seed in runs.items():
         fin = [c[-1][1] for c in by_seed.values()]
@@ -403,9 +463,10 @@ def report_tables(runs: dict, truncated: dict = None) -> str:
             cells.append(f"s{s} {c[-1][1]:.3f}")
             if truncated:
                 cells[-1] += f" (trunc {truncated[m][s]:.2f})"
-        lines.append(f"| {m} | {len(fin)} | {_mean([c[0][1] for c in by_seed.values()])[0]:.3f} | {mean:.3f} +- "
-                     f"{std:.3f} | {_se(fin):.3f} | " + ", ".join(cells) + " |")
-    lines += ["", "| paired by seed | seeds | mean difference +- SE | 95% interval (t) | excludes 0 | per seed |",
+        lines.append(f"| {m} | {len(fin)} | {_mean([c[0][1] for c in by_seed.values()])[0]:.3f} | "
+                     f"{mean:.3f} +- {std:.3f} | {_se(fin):.3f} | " + ", ".join(cells) + " |")
+    lines += ["", "| paired by seed | seeds | mean difference +- SE | 95% interval (t) "
+                  "| excludes 0 | per seed |",
               "|---|---|---|---|---|---|"]
     for a, b in PAIRS:
         seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
@@ -413,45 +474,53 @@ def report_tables(runs: dict, truncated: dict = None) -> str:
         if len(d) < 2:
             continue
         lo, hi = ci95(d)
-        lines.append(f"| {a} - {b} | {len(d)} | {_mean(d)[0]:+.3f} +- {_se(d):.3f} | [{lo:+.3f}, {hi:+.3f}] | "
-                     f"{'yes' if lo > 0 or hi < 0 else 'no'} | " + ", ".join(f"{x:+.3f}" for x in d) + " |")
+        lines.append(f"| {a} - {b} | {len(d)} | {_mean(d)[0]:+.3f} +- {_se(d):.3f} | "
+                     f"[{lo:+.3f}, {hi:+.3f}] | {'yes' if lo > 0 or hi < 0 else 'no'} | "
+                     + ", ".join(f"{x:+.3f}" for x in d) + " |")
     return "\n".join(lines)
 
 def _se(v: list) -> float:
     """Standard error of the mean: sample std (n - 1) / sqrt(n); NaN for fewer than 2 values."""
-    return float(torch.tensor(v, dtype=torch.float64).std() / math.sqrt(len(v))) if len(v) > 1 else math.nan
+    return (float(torch.tensor(v, dtype=torch.float64).std() / math.sqrt(len(v))) if len(v) > 1
+            else math.nan)
 
 def fixed_guess_line(folder: str, runs: dict) -> float:
-    """best_fixed_guess_acc on each seed's held-out rows (from its runs' run_config.json), mean over the seeds; NaN
-    unless the data is --data easy."""
+    """best_fixed_guess_acc on each seed's held-out rows (from its runs' run_config.json), mean over
+    the seeds; NaN unless the data is --data easy."""
     accs = []
     for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
         m = next(m for m, by_seed in runs.items() if seed in by_seed)
         saved = gmts.read_run_config(os.path.join(folder, f"{m}-s{seed}"))
-        cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size") if k in saved})
+        cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size")
+                             if k in saved})
         if cfg.data != "easy":
-            return math.nan  # the easy variants' content is a sign pattern, an operation, a role pattern
+            # the easy variants' content is a sign pattern, an operation, a role pattern
+            return math.nan
         accs.append(best_fixed_guess_acc(cfg.task, gmts.read_data(cfg).held))
     return sum(accs) / len(accs) if accs else math.nan
 
 def plot_curves(ax, runs: dict, title: str, fixed: float = math.nan):
-    """Mean held-out accuracy vs step per method, a band of +- one std over seeds (steps every seed logged); a
-    dashed line at `fixed`, what the best content that ignores the prompt gets."""
+    """Mean held-out accuracy vs step per method, a band of +- one std over seeds (steps every seed
+    logged); a dashed line at `fixed`, what the best content that ignores the prompt gets."""
     for m, by_seed in runs.items():
         steps = sorted(set.intersection(*(set(s for s, _ in c) for c in by_seed.values())))
-        acc = torch.tensor([[dict(c)[t] for t in steps] for c in by_seed.values()], dtype=torch.float64)  # (seeds, T)
+        acc = torch.tensor([[dict(c)[t] for t in steps] for c in by_seed.values()],
+                           dtype=torch.float64)  # (seeds, T)
         mean, std = acc.mean(0), acc.std(0, unbiased=False)
+        # one colour per method in every panel, a line style per scope
         line, = ax.plot(steps, mean.tolist(), marker=".", label=f"{m} ({len(by_seed)} seeds)",
-                        **arm_style(m))  # one colour per method in every panel, a line style per scope
-        ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(), alpha=0.15)
+                        **arm_style(m))
+        ax.fill_between(steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(),
+                        alpha=0.15)
     if not math.isnan(fixed):
-        ax.axhline(fixed, color="gray", linestyle="--", linewidth=1, label=f"best fixed content ({fixed:.3f})")
+        ax.axhline(fixed, color="gray", linestyle="--", linewidth=1,
+                   label=f"best fixed content ({fixed:.3f})")
     ax.set(title=title, xlabel="step", ylabel="held-out greedy accuracy")
     ax.legend(fontsize=8)
 
 def report(panels: dict, png: str, log=print) -> dict:
-    """panels: title -> a compare --out folder. Prints each folder's tables; one figure with a panel per folder
-    (mean and +- std band over seeds per method)."""
+    """panels: title -> a compare --out folder. Prints each folder's tables; one figure with a panel
+    per folder (mean and +- std band over seeds per method)."""
     from matplotlib.figure import Figure
 
     runs = {title: finished_runs(folder) for title, folder in panels.items()}
@@ -461,8 +530,8 @@ def report(panels: dict, png: str, log=print) -> dict:
             raise ValueError(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
         fixed = fixed_guess_line(panels[title], r)
         tables = report_tables(r, final_truncated(panels[title], r))
-        log(f"## {title} ({panels[title]})\n\n{tables}\n\nbest fixed content on the held-out rows (mean over seeds): "
-            f"{fixed:.3f}\n")
+        log(f"## {title} ({panels[title]})\n\n{tables}\n\n"
+            f"best fixed content on the held-out rows (mean over seeds): {fixed:.3f}\n")
         plot_curves(ax, r, title, fixed)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
@@ -470,31 +539,35 @@ def report(panels: dict, png: str, log=print) -> dict:
     return runs
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Analysis [paper: the claim] what does the kept tokens' gradient keep of the whole batch's, and does |H * omega|
-# rank tokens by their true gradient norm better than H does?
-# ---------------------------------------------------------------------------------------------------------------
-ANALYZED = ("random", "entropy", "gmts", "gradnorm")  # each at its default scope (gmts.selection_rule)
+# --------------------------------------------------------------------------------------------------
+# Analysis [paper: the claim] what does the kept tokens' gradient keep of the whole batch's, and
+# does |H * omega| rank tokens by their true gradient norm better than H does?
+# --------------------------------------------------------------------------------------------------
+# each at its default scope (gmts.selection_rule)
+ANALYZED = ("random", "entropy", "gmts", "gradnorm")
 
 def flat_grad(model) -> torch.Tensor:
     """Every parameter's .grad (zeros where None) as one fp64 vector, (P,)."""
-    return torch.cat([p.grad.flatten().double() if p.grad is not None else torch.zeros(p.numel(), dtype=torch.float64,
-                      device=p.device) for p in model.parameters()])
+    return torch.cat([p.grad.flatten().double() if p.grad is not None
+                      else torch.zeros(p.numel(), dtype=torch.float64, device=p.device)
+                      for p in model.parameters()])
 
 def gradient_retention(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, methods=ANALYZED,
                        seed: int = 0) -> dict:
-    """{arm: (cos(g_S, g_all), |g_S| / |g_all|, low-|A| share)} on one batch at cfg.rho, on-policy (ratio = 1).
-    An arm is a method at its default scope or METHOD@SCOPE (parse_arm).
+    """{arm: (cos(g_S, g_all), |g_S| / |g_all|, low-|A| share)} on one batch at cfg.rho, on-policy
+    (ratio = 1). An arm is a method at its default scope or METHOD@SCOPE (parse_arm).
 
-    g_S is the parameter gradient of the kept tokens' loss, g_all that of every valid token's, both with
-    --loss-norm's weights of the full batch (selected: the valid count), so that selection is a pure masking of one
-    sum; omega is that loss's (gmts.omega). Tokens add and cancel, so this is what an update keeps, not a per-token
-    ranking. The low-|A| share: of the kept tokens, those in groups whose mean |A| is below the median over the
-    batch's informative groups (a group whose A is 0 everywhere is below it). NaN where g_all is 0 (every A = 0)."""
+    g_S is the parameter gradient of the kept tokens' loss, g_all that of every valid token's, both
+    with --loss-norm's weights of the full batch (selected: the valid count), so that selection is a
+    pure masking of one sum; omega is that loss's (gmts.omega). Tokens add and cancel, so this is
+    what an update keeps, not a per-token ranking. The low-|A| share: of the kept tokens, those in
+    groups whose mean |A| is below the median over the batch's informative groups (a group whose A
+    is 0 everywhere is below it). NaN where g_all is 0 (every A = 0)."""
     return retention_at(model, batch, adv, cfg, (cfg.rho,), methods, seed)[cfg.rho]
 
 def low_adv_rows(adv: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N,) bool: the answers of the groups whose mean |A| is below the median over the informative groups."""
+    """(N,) bool: the answers of the groups whose mean |A| is below the median over the
+    informative groups."""
     group_abs = adv.abs().view(-1, group_size).mean(1)  # (B,)
     live = group_abs > 0
     if not live.any():
@@ -504,8 +577,9 @@ def low_adv_rows(adv: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, methods=ANALYZED,
                  seed: int = 0) -> dict:
-    """gradient_retention at each rho of rhos -> {rho: {arm: (cos, ratio, low)}}. The token statistics and g_all are
-    computed once; random draws the same scores at every rho (its kept sets are nested, as the others')."""
+    """gradient_retention at each rho of rhos -> {rho: {arm: (cos, ratio, low)}}. The token
+    statistics and g_all are computed once; random draws the same scores at every rho (its kept sets
+    are nested, as the others')."""
     mask = batch["resp_mask"]  # (N, T)
     logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
                                                     cfg.stats_chunk)
@@ -533,7 +607,8 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
                 res[rho][arm] = (math.nan, math.nan, math.nan)
                 continue
             method = parse_arm(arm)[0]
-            keep, group_size = gmts.selection_rule(dataclasses.replace(cfg, rho=rho, **arm_fields(arm, cfg)))
+            keep, group_size = gmts.selection_rule(
+                dataclasses.replace(cfg, rho=rho, **arm_fields(arm, cfg)))
             nonzero = not gmts.METHODS[method].zero_kept
             sel = gmts.select_tokens(scores[arm], mask, keep, nonzero, group_size)
             g = grad(sel)
@@ -544,12 +619,14 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     return res
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman rank correlation with average ranks for ties; NaN when either side is constant. (n,), (n,) -> float"""
+    """Spearman rank correlation with average ranks for ties; NaN when either side is constant.
+    (n,), (n,) -> float"""
     def ranks(x):
         r = torch.empty(len(x), dtype=torch.float64)
         r[x.argsort()] = torch.arange(len(x), dtype=torch.float64)
         _, inv = torch.unique(x, return_inverse=True)
-        return (torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, r) / inv.bincount())[inv]
+        return (torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(0, inv, r)
+                / inv.bincount())[inv]
     if len(a) < 3:
         return float("nan")
     ra, rb = ranks(a.double().cpu()), ranks(b.double().cpu())
@@ -559,8 +636,9 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def param_grad_norms(model, batch: dict, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
                      temperature: float = 1.0) -> torch.Tensor:
-    """TRUE per-token gradient norm w.r.t. all parameters, ||d l_t / d theta|| = |A_i| * ||d logp_t / d theta||
-    (on-policy: ratio = 1, omega = A), by one autograd backward per token. rows, cols (K,) index tokens -> (K,)."""
+    """TRUE per-token gradient norm w.r.t. all parameters,
+    ||d l_t / d theta|| = |A_i| * ||d logp_t / d theta|| (on-policy: ratio = 1, omega = A), by one
+    autograd backward per token. rows, cols (K,) index tokens -> (K,)."""
     params = [p for p in model.parameters() if p.requires_grad]
     head = model.get_output_embeddings()
     uniq, where = torch.unique(rows, return_inverse=True)
@@ -591,11 +669,13 @@ def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max
         cols += take.tolist()
         if len(rows) >= max_tokens:
             break
-    rows, cols = torch.tensor(rows[:max_tokens], dtype=torch.long), torch.tensor(cols[:max_tokens], dtype=torch.long)
+    rows, cols = (torch.tensor(rows[:max_tokens], dtype=torch.long),
+                  torch.tensor(cols[:max_tokens], dtype=torch.long))
     om = adv[:, None].expand_as(entropy)  # omega = A on-policy
     r_, c_ = rows.to(entropy.device), cols.to(entropy.device)
     targets = dict(logit=(om.abs() * dz_norm)[r_, c_].cpu(),
-                   param=param_grad_norms(model, batch, adv, r_, c_, temperature) if len(rows) else torch.zeros(0))
+                   param=(param_grad_norms(model, batch, adv, r_, c_, temperature) if len(rows)
+                          else torch.zeros(0)))
     res = {}
     for m in ANALYZED:
         s = gmts.token_scores(m, entropy, dz_norm, om, g)[r_, c_].cpu()
@@ -607,17 +687,20 @@ def ranking_study(model, batch: dict, adv: torch.Tensor, temperature: float, max
     return res
 
 def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key) -> list:
-    """Steps 1-4 of gmts.train with dynamic sampling: rollout batches [(batch, rewards, adv), ...] of B prompts
-    each, until B groups have unequal rewards or cfg.max_resample batches are drawn. parts[0] is the raw batch."""
+    """Steps 1-4 of gmts.train with dynamic sampling: rollout batches [(batch, rewards, adv), ...]
+    of B prompts each, until B groups have unequal rewards or cfg.max_resample batches are drawn.
+    parts[0] is the raw batch."""
     B, G, parts = cfg.prompts_per_step, cfg.group_size, []
     while len(parts) < cfg.max_resample:
         rows = draw(B, key, len(parts))
         prompts = gmts.build_prompts(tok, task, rows, chat, cfg.short_prompt, cfg.prompt_style)
         batch = gmts.rollout(model, tok, prompts, G,
                              cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-        rewards = torch.tensor([task["reward"](t, r) for t, r in zip(batch["texts"], [r for r in rows for _ in
-                                                                                       range(G)])])  # (N,)
-        adv = gmts.group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
+        # (N,) each: the rewards and the advantages
+        rewards = torch.tensor([task["reward"](t, r)
+                                for t, r in zip(batch["texts"],
+                                                [r for r in rows for _ in range(G)])])
+        adv = gmts.group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)
         parts.append((batch, rewards, adv))
         if sum(int(gmts.informative(r, G).sum()) for _, r, _ in parts) >= B:
             break
@@ -626,7 +709,8 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
 SPEARMAN_COLS = ("logit_within", "logit_batch", "param_within", "param_batch")
 
 def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
-    """What analyze and retention_curve share: OUT claimed, the model loaded -> (model, tok, task, draw, chat)."""
+    """What analyze and retention_curve share: OUT claimed, the model loaded
+    -> (model, tok, task, draw, chat)."""
     if batches < 1:
         raise ValueError(f"--batches must be >= 1, got {batches}")
     gmts.check_out(cfg.out, "analyze", cfg.model, cfg.overwrite, more=more)
@@ -639,14 +723,15 @@ def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
     return model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)
 
 def _nothing_to_analyse(cfg: gmts.Config, batches: int):
-    return gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers earn one reward "
-                         f"(A = 0 everywhere); {cfg.model} earns no signal on these problems")
+    return gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers "
+                         f"earn one reward (A = 0 everywhere); {cfg.model} earns no signal on "
+                         "these problems")
 
 def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
-    """Roll out `batches` batches from cfg.model and print one table: per arm, cos(g_S, g_all) and |g_S|/|g_all|
-    (mean +- std over batches) on the raw batch (filter off) and on its dynamic-sampling version (filter on:
-    informative groups only, more drawn as in train), and the ranking study of its method on the raw batch.
-    OUT/analysis.json."""
+    """Roll out `batches` batches from cfg.model and print one table: per arm, cos(g_S, g_all) and
+    |g_S|/|g_all| (mean +- std over batches) on the raw batch (filter off) and on its
+    dynamic-sampling version (filter on: informative groups only, more drawn as in train), and the
+    ranking study of its method on the raw batch. OUT/analysis.json."""
     model, tok, task, draw, chat = _analysis_start(cfg, batches)
     acc = collections.defaultdict(list)
     for b in range(batches):
@@ -656,15 +741,18 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
         on = gmts.filter_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
         # filter_groups fills up with dead groups
         live = int(gmts.informative(on[1], cfg.group_size).sum())
-        log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, {int((raw[2] == 0).sum())}/{len(raw[2])} answers "
-            f"with A = 0; filter on: {len(parts)} rollout batch(es), {live} informative groups")
+        log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, "
+            f"{int((raw[2] == 0).sum())}/{len(raw[2])} answers with A = 0; "
+            f"filter on: {len(parts)} rollout batch(es), {live} informative groups")
         if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks
             continue
         for name, (batch, _, adv) in (("off", raw), ("on", on)):
-            for m, (cos, ratio, _) in gradient_retention(model, batch, adv, cfg, arms, seed=cfg.seed + b).items():
+            for m, (cos, ratio, _) in gradient_retention(model, batch, adv, cfg, arms,
+                                                         seed=cfg.seed + b).items():
                 acc[f"{m}/cos_{name}"].append(cos)
                 acc[f"{m}/ratio_{name}"].append(ratio)
-        for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature, seed=cfg.seed + b).items():
+        for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature,
+                                       seed=cfg.seed + b).items():
             acc[f"{m}/{c}"].append(v)
     if not acc:
         raise _nothing_to_analyse(cfg, batches)
@@ -686,21 +774,23 @@ def parse_rhos(text: str) -> list:
     return sorted(set(rhos))
 
 def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=ANALYZED) -> dict:
-    """The kept-gradient curve: on `batches` raw rollout batches of cfg.model (filter off, as the comparison grid;
-    the batches of analyze), cos(g_S, g_all), |g_S|/|g_all| and the low-|A| share (gradient_retention) per rho and
-    arm -> {rho: {arm: {"cos": [...], "ratio": [...], "low": [...]}}}, one value per batch. Prints the tables and
-    writes OUT/retention.json."""
+    """The kept-gradient curve: on `batches` raw rollout batches of cfg.model (filter off, as the
+    comparison grid; the batches of analyze), cos(g_S, g_all), |g_S|/|g_all| and the low-|A| share
+    (gradient_retention) per rho and arm
+    -> {rho: {arm: {"cos": [...], "ratio": [...], "low": [...]}}}, one value per batch. Prints the
+    tables and writes OUT/retention.json."""
     model, tok, task, draw, chat = _analysis_start(cfg, batches, more=("retention.json",))
     one = dataclasses.replace(cfg, max_resample=1)  # the raw batch only
     res = {r: {m: {"cos": [], "ratio": [], "low": []} for m in arms} for r in rhos}
     for b in range(batches):
         gmts.set_seed(cfg.seed * 1_000_003 + b)
         batch, rewards, adv = sample_parts(model, tok, task, draw, chat, one, ("analyze", b))[0]
-        log(f"batch {b + 1}/{batches}: reward {rewards.mean():.3f}, {int((adv == 0).sum())}/{len(adv)} answers "
-            f"with A = 0")
+        log(f"batch {b + 1}/{batches}: reward {rewards.mean():.3f}, "
+            f"{int((adv == 0).sum())}/{len(adv)} answers with A = 0")
         if not (adv != 0).any():  # no gradient to compare
             continue
-        for r, by_arm in retention_at(model, batch, adv, cfg, rhos, arms, seed=cfg.seed + b).items():
+        for r, by_arm in retention_at(model, batch, adv, cfg, rhos, arms,
+                                      seed=cfg.seed + b).items():
             for m, (cos, ratio, low) in by_arm.items():
                 res[r][m]["cos"].append(cos)
                 res[r][m]["ratio"].append(ratio)
@@ -709,19 +799,21 @@ def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=
         raise _nothing_to_analyse(cfg, batches)
     log(retention_table(res))
     os.makedirs(cfg.out, exist_ok=True)
-    gmts.write_file(os.path.join(cfg.out, "retention.json"), json.dumps({str(r): v for r, v in res.items()}, indent=1))
+    gmts.write_file(os.path.join(cfg.out, "retention.json"),
+                    json.dumps({str(r): v for r, v in res.items()}, indent=1))
     return res
 
 RETAINED = {"cos": "cos(g_S, g_all)", "ratio": "\\|g_S\\|/\\|g_all\\|",
             "low": "share of kept tokens in low-\\|A\\| groups"}
 
 def retention_table(res: dict) -> str:
-    """Markdown: per quantity of RETAINED that res holds, a table with a row per rho and a column per arm (mean +-
-    population std over batches)."""
+    """Markdown: per quantity of RETAINED that res holds, a table with a row per rho and a column
+    per arm (mean +- population std over batches)."""
     arms = list(next(iter(res.values())))
     tables = []
     for key, title in RETAINED.items():
-        if key not in res[next(iter(res))][arms[0]]:  # a curve of an earlier version: no low-|A| share
+        # a curve of an earlier version: no low-|A| share
+        if key not in res[next(iter(res))][arms[0]]:
             continue
         lines = [f"| rho: {title} | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
         for r, by_arm in res.items():
@@ -731,19 +823,21 @@ def retention_table(res: dict) -> str:
     return "\n\n".join(tables)
 
 def read_retention(folder: str) -> dict:
-    """retention_curve's result from OUT/retention.json -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}."""
+    """retention_curve's result from OUT/retention.json
+    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}."""
     path = os.path.join(folder, "retention.json")
     try:
         with open(path) as f:
             res = {float(r): v for r, v in json.load(f).items()}
     except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path}: not a retention curve of analyze --rhos ({type(e).__name__})") from None
+        raise ValueError(f"{path}: not a retention curve of analyze --rhos "
+                         f"({type(e).__name__})") from None
     return dict(sorted(res.items()))
 
 def retention(panels: dict, png: str, log=print) -> dict:
-    """panels: title -> an analyze --rhos folder. Prints each folder's table; one figure, a panel per folder:
-    cos(g_S, g_all) vs rho (log axis), a line per arm with a +- std bar over batches (arm_style: a colour per method,
-    solid for the group scope, dashed for the batch)."""
+    """panels: title -> an analyze --rhos folder. Prints each folder's table; one figure, a panel
+    per folder: cos(g_S, g_all) vs rho (log axis), a line per arm with a +- std bar over batches
+    (arm_style: a colour per method, solid for the group scope, dashed for the batch)."""
     from matplotlib.figure import Figure
 
     curves = {title: read_retention(folder) for title, folder in panels.items()}
@@ -753,8 +847,8 @@ def retention(panels: dict, png: str, log=print) -> dict:
         rhos = list(res)
         for m in next(iter(res.values())):
             stats = [_mean(res[r][m]["cos"]) for r in rhos]
-            ax.errorbar(rhos, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=".", capsize=2, label=m,
-                        **arm_style(m))  # the styles of report's panels
+            ax.errorbar(rhos, [s[0] for s in stats], yerr=[s[1] for s in stats], marker=".",
+                        capsize=2, label=m, **arm_style(m))  # the styles of report's panels
         ax.set_xscale("log")
         ax.set(title=title, xlabel="rho (share of tokens kept)", ylabel="cos(g_S, g_all)")
         ax.legend(fontsize=8)
@@ -769,47 +863,61 @@ def _mean(v: list) -> tuple:
     return (float(x.mean()), float(x.std(unbiased=False))) if len(x) else (math.nan, math.nan)
 
 def analysis_table(res: dict, arms=ANALYZED) -> str:
-    """The markdown table of analyze's result, a row per arm (its method's Spearman cells). gradnorm's score IS the
-    logit-gradient norm: those cells are 1 by construction, labelled as the identity, not a finding."""
-    head = ("| score | cos(g_S, g_all) filter off | \\|g_S\\|/\\|g_all\\| filter off | cos(g_S, g_all) filter on | "
-            "\\|g_S\\|/\\|g_all\\| filter on | Spearman vs logit-grad norm, within answers | same, batch (A != 0) | "
+    """The markdown table of analyze's result, a row per arm (its method's Spearman cells).
+    gradnorm's score IS the logit-gradient norm: those cells are 1 by construction, labelled as the
+    identity, not a finding."""
+    head = ("| score | cos(g_S, g_all) filter off | \\|g_S\\|/\\|g_all\\| filter off | "
+            "cos(g_S, g_all) filter on | \\|g_S\\|/\\|g_all\\| filter on | "
+            "Spearman vs logit-grad norm, within answers | same, batch (A != 0) | "
             "Spearman vs param-grad norm, within answers | same, batch (A != 0) |")
     lines = [head, "|---" * 9 + "|"]
     for arm in arms:
         m = parse_arm(arm)[0]
         cells = ["{:.3f} +- {:.3f}".format(*_mean(res[f"{arm}/{k}_{f}"])) for f in ("off", "on")
                  for k in ("cos", "ratio")]
-        cells += ["1 (identity)" if m == "gradnorm" and c.startswith("logit") else f"{res[f'{m}/{c}']:.3f}"
+        cells += ["1 (identity)" if m == "gradnorm" and c.startswith("logit")
+                  else f"{res[f'{m}/{c}']:.3f}"
                   for c in SPEARMAN_COLS]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CLI [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare", "batches": "analyze", "rhos": "analyze",
-             "arms": "analyze"}
+OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare",
+             "batches": "analyze", "rhos": "analyze", "arms": "analyze"}
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="gmts_lab.py", description="The experiments around gmts.py (see the module "
-                                "docstring); flags not listed here go to gmts.py's parser.",
-                                allow_abbrev=False)  # else --seed would be read as an abbreviation of --seeds
+    # allow_abbrev=False: else --seed would be read as an abbreviation of --seeds
+    p = argparse.ArgumentParser(prog="gmts_lab.py",
+                                description="The experiments around gmts.py (see the module "
+                                            "docstring); flags not listed here go to "
+                                            "gmts.py's parser.",
+                                allow_abbrev=False)
     p.error = gmts.die
-    p.add_argument("command", choices=["warm", "compare", "analyze", "decoy", "report", "retention"])
-    p.add_argument("--methods", default="all,entropy,gmts", help="compare: comma list of --select methods, each "
-                   "maybe METHOD@SCOPE (gmts@batch)")
+    p.add_argument("command",
+                   choices=["warm", "compare", "analyze", "decoy", "report", "retention"])
+    p.add_argument("--methods", default="all,entropy,gmts",
+                   help="compare: comma list of --select methods, each maybe METHOD@SCOPE "
+                        "(gmts@batch)")
     p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
-    p.add_argument("--workers", type=int, default=0, help="compare: parallel processes (0: one per CPU core)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="compare: parallel processes (0: one per CPU core)")
     p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
-    p.add_argument("--rhos", default="", help="analyze: a comma list of rho values: the kept-gradient curve "
-                   "(OUT/retention.json) instead of the one-rho table")
-    p.add_argument("--arms", default=",".join(ANALYZED), help="analyze: comma list of METHOD or METHOD@SCOPE "
-                   "(gmts@batch: the whole-batch variant); a method alone ranks at --scope (auto: its default)")
-    with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
+    p.add_argument("--rhos", default="",
+                   help="analyze: a comma list of rho values: the kept-gradient curve "
+                        "(OUT/retention.json) instead of the one-rho table")
+    p.add_argument("--arms", default=",".join(ANALYZED),
+                   help="analyze: comma list of METHOD or METHOD@SCOPE (gmts@batch: the "
+                        "whole-batch variant); a method alone ranks at --scope "
+                        "(auto: its default)")
+    # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
+    with gmts.handling_signals():
         lab, rest = p.parse_known_args(argv)
-        for flag, command in OWN_FLAGS.items():  # a flag another command reads would be ignored in silence
+        # a flag another command reads would be ignored in silence
+        for flag, command in OWN_FLAGS.items():
             if getattr(lab, flag) != p.get_default(flag) and lab.command != command:
                 p.error(f"--{flag} is {command}'s flag; {lab.command} does not read it")
         return _main(lab, rest)
@@ -819,31 +927,35 @@ def _main(lab, rest):
         if lab.command == "warm":
             w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
             w.error = gmts.die
-            w.add_argument("--task", default="countdown", choices=sorted(WARM), help="the warm start to build")
-            w.add_argument("--out", default=None, help="folder for the model and tokenizer (default: warm/cpu, "
-                           "warm/math or warm/logic)")
+            w.add_argument("--task", default="countdown", choices=sorted(WARM),
+                           help="the warm start to build")
+            w.add_argument("--out", default=None,
+                           help="folder for the model and tokenizer "
+                                "(default: warm/cpu, warm/math or warm/logic)")
             a = w.parse_args(rest)
             out = a.out or WARM[a.task]["out"]
-            gmts.check_out(out, "warm", overwrite=True)  # an empty folder, or a warm start this command made
+            # an empty folder, or a warm start this command made
+            gmts.check_out(out, "warm", overwrite=True)
             gmts.claim_out(out, "warm")
             model, tok = warm_start(out, a.task)
             cfg = warm_config(a.task)
             rows = gmts.read_data(cfg).held
-            chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, the best fixed content "
-                      f"{best_fixed_guess_acc(a.task, rows):.3f}")
+            chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, "
+                      f"the best fixed content {best_fixed_guess_acc(a.task, rows):.3f}")
             if a.task == "countdown":
-                ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
-                                cfg.max_new_tokens)
-                gmts.say(f"saved {out} | held-out (the preset's, seed 0): acc {ev['real_acc']:.3f} ({chance}), "
-                         f"well-formed {ev['real_valid']:.3f}; another problem's target shown: acc "
-                         f"{ev['decoy_acc']:.3f}")
+                ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template),
+                                cfg.short_prompt, cfg.max_new_tokens)
+                gmts.say(f"saved {out} | held-out (the preset's, seed 0): "
+                         f"acc {ev['real_acc']:.3f} ({chance}), "
+                         f"well-formed {ev['real_valid']:.3f}; "
+                         f"another problem's target shown: acc {ev['decoy_acc']:.3f}")
                 return
             t = gmts.get_task(a.task)
-            texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
-                                 cfg.max_new_tokens)
+            texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template),
+                                 cfg.short_prompt, cfg.max_new_tokens)
             acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
-            gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): acc {acc:.3f} "
-                     f"({chance}); sample: {texts[0][:100]!r}")
+            gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): "
+                     f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
             return
         if lab.command in ("report", "retention"):
             what = "a compare --out" if lab.command == "report" else "an analyze --rhos --out"
@@ -854,38 +966,46 @@ def _main(lab, rest):
             a = r.parse_args(rest)
             if not all("=" in x for x in a.panels):
                 raise ValueError(f"{lab.command} takes TITLE=FOLDER arguments, e.g. math=out/math")
-            if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write a.png + ".png"
-                raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{lab.command}.png")
+            # savefig would write a.png + ".png"
+            if os.path.isdir(a.png) or not a.png.endswith(".png"):
+                raise ValueError(f"--png {a.png!r} must name a .png file, "
+                                 f"e.g. docs/{lab.command}.png")
             panels = dict(x.split("=", 1) for x in a.panels)
             if len(panels) < len(a.panels):  # a title given twice would draw one panel
                 raise ValueError(f"{lab.command}: each TITLE=FOLDER needs a title of its own")
             return (report if lab.command == "report" else retention)(panels, a.png, log=gmts.say)
         cfg = gmts.parse_args(rest)
         gmts.check_config(cfg, writes=lab.command != "decoy")  # decoy writes nothing
-        if lab.command == "compare":  # say: a closed stdout (| head -1) stops the printing, not the grid
+        if lab.command == "compare":
             methods = [m.strip() for m in lab.methods.split(",") if m.strip()]
+            # say: a closed stdout (| head -1) stops the printing, not the grid
             return compare(cfg, methods, lab.seeds, lab.workers, log=gmts.say)
         arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
-        for arm in arms or [","]:  # none: one line, as a malformed arm; the one-rho table scores ANALYZED only
+        # none: one line, as a malformed arm; the one-rho table scores ANALYZED only
+        for arm in arms or [","]:
             if parse_arm(arm, "--arms")[0] not in ANALYZED and not lab.rhos:
                 raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
                                  f"({', '.join(ANALYZED)}; with --rhos: any)")
         if lab.command == "analyze" and lab.rhos:
             return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), log=gmts.say, arms=arms)
-        return analyze(cfg, lab.batches, log=gmts.say, arms=arms) if lab.command == "analyze" else decoy_main(cfg)
+        return (analyze(cfg, lab.batches, log=gmts.say, arms=arms) if lab.command == "analyze"
+                else decoy_main(cfg))
     except KeyboardInterrupt:
         gmts.die("interrupted", 130)
-    except Exception as e:  # memory; bad input; a model that cannot be loaded, a full disk, nothing to analyse
+    except Exception as e:
+        # memory; bad input; a model that cannot be loaded, a full disk, nothing to analyse
         gmts.fail(e)
     finally:
         gmts.release_all()
 
 def decoy_main(cfg: gmts.Config):
-    """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json), else the flags'."""
+    """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json),
+    else the flags'."""
     if os.path.isfile(os.path.join(cfg.model, "run_config.json")):
         saved = gmts.read_run_config(cfg.model)
-        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in ("task", "data", "seed", "eval_size", "short_prompt",
-                                                                 "chat_template", "max_new_tokens") if k in saved})
+        cfg = dataclasses.replace(cfg, **{
+            k: saved[k] for k in ("task", "data", "seed", "eval_size", "short_prompt",
+                                  "chat_template", "max_new_tokens") if k in saved})
         try:  # a hand-edited run_config.json can hold any value
             gmts.check_config(cfg, writes=False)
         except ValueError as e:
@@ -895,15 +1015,20 @@ def decoy_main(cfg: gmts.Config):
     if cfg.eval_data:  # its table is of held-out rows and their targets
         raise ValueError("decoy scores the held-out rows of --data (--eval-size), not "
                          "--eval-data's sets; leave --eval-data out")
-    model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+    model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden,
+                                 cfg.tiny_layers, cfg.seed)
     rows = gmts.read_data(cfg).held
-    ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt, cfg.max_new_tokens)
-    gmts.say(f"| model | held-out greedy acc | same, other targets shown | read from the target | well-formed |\n"
-             f"|---|---|---|---|---|\n| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
-             f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | {ev['real_valid']:.3f} |")
+    ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
+                    cfg.max_new_tokens)
+    gmts.say(f"| model | held-out greedy acc | same, other targets shown | read from the target | "
+             f"well-formed |\n|---|---|---|---|---|\n"
+             f"| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
+             f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | "
+             f"{ev['real_valid']:.3f} |")
     return ev
 
 
 if __name__ == "__main__":
-    gmts.ignore_stops()  # torch has imported: handling_signals takes over, and the teardown after it ignores them
+    # torch has imported: handling_signals takes over, and the teardown after it ignores them
+    gmts.ignore_stops()
     main()

@@ -707,10 +707,11 @@ def sec_memory_plan(args, meter, dev) -> dict:
     adv = torch.randn(mask.shape[0], device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
+    objective = gmts.Objective(0.2, 0.28, 0.0, 1.0, **gmts.loss_weights("all", mask, 0))
+
     def update():
-        return gmts.loss_backward(model, batch, adv, mask, old, float(mask.sum()), temperature=1.0,
-                                  clip_low=0.2, clip_high=0.28, micro_batch=cfg.micro_batch,
-                                  chunk=cfg.stats_chunk)
+        return gmts.loss_backward(model, batch, adv, mask, old, objective,
+                                  micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk)
     old = gmts.batch_token_stats(model, batch, 1.0, cfg.micro_batch, cfg.stats_chunk)[0]
     update()
     opt.step()  # AdamW's moments exist from here on, as at any step after the first

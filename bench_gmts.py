@@ -402,7 +402,7 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         rho, group_size = gmts.selection_rule(dataclasses.replace(cfg, select=method))
         t = clock()
         n_kept = int(gmts.scope_budget(mask, rho, group_size)[1].sum())
-        weights = gmts.loss_weights(cfg.loss_norm, mask, n_kept)
+        weights = gmts.loss_weights(cfg.loss_norm, mask, n_kept, cfg.group_size)
         objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
         ratio = torch.exp(logp - logp)  # inner update 0
         om = gmts.omega(adv, ratio, cfg.clip_low, cfg.clip_high, **weights)

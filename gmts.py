@@ -3,7 +3,7 @@ gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, 
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
          Reasoning", arXiv 2608.30632: train on about the top 20% of each prompt's tokens by H_t *
          |omega_t|, an approximation of the size of their gradient. The selection as the authors'
-         code does it; their omega's normaliser and KL only under --loss-norm seq --kl-beta 0.001.
+         code does it; their omega's normaliser and KL under --loss-norm seq-sum --kl-beta 0.001.
   80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
          for LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
 
@@ -28,7 +28,7 @@ normalize_rewards_per_group and approx_kl_divergence for the normaliser and KL i
 update_policy for the ETS entropy baseline). Their Framework2 (verl, Qwen3-8B) differs: omega =
 r * I * A, ties at the threshold dropped, and as released its group loop reaches only the first of
 every four groups of a GPU's mini-batch. Ours: --scope batch for gmts (our earlier variant),
-gradnorm, the defaults --loss-norm all and no KL (theirs: seq, 0.001), the entropy tie rule.
+gradnorm, the defaults --loss-norm all and no KL (theirs: seq-sum, 0.001), the entropy tie rule.
 
 Axes: B prompts per step, G answers per prompt, N = B*G answers, P prompt length (left padded), T
 response length, V vocabulary, d hidden size. Every (N, T) tensor is aligned to RESPONSE positions:
@@ -41,7 +41,7 @@ Deviations from the papers and choices they leave open:
   2. omega = -dL/dlogp of the whole configured loss (derivation step 1), rescored each inner update.
   3. --loss-norm all (default) divides by all valid tokens (80/20 paper, TRL): selection is a pure
      mask of one sum, one lr for every method; 'selected' by the kept budget (80/20 code); 'seq' is
-     GRPO's per-answer mean, averaged over the answers (GMTS's authors sum over prompts: NOTES).
+     GRPO's per-answer mean, averaged over the answers; 'seq-sum' sums it over prompts (GMTS's).
   4. Population std in the group advantage (divide by G).
   5. --filter-groups (DAPO's dynamic sampling, default on, every method alike) drops groups whose
      rewards are all equal and draws more prompts, up to --max-resample rollout batches per step.
@@ -157,11 +157,12 @@ class Config:
     inner_updates: int = arg(1, "optimiser steps per rollout batch (mu)")
     loss_norm: str = arg("all",
         "all: divide by all valid response tokens; selected: by the kept budget; seq: GRPO's "
-        "per-answer mean (1/|o_i|), averaged over the answers (GMTS's authors)")
+        "per-answer mean (1/|o_i|), averaged over the answers; seq-sum: averaged over each "
+        "prompt's G answers and summed over the prompts (GMTS's authors)")
     # token selection
     select: str = arg("gmts",
         "all, random, entropy, gmts or gradnorm (METHODS); gmts selects as its authors' code "
-        "(their omega's normaliser and KL only with --loss-norm seq --kl-beta 0.001)")
+        "(their omega's normaliser and KL only with --loss-norm seq-sum --kl-beta 0.001)")
     rho: float = arg(0.2, "share of the response tokens kept")
     scope: str = arg("auto",
         "where the top rho of the valid tokens is taken: group (each prompt's G answers), by the "
@@ -175,8 +176,8 @@ class Config:
         "linear lr warm-up in update slots (steps x --inner-updates, stepped or not)")
     lr_decay: bool = arg(True, "after warm-up, a linear lr decay to ~0 at the end (off: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
-    adam_eps: float = arg(1e-8, "AdamW eps (torch's 1e-8; paper-math 1e-8 / 64: their sum's "
-                                "update on our mean)")
+    adam_eps: float = arg(1e-8, "AdamW eps (torch's; a loss B times smaller, as --loss-norm seq's "
+                                "mean is seq-sum's, takes eps / B for the same update)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     micro_batch: int = arg(8, "answers per forward/backward (gradient accumulation over the batch)")
     stats_chunk: int = arg(1024, "rows of the (tokens x V) logits held at once in the head")
@@ -185,7 +186,7 @@ CHOICES = {
     "select": [],  # METHODS' names, filled beside the table
     "device": ["auto", "cuda", "mps", "cpu"],
     "chat_template": ["auto", "yes", "no"],
-    "loss_norm": ["all", "selected", "seq"],
+    "loss_norm": ["all", "selected", "seq", "seq-sum"],
     "scope": ["auto", "group", "batch"],
     "sampler_dtype": ["auto", "bf16", "fp32"],
     "report_to": ["none", "tensorboard", "wandb"],
@@ -204,14 +205,13 @@ PRESETS = {
     "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
                   prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
                   lr=1e-4, threads=1, out="out/smoke"),
-    # GMTS Framework1's values (NOTES, "The paper's setting": what is theirs, what not). They
-    # sum the 64 prompts' losses and clip at 1; our mean, clipped at 1/64, with eps / 64: their
-    # update (test_one_step_equals_the_authors_update).
+    # GMTS Framework1's values (NOTES, "The paper's setting": what is theirs, what not); seq-sum
+    # with the clip at 1 is their update (test_one_step_equals_the_authors_update).
     "paper-math": dict(model="Qwen/Qwen2.5-Math-1.5B", task="math",
                        data="hf:hiyouga/math12k:train", prompt_style="qwen-math",
                        chat_template="yes", steps=188, prompts_per_step=64, group_size=16,
-                       max_new_tokens=2048, lr=3e-5, loss_norm="seq", max_grad_norm=1 / 64,
-                       adam_eps=1e-8 / 64, warmup_steps=0, lr_decay=False, kl_beta=0.001,
+                       max_new_tokens=2048, lr=3e-5, loss_norm="seq-sum", max_grad_norm=1.0,
+                       data_order="epoch", warmup_steps=0, lr_decay=False, kl_beta=0.001,
                        micro_batch=4, filter_groups=False, eval_every=0, eval_samples=16,
                        out="out/paper-math",
                        eval_data="aime24=hf:HuggingFaceH4/aime_2024:train,"
@@ -663,7 +663,7 @@ def filter_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #     k3 = e^d - d - 1,  d = log pi_ref(y) - log pi_theta(y)
 # w, D, D_kl are --loss-norm's normaliser (loss_weights; the Objective record holds them with the
 # clip range, beta and T): all w = 1, D = D_kl = the valid tokens; selected D = the kept budget;
-# seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers.
+# seq w_t = 1 / |o_i| (answer i's length), D = D_kl = N answers; seq-sum D = D_kl = G.
 # 1. The min picks the clipped branch, whose gradient is 0, exactly when (A > 0 and r > 1 + eps_h)
 #    or (A < 0 and r < 1 - eps_l): "the clip is active", I_t = 0 (else I_t = 1). Otherwise
 #    dl/dlogp_y = -r * A (dr/dlogp_y = r), and dk3/dlogp_y = 1 - e^d = 1 - pi_ref / pi_theta. So for
@@ -803,7 +803,7 @@ def clip_active(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float,
     below = (adv < 0) & (ratio < 1 - clip_low)
     return above | below
 
-def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
+def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: int = 1) -> dict:
     """--loss-norm's normaliser of L (derivation): dict(w=(N, T), denom=D, kl_denom=D_kl), for
     omega and the Objective. valid (N, T): the loss's tokens; n_kept: the budget (scope_budget).
     'selected' divides by the budget, not by the tokens finally kept: omega, which the selection
@@ -811,8 +811,10 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
     scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
-    if loss_norm == "seq":  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
+    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
         n = float(valid.shape[0])
+        if loss_norm == "seq-sum":  # sum_prompts (1/G) sum_{i in group} ...: GMTS Framework1's
+            n = float(group_size)
         return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
     if loss_norm == "selected":
         return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
@@ -1198,7 +1200,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         # the loss's settings; 'selected' divides by scope_budget's count, the one the mask keeps
         rho, group_size = selection_rule(cfg, method)
         n_kept = int(scope_budget(valid, rho, group_size)[1].sum())
-        weights = loss_weights(cfg.loss_norm, valid, n_kept)  # w, D, D_kl
+        weights = loss_weights(cfg.loss_norm, valid, n_kept, cfg.group_size)  # w, D, D_kl
         objective = Objective(cfg.clip_low, cfg.clip_high, cfg.kl_beta, cfg.temperature, **weights)
         for inner in range(cfg.inner_updates):
             if inner > 0:  # the policy has moved: its statistics again

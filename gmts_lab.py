@@ -583,7 +583,7 @@ def retention_at(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config, rhos, 
     mask = batch["resp_mask"]  # (N, T)
     logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
                                                     cfg.stats_chunk)
-    weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()))
+    weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()), cfg.group_size)
     objective = gmts.Objective(cfg.clip_low, cfg.clip_high, 0.0, cfg.temperature, **weights)
     om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **weights)  # (N, T)
     low = low_adv_rows(adv, cfg.group_size)[:, None] & mask  # (N, T)

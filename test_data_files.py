@@ -17,7 +17,7 @@ import gmts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTDATA = os.path.join(HERE, "testdata")
-SLICES = {"aime24.jsonl": 20, "amc23.jsonl": 40, "minerva_math.jsonl": 33,
+SLICES = {"aime24.jsonl": 20, "amc23.jsonl": 40, "minerva_math.jsonl": 33, "math500.jsonl": 30,
           "olympiadbench.jsonl": 22, "math_train_layout.jsonl": 8, "dapo_layout.jsonl": 3}
 reward = gmts.TASKS["math"]["reward"]
 

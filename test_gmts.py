@@ -1058,7 +1058,7 @@ def test_update_equals_full_reinforce_gradient(tiny, loss_norm):
     model.eval()
 
 
-@pytest.mark.parametrize("loss_norm", ["all", "selected", "seq"])
+@pytest.mark.parametrize("loss_norm", ["all", "selected", "seq", "seq-sum"])
 @pytest.mark.parametrize("beta", [0.0, 0.3])
 def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     """omega_t = -dL/dlogp_t of the objective policy_update minimises (derivation step 1), for every --loss-norm,
@@ -1075,7 +1075,7 @@ def test_omega_is_minus_the_gradient_of_the_loss(tiny, loss_norm, beta):
     old = (logp + (torch.rand(m.shape, generator=g) - 0.5)).masked_fill(~m, 0.0)  # ratios e^-0.5 .. e^0.5
     ref = gmts.batch_token_stats(ref_model, b, T, 4, 64)[0]
     sel = select_tokens(torch.rand(m.shape, generator=g), m, 0.4, group_size=4)
-    norm = gmts.loss_weights(loss_norm, m, int(gmts.scope_budget(m, 0.4, 4)[1].sum()))
+    norm = gmts.loss_weights(loss_norm, m, int(gmts.scope_budget(m, 0.4, 4)[1].sum()), 4)
     objective = gmts.Objective(0.2, 0.28, beta, T, **norm)
     ratio = torch.exp(logp - old)
     dead = gmts.clip_active(adv[:, None], ratio, 0.2, 0.28) & m
@@ -1198,6 +1198,7 @@ def test_loss_weights_hand_computed():
     (--overlong-filter) gets a finite weight and counts in N."""
     valid = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     seq = gmts.loss_weights("seq", valid, 2)
+    assert gmts.loss_weights("seq-sum", valid, 2, 2)["denom"] == 2.0  # (1/G) per group, summed
     assert seq["w"][:, 0].tolist() == pytest.approx([1 / 3, 1.0, 1.0], rel=1e-7)
     assert seq["denom"] == seq["kl_denom"] == 3.0
     assert (gmts.loss_weights("all", valid, 2)["denom"], gmts.loss_weights("all", valid, 2)["kl_denom"]) == (4., 4.)

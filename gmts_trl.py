@@ -102,7 +102,7 @@ from trl import GRPOConfig, GRPOTrainer
 import gmts
 
 TESTED_TRL = ("1.16.0",)
-METHODS = gmts.CHOICES["select"]  # all, random, entropy, gmts, gradnorm
+SELECT = gmts.CHOICES["select"]  # all, random, entropy, gmts, gradnorm (gmts.METHODS)
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 
@@ -147,9 +147,9 @@ class GMTSConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.token_selection not in METHODS:
+        if self.token_selection not in SELECT:
             raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
-                             f"{', '.join(METHODS)}")
+                             f"{', '.join(SELECT)}")
         if self.token_scope not in gmts.CHOICES["scope"]:
             raise ValueError(f"token_scope {self.token_scope!r} is not one of: "
                              f"{', '.join(gmts.CHOICES['scope'])}")
@@ -187,8 +187,8 @@ def check_trl():
 # -------------------------------------------------------------------------------------------------
 
 
-def grad_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def dz_norm_from(logp: torch.Tensor, log_sum_sq: torch.Tensor,
+                 temperature: float = 1.0) -> torch.Tensor:
     """||d log p_y / d logits|| = (1/T) sqrt((1 - p_y)^2 + sum_{j != y} p_j^2) (gmts.py derivation
     step 3) from log p_y and log sum_j p_j^2, the two numbers TRL's fused head gives, instead of
     the (V,) distribution. sum_{j != y} p_j^2 = S - p_y^2 loses digits as p_y -> 1 (clamped at
@@ -216,7 +216,7 @@ def select_generation_batch(method: str, scores: torch.Tensor, mask: torch.Tenso
         raise RuntimeError("GMTSTrainer: the gathered rows are not one generation batch")
     keep_ordered = gmts.select_tokens(all_scores[order], all_mask[order],
                                       1.0 if method == "all" else rho,
-                                      nonzero=method in ("gmts", "gradnorm"),
+                                      nonzero=not gmts.METHODS[method].zero_kept,
                                       group_size=group_size)  # (W n, T_max)
     keep = torch.empty_like(keep_ordered)
     keep[order] = keep_ordered
@@ -331,10 +331,10 @@ class GMTSTrainer(GRPOTrainer):
         """gmts.token_scores of one micro-batch from its statistics. -> (B, T)."""
         mask = self.loss_mask(inputs)
         om = self.omega(inputs, logp, mask)  # (B, T)
-        gn = torch.zeros_like(om)
+        dz_norm = torch.zeros_like(om)
         if self.token_selection == "gradnorm":
-            gn = grad_norm_from(logp, sum_sq, self.temperature)
-        return gmts.token_scores(self.token_selection, entropy.float(), gn, om, self._noise)
+            dz_norm = dz_norm_from(logp, sum_sq, self.temperature)
+        return gmts.token_scores(self.token_selection, entropy.float(), dz_norm, om, self._noise)
 
     def select(self, batches: list, group_size: int):
         """Score every micro-batch of a generation batch, select over all of it on all processes
@@ -516,7 +516,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--task", default="countdown", choices=sorted(gmts.TASKS))
     a("--data", default="gen", help="gen, easy, hf, hf:test or a .jsonl path (as gmts.py)")
     a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
-    a("--select", default="gmts", choices=METHODS, help="token selection method")
+    a("--select", default="gmts", choices=SELECT, help="token selection method")
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
     a("--scope", default="auto", choices=gmts.CHOICES["scope"], help="group, batch or auto (group for gmts)")
     a("--steps", type=int, default=200, help="optimizer steps")

@@ -333,8 +333,8 @@ def test_refused_options_one_line(tmp_path):
 
 def test_grad_norm_from_head_outputs_matches_gmts():
     ent, logp, log_sum_sq, gn, mask, adv = stats()
-    assert torch.allclose(gmts_trl.grad_norm_from(logp, log_sum_sq), gn, atol=1e-5)
-    assert torch.allclose(gmts_trl.grad_norm_from(logp, log_sum_sq, 0.7), gn / 0.7, atol=1e-5)
+    assert torch.allclose(gmts_trl.dz_norm_from(logp, log_sum_sq), gn, atol=1e-5)
+    assert torch.allclose(gmts_trl.dz_norm_from(logp, log_sum_sq, 0.7), gn / 0.7, atol=1e-5)
 
 
 # ---- across processes ---------------------------------------------------------------------------

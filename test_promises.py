@@ -243,7 +243,7 @@ STALL = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"  # the worker 
 
 def _boxed_gold(real):
     """math_reward on `\\boxed{gold}`, whatever the tiny model wrote: each reaches the worker."""
-    return lambda completion, answer, latex=False: real(f"\\boxed{{{answer}}}", answer, latex)
+    return lambda completion, answer, *a, **k: real(f"\\boxed{{{answer}}}", answer, *a, **k)
 
 
 HOLDERS = []

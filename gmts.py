@@ -512,42 +512,14 @@ def _answer_line(text: str):
     boxed = _last_boxed(line, cap=300)
     return boxed if boxed is not None else line or None
 
-_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
-_POWER_ARG = re.compile(  # \sin^2 t
-    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
-_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
-
-def normal_answer(s: str) -> str:
-    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
-    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
-    (math-verify 0.9 misreads each of them)."""
-    s = s.strip()
-    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
-            s = s[len(a):-len(b)].strip()
-    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
-    s = _UNIT.sub("", s).rstrip(".,; ")
-    s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
-    return _SPACED_OP.sub(r"\1", s)
-
-def bare_answer(s: str) -> str:
-    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
-    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
-    strings equal)."""
-    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
-    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                 ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
-        s = s.replace(a, b)
-    return "".join(s.split())
-
 @_never_raise
 def math_reward(completion: str, answer: str, latex: bool = False, fallback: bool = False,
                 answer_line: bool = False) -> float:
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
     bonus. latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:'
-    line), by math-verify (latex_equal, in a worker process: supporting code) on normal_answer's
-    forms unless both are numbers; fallback (a gold math-verify cannot read): bare_answer's forms
-    equal."""
+    line), by math-verify on normal_answer's forms unless both are numbers; fallback (a gold
+    math-verify cannot read): bare_answer's forms equal. latex_equal (math-verify in a worker),
+    normal_answer and bare_answer: the supporting code's math-verify section."""
     gold = parse_number(str(answer))
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
@@ -1585,6 +1557,45 @@ def check_grades(key: str, graded: int, what: str, cfg) -> dict:
         return {}
     return {key: unknown}
 
+# -- the forms of an answer math-verify reads: math_reward compares normal_answer's (bare_answer's
+# for a fallback row); _check_row refuses a _broken gold at load --
+_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
+_POWER_ARG = re.compile(  # \sin^2 t
+    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
+_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
+
+def normal_answer(s: str) -> str:
+    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
+    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
+    (math-verify 0.9 misreads each of them)."""
+    s = s.strip()
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
+            s = s[len(a):-len(b)].strip()
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
+    s = _UNIT.sub("", s).rstrip(".,; ")
+    s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
+    return _SPACED_OP.sub(r"\1", s)
+
+def bare_answer(s: str) -> str:
+    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
+    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
+    strings equal)."""
+    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
+    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                 ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
+        s = s.replace(a, b)
+    return "".join(s.split())
+
+def _broken(gold: str) -> bool:
+    """A LaTeX gold no answer can match: empty, braces unbalanced, ending in ^ _ or a backslash."""
+    depth = 0
+    for c in gold.replace("\\{", "").replace("\\}", ""):
+        depth += {"{": 1, "}": -1}.get(c, 0)
+        if depth < 0:
+            return True
+    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
+
 # ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
@@ -1676,15 +1687,6 @@ def _math_layout(row: dict, columns: str = "") -> dict:
         raise ValueError(f'missing key "answer" (looked for the answer in: {looked})')
     looked = ", ".join(dict.fromkeys(q for q, _ in layouts))
     raise ValueError(f'missing key "question" (looked for: {looked}; or use --data-columns)')
-
-def _broken(gold: str) -> bool:
-    """A LaTeX gold no answer can match: empty, braces unbalanced, ending in ^ _ or a backslash."""
-    depth = 0
-    for c in gold.replace("\\{", "").replace("\\}", ""):
-        depth += {"{": 1, "}": -1}.get(c, 0)
-        if depth < 0:
-            return True
-    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
 
 def _finite(gold: str) -> bool:
     try:

@@ -227,22 +227,6 @@ SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasonin
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS Framework1's
 BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."  # Framework2's, after a space
 
-def end_token_ids(tok) -> list:
-    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
-    ids = {tok.eos_token_id}
-    for name in ("<|im_end|>", "<|endoftext|>"):
-        i = tok.convert_tokens_to_ids(name)
-        if isinstance(i, int) and i != tok.unk_token_id:
-            ids.add(i)
-    return sorted(i for i in ids if i is not None)
-
-def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with both,
-    but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos."""
-    if chat != "auto":
-        return chat == "yes"
-    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
-
 # --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
 PROMPT_STYLES = {
     "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
@@ -2109,6 +2093,23 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
+
+def end_token_ids(tok) -> list:
+    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
+    ids = {tok.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
+
+def use_chat(tok, chat: str = "auto") -> bool:
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with
+    both, but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and
+    that eos."""
+    if chat != "auto":
+        return chat == "yes"
+    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
 def check_tokenizer(tok):
     """ValueError unless tok yields tokens (a folder without tokenizer files loads an empty one)."""

@@ -222,44 +222,6 @@ PRESETS = {
 }
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
-SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
-QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS Framework1's
-BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."  # Framework2's, after a space
-
-# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
-PROMPT_STYLES = {
-    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
-    "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
-    "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
-    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
-}
-
-def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
-    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
-    inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False drops the system line."""
-    head, prefix, suffix = PROMPT_STYLES[style]
-    question = question + suffix
-    system = system and head is not None
-    if not chat:
-        return (head + "\n" if system else "") + f"User: {question}\nAssistant: {prefix}".rstrip(" ")
-    msgs = [{"role": "system", "content": head}] if system else []
-    msgs.append({"role": "user", "content": question})
-    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
-
-def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
-                  style: str = "ours") -> list:
-    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
-    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
-    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
-    system line, prefill or suffix that contradicts it."""
-    prompts = []
-    for r in rows:
-        own = "own" if r.get("answer_line") else style
-        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
-        prompts.append(render_prompt(tok, question, chat, not short, own))
-    return prompts
-
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
     including the first end token. Never by the pad id: Qwen's pad (<|endoftext|>) is an end token
@@ -533,7 +495,7 @@ def logic_reward(completion: str, solution: dict) -> float:
     truth = {name.lower(): is_knight for name, is_knight in solution.items()}
     return 1.0 if said == truth else 0.1
 
-# -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
+# -- prompts (build_prompts, in the supporting code, frames them in --prompt-style) --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
 def countdown_prompt(row: dict, short=False) -> str:
@@ -1985,6 +1947,49 @@ def eval_sets(spec: str) -> list:
             raise ValueError(f"--eval-data {name}={d}: a benchmark is a data file or set; for "
                              "generated held-out rows leave --eval-data out (--eval-size)")
     return pairs
+
+# -- prompts (algorithm step 1): --prompt-style's frame around a task's question (TASKS) --
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
+SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process and "
+                 "then answer.")
+# GMTS Framework1's system prompt; Framework2's request, after the question and a space
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+
+# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
+PROMPT_STYLES = {
+    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
+    "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
+    "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
+    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
+}
+
+def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
+    """The text the model continues: the question in the chat template or a plain User/Assistant
+    frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False
+    drops the system line."""
+    head, prefix, suffix = PROMPT_STYLES[style]
+    question = question + suffix
+    system = system and head is not None
+    if not chat:
+        frame = f"User: {question}\nAssistant: {prefix}".rstrip(" ")
+        return (head + "\n" if system else "") + frame
+    msgs = [{"role": "system", "content": head}] if system else []
+    msgs.append({"role": "user", "content": question})
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
+
+def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
+                  style: str = "ours") -> list:
+    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
+    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
+    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
+    system line, prefill or suffix that contradicts it."""
+    prompts = []
+    for r in rows:
+        own = "own" if r.get("answer_line") else style
+        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
+        prompts.append(render_prompt(tok, question, chat, not short, own))
+    return prompts
 
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the

@@ -529,11 +529,6 @@ TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
 
-def get_task(name: str) -> dict:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
-
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
@@ -739,11 +734,9 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int) -> dict:
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float,
           kl_beta: float = 0.0, ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0,
           kl_denom: float = 1.0) -> torch.Tensor:
-    """omega_t = -dL/dlogp_t of a kept token (derivation step 1):
-        w * ratio * A / denom  where the PPO clip leaves the gradient alive (else 0)
-        + kl_beta * w * (ref_ratio - 1) / kl_denom,  ref_ratio = pi_ref / pi_theta  (the KL term's)
-    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T)
-    -> (N, T)."""
+    """omega_t = -dL/dlogp_t of a kept token, as derivation step 1 writes it (ref_ratio = pi_ref /
+    pi_theta, the KL term's). w, denom, kl_denom: loss_weights'; their defaults leave ratio * A
+    where the clip is inactive. adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
     om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
@@ -819,11 +812,9 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
                   group_size: int = 0, groups: torch.Tensor = None,
                   rule: str = None) -> torch.Tensor:
-    """The top valid tokens by score in each scope (scope_budget's): (N, T) -> (N, T) bool; masked
-    out tokens are never kept, NaN ranks lowest. group_size 0, no groups: over the whole batch,
-    ceil(rho n), ties to the earlier token; group_size G: in each prompt's group by the authors'
-    rule, ties to the later. nonzero (gmts, gradnorm) then drops kept tokens whose score is 0
-    (deviation 9): maybe fewer."""
+    """The top valid tokens by score in each scope, as many as scope_budget's count, ties as
+    kept_count says: (N, T) -> (N, T) bool; masked out tokens are never kept, NaN ranks lowest.
+    nonzero (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9): maybe fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
@@ -1863,6 +1854,11 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", sk
 
 for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](data, n, seed)
     _task["load"] = functools.partial(load_rows, _name)
+
+def get_task(name: str) -> dict:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
 
 @dataclass
 class Data:

@@ -948,21 +948,6 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     return stats
 
 # ==== Training loop [paper: the algorithm box; the numbered comments: the algorithm steps] ========
-def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
-    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
-    up = (i + 1) / max(warmup, 1)
-    if not decay:
-        return min(1.0, up)
-    down = max(total - i, 1) / max(total - warmup, 1)
-    return min(1.0, up, down)
-
-def step_lr(cfg: Config, step: int, inner: int) -> float:
-    """The lr of inner update `inner` of GRPO step `step` (from 1): slot (step - 1) * mu + inner."""
-    slot = (step - 1) * cfg.inner_updates + inner
-    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
-
 @dataclass
 class Run:
     """What start_run prepares for the loop."""
@@ -1148,6 +1133,22 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     return cfg.out
 
 # Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
+
+# ==== The lr schedule [plumbing]: warm-up and decay over update slots, all methods alike ==========
+def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
+    """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
+    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
+    up = (i + 1) / max(warmup, 1)
+    if not decay:
+        return min(1.0, up)
+    down = max(total - i, 1) / max(total - warmup, 1)
+    return min(1.0, up, down)
+
+def step_lr(cfg: Config, step: int, inner: int) -> float:
+    """The lr of inner update `inner` of GRPO step `step` (from 1): slot (step - 1) * mu + inner."""
+    slot = (step - 1) * cfg.inner_updates + inner
+    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]

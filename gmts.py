@@ -20,7 +20,8 @@ One training step, as train() numbers it (the algorithm steps); the file follows
        gradnorm  |omega_t| * dz_norm = ||dL/dz||, over the batch      [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
-Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
+Below the "Supporting code" banner: the lr schedule, data, prompts, math-verify, model loading,
+evaluation, the run folder, the CLI.
 
 Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, one-GPU
 loop like this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget,

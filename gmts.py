@@ -1496,8 +1496,7 @@ def check_grades(key: str, graded: int, what: str, cfg) -> dict:
         return {}
     return {key: unknown}
 
-# -- the forms of an answer math-verify reads: math_reward compares normal_answer's (bare_answer's
-# for a fallback row); _check_row refuses a _broken gold at load --
+# -- the forms of an answer math-verify reads (math_reward's); a gold none can match (_broken) --
 _UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
 _POWER_ARG = re.compile(  # \sin^2 t
     r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")

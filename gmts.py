@@ -20,7 +20,8 @@ One training step, as train() numbers it (the algorithm steps); the file follows
        gradnorm  |omega_t| * dz_norm = ||dL/dz||, over the batch      [ours: an ablation]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
-Below the "Supporting code" banner: data, model loading, evaluation, the run folder, the CLI.
+Below the "Supporting code" banner: the lr schedule, data, prompts, math-verify, model loading,
+evaluation, the run folder, the CLI.
 
 Provenance. GMTS as its authors' code runs it (github.com/outongyiLv/GMTS, GMTS-Framework1, one-GPU
 loop like this file: grpo_tools/grpo.py's GMTS() for the score and per-group budget,
@@ -222,60 +223,6 @@ PRESETS = {
 }
 
 # ==== Rollouts [paper: sampling]: G answers per prompt from the full softmax at temperature T =====
-ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
-SYSTEM_PROMPT = "You are a helpful assistant. You first think about the reasoning process and then answer."
-QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS Framework1's
-BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."  # Framework2's, after a space
-
-def end_token_ids(tok) -> list:
-    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
-    ids = {tok.eos_token_id}
-    for name in ("<|im_end|>", "<|endoftext|>"):
-        i = tok.convert_tokens_to_ids(name)
-        if isinstance(i, int) and i != tok.unk_token_id:
-            ids.add(i)
-    return sorted(i for i in ids if i is not None)
-
-def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with both,
-    but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and that eos."""
-    if chat != "auto":
-        return chat == "yes"
-    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
-
-# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
-PROMPT_STYLES = {
-    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
-    "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
-    "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
-    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
-}
-
-def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
-    """The text the model continues: the question in the chat template or a plain User/Assistant frame, ending
-    inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False drops the system line."""
-    head, prefix, suffix = PROMPT_STYLES[style]
-    question = question + suffix
-    system = system and head is not None
-    if not chat:
-        return (head + "\n" if system else "") + f"User: {question}\nAssistant: {prefix}".rstrip(" ")
-    msgs = [{"role": "system", "content": head}] if system else []
-    msgs.append({"role": "user", "content": question})
-    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
-
-def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
-                  style: str = "ours") -> list:
-    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
-    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
-    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
-    system line, prefill or suffix that contradicts it."""
-    prompts = []
-    for r in rows:
-        own = "own" if r.get("answer_line") else style
-        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
-        prompts.append(render_prompt(tok, question, chat, not short, own))
-    return prompts
-
 def completion_mask(completion_ids: torch.Tensor, end_ids: list) -> tuple:
     """(resp_mask (N, T) bool, truncated (N,)). Valid response positions, by POSITION: up to and
     including the first end token. Never by the pad id: Qwen's pad (<|endoftext|>) is an end token
@@ -512,42 +459,14 @@ def _answer_line(text: str):
     boxed = _last_boxed(line, cap=300)
     return boxed if boxed is not None else line or None
 
-_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
-_POWER_ARG = re.compile(  # \sin^2 t
-    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
-_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
-
-def normal_answer(s: str) -> str:
-    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
-    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
-    (math-verify 0.9 misreads each of them)."""
-    s = s.strip()
-    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
-            s = s[len(a):-len(b)].strip()
-    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
-    s = _UNIT.sub("", s).rstrip(".,; ")
-    s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
-    return _SPACED_OP.sub(r"\1", s)
-
-def bare_answer(s: str) -> str:
-    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
-    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
-    strings equal)."""
-    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
-    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                 ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
-        s = s.replace(a, b)
-    return "".join(s.split())
-
 @_never_raise
 def math_reward(completion: str, answer: str, latex: bool = False, fallback: bool = False,
                 answer_line: bool = False) -> float:
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
     bonus. latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:'
-    line), by math-verify (latex_equal, in a worker process: supporting code) on normal_answer's
-    forms unless both are numbers; fallback (a gold math-verify cannot read): bare_answer's forms
-    equal."""
+    line), by math-verify on normal_answer's forms unless both are numbers; fallback (a gold
+    math-verify cannot read): bare_answer's forms equal. latex_equal (math-verify in a worker),
+    normal_answer and bare_answer: the supporting code's math-verify section."""
     gold = parse_number(str(answer))
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
@@ -577,7 +496,7 @@ def logic_reward(completion: str, solution: dict) -> float:
     truth = {name.lower(): is_knight for name, is_knight in solution.items()}
     return 1.0 if said == truth else 0.1
 
-# -- prompts (the caller prefills "Let me solve this step by step.\n<think>") --
+# -- prompts (build_prompts, in the supporting code, frames them in --prompt-style) --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
 def countdown_prompt(row: dict, short=False) -> str:
@@ -610,11 +529,6 @@ TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds
         row.get("answer_line", False))},
     "logic": {"prompt": logic_prompt, "reward": lambda c, row: logic_reward(c, row["solution"])},
 }
-
-def get_task(name: str) -> dict:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
 
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
@@ -823,11 +737,9 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: i
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float,
           kl_beta: float = 0.0, ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0,
           kl_denom: float = 1.0) -> torch.Tensor:
-    """omega_t = -dL/dlogp_t of a kept token (derivation step 1):
-        w * ratio * A / denom  where the PPO clip leaves the gradient alive (else 0)
-        + kl_beta * w * (ref_ratio - 1) / kl_denom,  ref_ratio = pi_ref / pi_theta  (the KL term's)
-    w, denom, kl_denom: loss_weights'; their defaults leave ratio * A. adv (N,), ratio (N, T)
-    -> (N, T)."""
+    """omega_t = -dL/dlogp_t of a kept token, as derivation step 1 writes it (ref_ratio = pi_ref /
+    pi_theta, the KL term's). w, denom, kl_denom: loss_weights'; their defaults leave ratio * A
+    where the clip is inactive. adv (N,), ratio (N, T) -> (N, T)."""
     a = adv[:, None]  # (N, 1)
     dead = clip_active(a, ratio, clip_low, clip_high)  # (N, T)
     om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's
@@ -903,11 +815,9 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
                   group_size: int = 0, groups: torch.Tensor = None,
                   rule: str = None) -> torch.Tensor:
-    """The top valid tokens by score in each scope (scope_budget's): (N, T) -> (N, T) bool; masked
-    out tokens are never kept, NaN ranks lowest. group_size 0, no groups: over the whole batch,
-    ceil(rho n), ties to the earlier token; group_size G: in each prompt's group by the authors'
-    rule, ties to the later. nonzero (gmts, gradnorm) then drops kept tokens whose score is 0
-    (deviation 9): maybe fewer."""
+    """The top valid tokens by score in each scope, as many as scope_budget's count, ties as
+    kept_count says: (N, T) -> (N, T) bool; masked out tokens are never kept, NaN ranks lowest.
+    nonzero (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9): maybe fewer."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
@@ -1041,21 +951,6 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
     return stats
 
 # ==== Training loop [paper: the algorithm box; the numbered comments: the algorithm steps] ========
-def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
-    """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
-    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
-    up = (i + 1) / max(warmup, 1)
-    if not decay:
-        return min(1.0, up)
-    down = max(total - i, 1) / max(total - warmup, 1)
-    return min(1.0, up, down)
-
-def step_lr(cfg: Config, step: int, inner: int) -> float:
-    """The lr of inner update `inner` of GRPO step `step` (from 1): slot (step - 1) * mu + inner."""
-    slot = (step - 1) * cfg.inner_updates + inner
-    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
-
 @dataclass
 class Run:
     """What start_run prepares for the loop."""
@@ -1241,6 +1136,22 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     return cfg.out
 
 # Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
+
+# ==== The lr schedule [plumbing]: warm-up and decay over update slots, all methods alike ==========
+def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
+    """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
+    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
+    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
+    up = (i + 1) / max(warmup, 1)
+    if not decay:
+        return min(1.0, up)
+    down = max(total - i, 1) / max(total - warmup, 1)
+    return min(1.0, up, down)
+
+def step_lr(cfg: Config, step: int, inner: int) -> float:
+    """The lr of inner update `inner` of GRPO step `step` (from 1): slot (step - 1) * mu + inner."""
+    slot = (step - 1) * cfg.inner_updates + inner
+    return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
 
 # ==== Problem generators and data loaders [plumbing] ==============================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
@@ -1587,6 +1498,44 @@ def check_grades(key: str, graded: int, what: str, cfg) -> dict:
         return {}
     return {key: unknown}
 
+# -- the forms of an answer math-verify reads (math_reward's); a gold none can match (_broken) --
+_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
+_POWER_ARG = re.compile(  # \sin^2 t
+    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
+_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
+
+def normal_answer(s: str) -> str:
+    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
+    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
+    (math-verify 0.9 misreads each of them)."""
+    s = s.strip()
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
+            s = s[len(a):-len(b)].strip()
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
+    s = _UNIT.sub("", s).rstrip(".,; ")
+    s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
+    return _SPACED_OP.sub(r"\1", s)
+
+def bare_answer(s: str) -> str:
+    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
+    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
+    strings equal)."""
+    s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
+    for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                 ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
+        s = s.replace(a, b)
+    return "".join(s.split())
+
+def _broken(gold: str) -> bool:
+    """A LaTeX gold no answer can match: empty, braces unbalanced, ending in ^ _ or a backslash."""
+    depth = 0
+    for c in gold.replace("\\{", "").replace("\\}", ""):
+        depth += {"{": 1, "}": -1}.get(c, 0)
+        if depth < 0:
+            return True
+    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
+
 # ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
@@ -1678,15 +1627,6 @@ def _math_layout(row: dict, columns: str = "") -> dict:
         raise ValueError(f'missing key "answer" (looked for the answer in: {looked})')
     looked = ", ".join(dict.fromkeys(q for q, _ in layouts))
     raise ValueError(f'missing key "question" (looked for: {looked}; or use --data-columns)')
-
-def _broken(gold: str) -> bool:
-    """A LaTeX gold no answer can match: empty, braces unbalanced, ending in ^ _ or a backslash."""
-    depth = 0
-    for c in gold.replace("\\{", "").replace("\\}", ""):
-        depth += {"{": 1, "}": -1}.get(c, 0)
-        if depth < 0:
-            return True
-    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
 
 def _finite(gold: str) -> bool:
     try:
@@ -1918,6 +1858,11 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", sk
 for _name, _task in TASKS.items():  # each task's loader: TASKS[name]["load"](data, n, seed)
     _task["load"] = functools.partial(load_rows, _name)
 
+def get_task(name: str) -> dict:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
 @dataclass
 class Data:
     """What read_data read: the rows a run trains on and what the checks before step 0 need."""
@@ -2001,6 +1946,49 @@ def eval_sets(spec: str) -> list:
             raise ValueError(f"--eval-data {name}={d}: a benchmark is a data file or set; for "
                              "generated held-out rows leave --eval-data out (--eval-size)")
     return pairs
+
+# -- prompts (algorithm step 1): --prompt-style's frame around a task's question (TASKS) --
+ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
+SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process and "
+                 "then answer.")
+# GMTS Framework1's system prompt; Framework2's request, after the question and a space
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+
+# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
+PROMPT_STYLES = {
+    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
+    "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
+    "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
+    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
+}
+
+def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
+    """The text the model continues: the question in the chat template or a plain User/Assistant
+    frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False
+    drops the system line."""
+    head, prefix, suffix = PROMPT_STYLES[style]
+    question = question + suffix
+    system = system and head is not None
+    if not chat:
+        frame = f"User: {question}\nAssistant: {prefix}".rstrip(" ")
+        return (head + "\n" if system else "") + frame
+    msgs = [{"role": "system", "content": head}] if system else []
+    msgs.append({"role": "user", "content": question})
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + prefix
+
+def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
+                  style: str = "ours") -> list:
+    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
+    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
+    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
+    system line, prefill or suffix that contradicts it."""
+    prompts = []
+    for r in rows:
+        own = "own" if r.get("answer_line") else style
+        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
+        prompts.append(render_prompt(tok, question, chat, not short, own))
+    return prompts
 
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the
@@ -2109,6 +2097,23 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
+
+def end_token_ids(tok) -> list:
+    """The ids that end an answer: the tokenizer's eos plus Qwen's <|im_end|> and <|endoftext|>."""
+    ids = {tok.eos_token_id}
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
+
+def use_chat(tok, chat: str = "auto") -> bool:
+    """Chat template for instruct models, plain text for base models. Qwen ships a template with
+    both, but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and
+    that eos."""
+    if chat != "auto":
+        return chat == "yes"
+    return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
 
 def check_tokenizer(tok):
     """ValueError unless tok yields tokens (a folder without tokenizer files loads an empty one)."""

@@ -2899,7 +2899,9 @@ def check_out_path(out: str):
 FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "eval_every", "device", "report_to",
         "threads", "eval_samples"}
 
-ADDED = {"data_order": "draw"}  # fields newer than a run_config.json: the value its run had
+# fields newer than a run_config.json: the value its run had (issues 42, 44)
+ADDED = {"data_order": "draw", "skip_bad_rows": False, "max_prompt_tokens": 0, "rollout_rows": 0,
+         "adam_eps": 1e-8}
 
 def parse_args(argv=None) -> Config:
     """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;

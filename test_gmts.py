@@ -2401,3 +2401,18 @@ def test_out_of_memory_in_evaluation_and_interrupt_are_one_line(tmp_path, monkey
         raise KeyboardInterrupt
     monkeypatch.setattr(gmts, "evaluate", interrupt)
     assert "no checkpoint yet" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)  # the step-0 eval: true
+
+
+def test_a_run_from_before_issue_42_resumes_with_its_own_values(tmp_path):
+    """A run_config.json written before --data-order, --skip-bad-rows, --max-prompt-tokens,
+    --rollout-rows and --adam-eps existed resumes with the values that run had (gmts.ADDED);
+    without ADDED the resume was refused ("lacks ...")."""
+    out = tmp_path / "old"
+    train_main(*SMALL, "--steps", "1", "--out", out)
+    path = out / "run_config.json"
+    saved = json.loads(path.read_text())
+    for key in ("data_order", "skip_bad_rows", "max_prompt_tokens", "rollout_rows", "adam_eps"):
+        assert saved.pop(key) == gmts.ADDED[key]  # the value a run of then had
+    path.write_text(json.dumps(saved))
+    recs = train_main("--resume", out, "--steps", "2")
+    assert [r["step"] for r in recs] == [0, 1, 2]

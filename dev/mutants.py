@@ -396,8 +396,8 @@ MUTANTS = {
         "train's omega leaves out the KL weight",
         T + "test_train_scores_with_the_kl_weight"),
     "overlong_denom_all_tokens": (
-        "weights = loss_weights(cfg.loss_norm, valid, n_kept)  # w, D, D_kl",
-        "weights = loss_weights(cfg.loss_norm, mask, n_kept)  # w, D, D_kl",
+        "weights = loss_weights(cfg.loss_norm, valid, n_kept, cfg.group_size)  # w, D, D_kl",
+        "weights = loss_weights(cfg.loss_norm, mask, n_kept, cfg.group_size)  # w, D, D_kl",
         "--overlong-filter: the loss is divided by the valid tokens of the truncated answers too",
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
     # ---- issue 43: one budget, the method table, the step rule's count

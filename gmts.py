@@ -2109,8 +2109,7 @@ def end_token_ids(tok) -> list:
 
 def use_chat(tok, chat: str = "auto") -> bool:
     """Chat template for instruct models, plain text for base models. Qwen ships a template with
-    both, but only instruct tokenizers end a turn with eos = <|im_end|>, so auto = a template and
-    that eos."""
+    both; only instruct tokenizers end a turn with eos = <|im_end|>, so auto = both."""
     if chat != "auto":
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
@@ -2163,30 +2162,27 @@ def _join_rows(xs: list, key: str, pad_id: int):
         return [x for part in xs for x in part]
     if xs[0].dim() == 1:
         return torch.cat(xs)
-    fill = 0
-    if key in PAD_ID_FILLED:
-        fill = pad_id
-    side = "right"
-    if key in LEFT_PADDED:
-        side = "left"
+    fill = pad_id if key in PAD_ID_FILLED else 0
+    side = "left" if key in LEFT_PADDED else "right"
     rows = [row for x in xs for row in x]  # each answer's (W,) row
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
+def prompts_per_call(cfg: Config, n: int) -> int:
+    """Prompts per generate() call of n: all n, or max(R // G, 1) under --rollout-rows R."""
+    return min(n, max(cfg.rollout_rows // cfg.group_size, 1)) if cfg.rollout_rows else n
+
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Algorithm step 2: G answers per prompt (_sample_call); --rollout-rows R: max(R // G, 1) prompts per
-    generate() call, whose answers join as rollout batches do (_join_rows)."""
-    per = len(prompts)
-    if cfg.rollout_rows:
-        per = max(cfg.rollout_rows // cfg.group_size, 1)
+    """Algorithm step 2: G answers per prompt (_sample_call), prompts_per_call at a time, joined as
+    rollout batches are (_join_rows)."""
+    per = prompts_per_call(cfg, len(prompts))
     parts = [_sample_call(run, prompts[i:i + per], cfg, log) for i in range(0, len(prompts), per)]
     if len(parts) == 1:
         return parts[0]
     return {key: _join_rows([p[key] for p in parts], key, run.tok.pad_token_id) for key in parts[0]}
 
 def _sample_call(run, prompts: list, cfg: Config, log=print) -> dict:
-    """rollout() of G answers per prompt on run.sampler, with its log-probs, on the fast path
-    (static cache, compiled decoding) while run.fast holds; if that raises, one line says so and
-    from this step on the plain path."""
+    """rollout() on run.sampler with its log-probs, on the fast path (static cache, compiled
+    decoding) while run.fast holds; if that raises, one line, then the plain path from now on."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
     if run.fast:
@@ -2267,14 +2263,9 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
     return {part: size / 2**30 for part, size in plan.items() if size}
 
 def memory_phases(cfg: Config, model, prompt_tokens: int, device: torch.device) -> tuple:
-    """(stay, {phase: {part: bytes}}): what stays (fp32 weights, AdamW, the bf16 sampler copy, the
-    KL reference) and each phase's own: sampling (one generate() call's KV cache, and the larger of
-    its prefill, every prompt of the call through one forward, and its per-token logits), the
-    statistics pass, the update (gradients, what backward keeps, the loss head's chunk), AdamW's
-    step, and evaluation. Sizes from the config, with fallbacks: GPT-2's n_embd, n_layer, n_head
-    (transformers maps them), d_ff n_inner or 4 d, K and V for every head without
-    num_key_value_heads; ({}, {}) if one is missing. bench_gmts.py section g checks the CPU
-    phases against measured peaks."""
+    """(stay, {phase: {part: bytes}}): what stays and each phase's own (the dicts below name them).
+    Sizes from the config, with GPT-2's names as fallbacks; ({}, {}) if one is missing.
+    bench_gmts.py section g checks the CPU phases against measured peaks."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
@@ -2301,9 +2292,7 @@ def memory_phases(cfg: Config, model, prompt_tokens: int, device: torch.device) 
     stay = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16,
             "KL reference": 4 * n * (cfg.kl_beta > 0)}
     G, mb = cfg.group_size, cfg.micro_batch
-    rows = cfg.prompts_per_step * G  # answers per generate() call: sample_answers'
-    if cfg.rollout_rows:
-        rows = min(cfg.prompts_per_step, max(cfg.rollout_rows // G, 1)) * G
+    rows = prompts_per_call(cfg, cfg.prompts_per_step) * G  # answers per generate() call
     k = max(cfg.eval_samples, 1)
     evals = max((cfg.rollout_rows or 64) // k, 1) * k  # evaluate's rollout
     chunk = min(cfg.stats_chunk, mb * cfg.max_new_tokens)  # head rows at once: at most the tokens

@@ -148,8 +148,8 @@ MUTANTS = {
         "with no informative group filter_groups returns the LAST rollout batch, not the first",
         T + "test_filter_groups_keeps_the_first_b_informative_groups"),
     "join_prompts_right_padded": (
-        '        side = "left"',
-        '        side = "right"',
+        'side = "left" if key in LEFT_PADDED else "right"',
+        'side = "right" if key in LEFT_PADDED else "right"',
         "_join_rows pads prompts on the right (they are left padded)",
         T + "test_filter_groups_keeps_the_first_b_informative_groups"),
     # ---- token statistics

@@ -1703,22 +1703,17 @@ def _json_row(raw: bytes):
     return json.loads(line) if line.strip() else None  # a blank line is no row
 
 def _read_jsonl(path: str, task: str, columns: str = "", skip: list = None) -> tuple:
-    """(rows, "PATH line N" each, the size and sha256 of the bytes read) of a data file split on
-    "\n" only (a raw U+2028 in a string is no break)."""
-    digest = hashlib.sha256()
-    size = [0]
-
-    def lines():
-        with open(path, "rb") as f:
-            for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
-                digest.update(raw)
-                size[0] += len(raw)
-                yield f"{path} line {i}", functools.partial(_json_row, raw)
+    """(rows, "PATH line N" each, bytes_print) of a data file split on "\n" only (a raw U+2028 in a
+    string is no break)."""
     try:
-        rows, where = _checked(lines(), path, task, columns, skip)
+        data_print = bytes_print(path)
+        with open(path, "rb") as f:
+            raws = list(iter(lambda: f.readline(LINE_CAP + 1), b""))
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
-    return rows, where, {"size": size[0], "sha256": digest.hexdigest()}
+    items = ((f"{path} line {i}", functools.partial(_json_row, raw))
+             for i, raw in enumerate(raws, 1))
+    return (*_checked(items, path, task, columns, skip), data_print)
 
 def bytes_print(path: str) -> dict:
     """The size and sha256 of a data file's bytes, or of a dataset folder's regular files (each
@@ -1762,12 +1757,10 @@ def _env_fault(e):
     return None
 
 def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tuple:
-    """(rows, names "DATA row N", a fingerprint) of a hub set or local dataset folder
-    (hf:ID[:CONFIG][:SPLIT]) or a .json, .csv or .parquet file, read through `datasets`, every row
-    checked. A local file or folder: fingerprinted by its bytes (bytes_print) and read into a fresh
-    cache folder, deleted after (datasets' own cache hands back the old rows of a file edited and
-    given back its old mtime); a hub set: the sha256 of its rows. Memory, a full or read-only cache
-    folder: their own error (exit 1); only a bad file or row is a ValueError (exit 2)."""
+    """(rows, "DATA row N" each, a fingerprint) of hf:ID[:CONFIG][:SPLIT] or a .json, .csv or
+    .parquet file, read through `datasets`. A local one: bytes_print, read into a fresh cache folder
+    (datasets' own hands back the old rows of a file edited back to its old mtime); a hub set: the
+    sha256 of its rows. Memory, a full or read-only cache: exit 1; a bad file or row: ValueError."""
     try:
         import datasets
     except ImportError:
@@ -1823,11 +1816,9 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
     return rows, where, data_print or rows_print
 
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", skip: list = None):
-    """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
-    hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
-    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or
-    None each. A file's or set's bad rows: one ValueError naming them, or (skip: a list) left out,
-    listed in skip."""
+    """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set,
+    shuffled by seed. Any other set or file: its rows in order. n <= 0 or None (not gen): all rows.
+    named=True -> (rows, each one's name in messages, a file's fingerprint), or None each."""
     get_task(task)
     kind, spec = data_kind(data), data.split(":")[1:]
     where, data_print = None, None

@@ -1812,8 +1812,8 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    rows_print = {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
-    return rows, where, data_print or rows_print
+    data_print = data_print or {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
+    return rows, where, data_print
 
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", skip: list = None):
     """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set,

@@ -1672,47 +1672,48 @@ def _check_row(row, task: str, columns: str = "") -> dict:
 _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read it as UTF-8",  # error -> words
         UnicodeEncodeError: "holds a lone surrogate (no tokenizer reads it)", json.JSONDecodeError: "invalid JSON"}
 
-def _bad_rows(bad: list, skip: list = None):
-    """Every bad row ("WHERE: why") in one ValueError (the first 20, a count), or added to skip."""
+def _checked(items, data: str, task: str, columns: str = "", skip: list = None) -> tuple:
+    """items: (WHERE, a function giving the row as read, None for no row) -> (rows, their WHEREs),
+    each row checked (_check_row); the bad ones, "WHERE: why", in one ValueError (the first 20, a
+    count), or added to skip."""
+    rows, where, bad = [], [], []
+    for at, read in items:
+        try:
+            row = read()
+            if row is not None:
+                rows.append(_check_row(row, task, columns))
+                where.append(at)
+        except (ValueError, RecursionError, TypeError) as e:
+            bad.append(f"{at}: {_WHY.get(type(e)) or error_line(e, 200)}")
+        except OSError as e:  # not the data's (it was read): the grader's, exit 1
+            raise RunError(error_line(e)) from None
     if skip is not None:
         skip.extend(bad)
     elif bad:
         more = f"; and {len(bad) - 20} more bad rows" if len(bad) > 20 else ""
         raise ValueError("; ".join(bad[:20]) + more)
+    if not rows:
+        raise ValueError(f"{data}: no rows")
+    return rows, where
+
+def _json_row(raw: bytes):
+    if len(raw) > LINE_CAP:
+        raise ValueError(f"longer than {LINE_CAP} bytes")
+    line = raw.decode("utf-8")
+    return json.loads(line) if line.strip() else None  # a blank line is no row
 
 def _read_jsonl(path: str, task: str, columns: str = "", skip: list = None) -> tuple:
-    """(rows, their line numbers, the size and sha256 of the bytes read) of a data file split on "\n"
-    only (a raw U+2028 in a string is no break); bad lines: _bad_rows' "PATH line N: ...; ..."."""
-    if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: only a regular file ends
-        raise ValueError(f"{path}: cannot read (not a regular file); --data takes gen, easy, hf or a data file")
-    rows = []
-    lines = []
-    bad = []
-    digest = hashlib.sha256()
-    size = 0
+    """(rows, "PATH line N" each, bytes_print) of a data file split on "\n" only (a raw U+2028 in a
+    string is no break)."""
     try:
+        data_print = bytes_print(path)
         with open(path, "rb") as f:
-            for i, raw in enumerate(iter(lambda: f.readline(LINE_CAP + 1), b""), 1):
-                digest.update(raw)
-                size += len(raw)
-                try:  # one net per line
-                    if len(raw) > LINE_CAP:
-                        raise ValueError(f"longer than {LINE_CAP} bytes")
-                    line = raw.decode("utf-8")
-                    if line.strip():  # a blank line is no row
-                        rows.append(_check_row(json.loads(line), task, columns))
-                        lines.append(i)
-                except (ValueError, RecursionError, TypeError) as e:
-                    why = _WHY.get(type(e)) or error_line(e, 200)
-                    bad.append(f"{path} line {i}: {why}")
-                except OSError as e:  # not the file's (its line was read): the grader's, exit 1
-                    raise RunError(error_line(e)) from None
+            raws = list(iter(lambda: f.readline(LINE_CAP + 1), b""))
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or error_line(e, 200)})") from None
-    _bad_rows(bad, skip)
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows, lines, {"size": size, "sha256": digest.hexdigest()}
+    items = ((f"{path} line {i}", functools.partial(_json_row, raw))
+             for i, raw in enumerate(raws, 1))
+    return (*_checked(items, path, task, columns, skip), data_print)
 
 def bytes_print(path: str) -> dict:
     """The size and sha256 of a data file's bytes, or of a dataset folder's regular files (each
@@ -1734,14 +1735,15 @@ def bytes_print(path: str) -> dict:
     return {"size": size, "sha256": digest.hexdigest()}
 
 def _cell_cap(row, depth: int = 0):
-    """ValueError if a string cell of a row read through `datasets` is longer than LINE_CAP
-    characters (a JSONL line's cap): no cell that long reaches a tokenizer."""
+    """The row read through `datasets`, or ValueError if a string cell of it is longer than
+    LINE_CAP characters (a JSONL line's cap): no cell that long reaches a tokenizer."""
     cells = row.values() if isinstance(row, dict) else row if isinstance(row, list) else [row]
     for cell in cells:
         if isinstance(cell, str) and len(cell) > LINE_CAP:
             raise ValueError(f"a cell is longer than {LINE_CAP} characters")
         if isinstance(cell, (dict, list)) and depth < 100:
             _cell_cap(cell, depth + 1)
+    return row
 
 _ENV_ERRNO = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -1755,12 +1757,10 @@ def _env_fault(e):
     return None
 
 def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tuple:
-    """(rows, names "DATA row N", a fingerprint) of a hub set or local dataset folder
-    (hf:ID[:CONFIG][:SPLIT]) or a .json, .csv or .parquet file, read through `datasets`, every row
-    checked. A local file or folder: fingerprinted by its bytes (bytes_print) and read into a fresh
-    cache folder, deleted after (datasets' own cache hands back the old rows of a file edited and
-    given back its old mtime); a hub set: the sha256 of its rows. Memory, a full or read-only cache
-    folder: their own error (exit 1); only a bad file or row is a ValueError (exit 2)."""
+    """(rows, "DATA row N" each, a fingerprint) of hf:ID[:CONFIG][:SPLIT] or a .json, .csv or
+    .parquet file, read through `datasets`. A local one: bytes_print, read into a fresh cache folder
+    (datasets' own hands back the old rows of a file edited back to its old mtime); a hub set: the
+    sha256 of its rows. Memory, a full or read-only cache: exit 1; a bad file or row: ValueError."""
     try:
         import datasets
     except ImportError:
@@ -1769,8 +1769,6 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
     kind = data_kind(data)
     name, *rest = data.split(":")[1:] if kind == "hf" else [data]
     local = os.path.exists(name)
-    if kind == "file" and not os.path.isfile(data):  # not a FIFO or /dev/zero: they never end
-        raise ValueError(f"{data}: cannot read it (not a regular file)")
     try:
         data_print = bytes_print(name) if local else None
     except OSError as e:
@@ -1808,29 +1806,19 @@ def _read_set(data: str, task: str, columns: str = "", skip: list = None) -> tup
             if task == "math" and "gsm8k" not in data:
                 hint = f"use files in a MATH layout (--data {MATH_EXAMPLE}, --eval-data NAME=FILE)"
             raise ValueError(f"{why}; {hint}") from None
-        rows, where, bad = [], [], []
-        for i, row in enumerate(ds, 1):
-            try:
-                _cell_cap(row)
-                rows.append(_check_row(row, task, columns))
-                where.append(f"{data} row {i}")
-            except (ValueError, RecursionError, TypeError) as e:
-                bad.append(f"{data} row {i}: {_WHY.get(type(e), error_line(e))}")
-        _bad_rows(bad, skip)
+        items = ((f"{data} row {i}", functools.partial(_cell_cap, row))
+                 for i, row in enumerate(ds, 1))
+        rows, where = _checked(items, data, task, columns, skip)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    if not rows:
-        raise ValueError(f"{data}: no rows")
-    rows_print = {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
-    return rows, where, data_print or rows_print
+    data_print = data_print or {"sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest()}
+    return rows, where, data_print
 
 def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", skip: list = None):
-    """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set, shuffled by seed.
-    hf:ID[:CONFIG][:SPLIT] (a hub set or local dataset folder), a file: its rows in order. For all but gen n <= 0 or
-    None means all rows. named=True -> (rows, each one's name in messages, a file's fingerprint), or
-    None each. A file's or set's bad rows: one ValueError naming them, or (skip: a list) left out,
-    listed in skip."""
+    """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set,
+    shuffled by seed. Any other set or file: its rows in order. n <= 0 or None (not gen): all rows.
+    named=True -> (rows, each one's name in messages, a file's fingerprint), or None each."""
     get_task(task)
     kind, spec = data_kind(data), data.split(":")[1:]
     where, data_print = None, None
@@ -1846,11 +1834,13 @@ def load_rows(task: str, data="gen", n=1000, seed=0, named=False, columns="", sk
         if task == "countdown":  # one split: its first 327,680 rows train, the next 1,024 test
             rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
         random.Random(seed).shuffle(rows)
+    elif kind == "file" and not os.path.isfile(data):  # a folder, a FIFO, /dev/zero: never rows
+        raise ValueError(f"{data}: cannot read it (not a regular file); --data takes gen, easy, "
+                         "hf or a data file")
     elif kind == "hf" or os.path.splitext(data)[1] in (".json", ".csv", ".parquet"):
         rows, where, data_print = _read_set(data, task, columns, skip)
     else:
-        rows, lines, data_print = _read_jsonl(data, task, columns, skip)
-        where = [f"{data} line {i}" for i in lines]
+        rows, where, data_print = _read_jsonl(data, task, columns, skip)
     if n and n > 0:
         rows = rows[:n]
     return (rows, where, data_print) if named else rows

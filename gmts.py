@@ -1140,12 +1140,9 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 # ==== The lr schedule [plumbing]: warm-up and decay over update slots, all methods alike ==========
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
-    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
+    a linear warm-up over `warmup` slots, then a linear decay (TRL's) unless decay=False."""
     up = (i + 1) / max(warmup, 1)
-    if not decay:
-        return min(1.0, up)
-    down = max(total - i, 1) / max(total - warmup, 1)
+    down = max(total - i, 1) / max(total - warmup, 1) if decay else 1.0
     return min(1.0, up, down)
 
 def step_lr(cfg: Config, step: int, inner: int) -> float:
@@ -1158,7 +1155,7 @@ NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 
 def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough to read back the same; None for x / 0."""
+    """(value, text, precedence) of `x op y`, with the parentheses it needs; None for x / 0."""
     value = _OPS[op](x[0], y[0])
     if value is None:
         return None
@@ -1187,8 +1184,7 @@ def _random_expression(rng: random.Random, nums: list, ops: str):
         z = _combine(items[i], items[j], rng.choice(ops))
         if z is None or z[0].denominator != 1 or z[0] < 0:
             return None
-        items = [it for k, it in enumerate(items) if k not in (i, j)]
-        items.append(z)
+        items = [it for k, it in enumerate(items) if k not in (i, j)] + [z]
     return items[0]
 
 def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
@@ -1308,21 +1304,17 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
         n = rng.randint(*n_people)
         names = rng.sample(NAMES, n)
         claims = [_random_claim(rng, n, me) for me in range(n)]
-        worlds = []
-        for w in itertools.product([True, False], repeat=n):
-            if all(_holds(c, w) == w[i] for i, c in enumerate(claims)):
-                worlds.append(w)
+        worlds = [w for w in itertools.product([True, False], repeat=n)
+                  if all(_holds(c, w) == w[i] for i, c in enumerate(claims))]
         if len(worlds) == 1:  # exactly one consistent assignment
-            statements = []
-            for i, claim in enumerate(claims):
-                said = _say(claim, names, i)
-                statements.append(f'{names[i]} says: "{said[0].upper() + said[1:]}."')
+            said = [_say(c, names, i) for i, c in enumerate(claims)]
+            statements = [f'{who} says: "{x[0].upper() + x[1:]}."' for who, x in zip(names, said)]
             return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9 in order, joined by + or -, the four sign patterns
-    equally likely (numbers redrawn until the target is >= 0): a fixed sign guess is right about 1 time in 4."""
+    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or -, the four sign patterns
+    equally likely (numbers redrawn until the target is >= 0): a sign guess is right 1 time in 4."""
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]

@@ -1438,7 +1438,6 @@ def latex_equal(gold: str, got=None, timeout: float = None):
     try:
         for _ in range(2):
             if slot["proc"] is None or slot["proc"].poll() is not None:
-                slot["proc"] = None
                 slot["proc"] = _start_verifier()
             said = _ask(slot["proc"], gold, got, timeout or VERIFY_TIMEOUT_S)
             if not isinstance(said, str):
@@ -1446,20 +1445,14 @@ def latex_equal(gold: str, got=None, timeout: float = None):
                     verdicts.clear()
                 verdicts[gold, got] = said
                 return said
-            slot["proc"] = None
-    except BaseException:
-        if slot["proc"] is not None and slot["proc"].poll() is not None:
-            slot["proc"] = None
-        raise
     finally:
         _VERIFIER["free"].put(slot)
-    with _VERIFIER["lock"]:
-        _VERIFIER["cause"] = said
-        if got is not None:
-            _VERIFIER["unknown"] += 1
     if got is None:
         raise RunError(f"the math-verify worker gave no verdict on the gold {gold[:60]!r}, "
                        f"twice (a fresh worker the second time): {said}")
+    with _VERIFIER["lock"]:
+        _VERIFIER["cause"] = said
+        _VERIFIER["unknown"] += 1
     return None
 
 def stop_verifiers():
@@ -1526,7 +1519,7 @@ def _broken(gold: str) -> bool:
         depth += {"{": 1, "}": -1}.get(c, 0)
         if depth < 0:
             return True
-    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
+    return depth != 0 or normal_answer(gold)[-1:] in "^_\\"  # "" (empty) is in it too
 
 # ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file

@@ -1329,12 +1329,10 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 st
 }
 
 # ==== math-verify in a worker [plumbing]: bounded in time without signal.alarm, from any thread ==
-# How a fault travels: a verdict is True / False, or None when none came back (the worker timed
-# out, died or stalled, or the wait was interrupted). None is retried once on a fresh worker, then
-# counted (_VERIFIER["unknown"]) and graded 0.0 by math_reward. step_record and evaluate_run log the
-# count (grade_unknown, eval_grade_unknown) and stop the run past GRADE_UNKNOWN_MAX of its answers.
-# A gold with no verdict at load, or a worker that does not start, is a RunError (exit 1), never
-# the bad-row message: no model output can cause either.
+# A verdict is True / False, or None when none came back (the worker timed out, died or stalled,
+# or the wait was interrupted): latex_equal counts it, math_reward grades it 0.0, check_grades
+# stops the run past GRADE_UNKNOWN_MAX. A gold with no verdict at load, or a worker that does not
+# start, is a RunError (exit 1), never the bad-row message: no model output can cause either.
 VERIFY_TIMEOUT_S = 5.0
 VERIFY_START_S = 120.0  # for the worker's imports (sympy) on a loaded machine
 VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # evaluation grades this many at a time
@@ -1364,9 +1362,8 @@ for line in sys.stdin:
 
 def _verifier_pool(n: int) -> dict:
     """n worker slots ({"proc": a process or None}), the free ones in a LIFO queue (serial grading
-    reuses one warm worker); the verdicts given (a pure function of gold and got: avg@16's right
-    answers repeat), the count of verdicts that did not come back, the last one's cause, and
-    "logged": the count at the last metrics record."""
+    reuses one warm worker); the verdicts given (pure in gold and got: avg@16's answers repeat), the
+    count that did not come back, the last one's cause, "logged": the count at the last record."""
     slots = [{"proc": None} for _ in range(n)]
     free = queue.LifoQueue()
     for slot in slots:
@@ -1428,9 +1425,8 @@ def _ask(proc, gold: str, got, timeout: float):
 
 def latex_equal(gold: str, got=None, timeout: float = None):
     """math-verify's verdict on two short answers as \\boxed{} contents, by one of VERIFY_WORKERS
-    workers: True, False, or None when none came back twice (a fresh worker the second time; counted
-    in _VERIFIER). got None: whether sympy reads gold (at load); no verdict: RunError. sympy hangs
-    (\\boxed{9^{9^{9^{9}}}}): after timeout (VERIFY_TIMEOUT_S) seconds the worker is killed."""
+    workers, asked twice (a fresh worker the second time); got None: whether sympy reads gold (at
+    load). A hung worker (\\boxed{9^{9^{9^{9}}}}) is killed after timeout (VERIFY_TIMEOUT_S) s."""
     verdicts = _VERIFIER["verdicts"]
     if (gold, got) in verdicts:
         return verdicts[gold, got]
@@ -1463,8 +1459,7 @@ def stop_verifiers():
             slot["proc"] = None
 
 def unknown_since_logged() -> int:
-    """The verdicts that did not come back since the last call (each metrics record takes its
-    own)."""
+    """The verdicts that did not come back since the last call (each metrics record its own)."""
     with _VERIFIER["lock"]:
         n = _VERIFIER["unknown"] - _VERIFIER["logged"]
         _VERIFIER["logged"] = _VERIFIER["unknown"]
@@ -1503,9 +1498,8 @@ def normal_answer(s: str) -> str:
     return _SPACED_OP.sub(r"\1", s)
 
 def bare_answer(s: str) -> str:
-    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
-    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
-    strings equal)."""
+    """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read:
+    normal_answer with no spaces, \\left, \\right, LaTeX spacing, \\dfrac, \\tfrac, E_{1} as E_1."""
     s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
     for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                  ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):

@@ -1140,12 +1140,9 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 # ==== The lr schedule [plumbing]: warm-up and decay over update slots, all methods alike ==========
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):
-    min(1, (i + 1) / warmup, (total - i) / (total - warmup)), a linear warm-up over `warmup` slots,
-    then a linear decay to 1 / (total - warmup) at the last (decay=False: none; TRL's is linear)."""
+    a linear warm-up over `warmup` slots, then a linear decay (TRL's) unless decay=False."""
     up = (i + 1) / max(warmup, 1)
-    if not decay:
-        return min(1.0, up)
-    down = max(total - i, 1) / max(total - warmup, 1)
+    down = max(total - i, 1) / max(total - warmup, 1) if decay else 1.0
     return min(1.0, up, down)
 
 def step_lr(cfg: Config, step: int, inner: int) -> float:
@@ -1158,7 +1155,7 @@ NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}  # literals have precedence 3
 
 def _combine(x: tuple, y: tuple, op: str):
-    """(value, text, precedence) of `x op y`, parenthesised just enough to read back the same; None for x / 0."""
+    """(value, text, precedence) of `x op y`, with the parentheses it needs; None for x / 0."""
     value = _OPS[op](x[0], y[0])
     if value is None:
         return None
@@ -1187,8 +1184,7 @@ def _random_expression(rng: random.Random, nums: list, ops: str):
         z = _combine(items[i], items[j], rng.choice(ops))
         if z is None or z[0].denominator != 1 or z[0] < 0:
             return None
-        items = [it for k, it in enumerate(items) if k not in (i, j)]
-        items.append(z)
+        items = [it for k, it in enumerate(items) if k not in (i, j)] + [z]
     return items[0]
 
 def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
@@ -1308,21 +1304,17 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
         n = rng.randint(*n_people)
         names = rng.sample(NAMES, n)
         claims = [_random_claim(rng, n, me) for me in range(n)]
-        worlds = []
-        for w in itertools.product([True, False], repeat=n):
-            if all(_holds(c, w) == w[i] for i, c in enumerate(claims)):
-                worlds.append(w)
+        worlds = [w for w in itertools.product([True, False], repeat=n)
+                  if all(_holds(c, w) == w[i] for i, c in enumerate(claims))]
         if len(worlds) == 1:  # exactly one consistent assignment
-            statements = []
-            for i, claim in enumerate(claims):
-                said = _say(claim, names, i)
-                statements.append(f'{names[i]} says: "{said[0].upper() + said[1:]}."')
+            said = [_say(c, names, i) for i, c in enumerate(claims)]
+            statements = [f'{who} says: "{x[0].upper() + x[1:]}."' for who, x in zip(names, said)]
             return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 def _easy_countdown(rng: random.Random) -> dict:
-    """The CPU demo's variant: 3 numbers in 1..9 in order, joined by + or -, the four sign patterns
-    equally likely (numbers redrawn until the target is >= 0): a fixed sign guess is right about 1 time in 4."""
+    """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or -, the four sign patterns
+    equally likely (numbers redrawn until the target is >= 0): a sign guess is right 1 time in 4."""
     signs = rng.choice(["++", "+-", "-+", "--"])
     while True:
         nums = [rng.randint(1, 9) for _ in range(3)]
@@ -1337,12 +1329,10 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 st
 }
 
 # ==== math-verify in a worker [plumbing]: bounded in time without signal.alarm, from any thread ==
-# How a fault travels: a verdict is True / False, or None when none came back (the worker timed
-# out, died or stalled, or the wait was interrupted). None is retried once on a fresh worker, then
-# counted (_VERIFIER["unknown"]) and graded 0.0 by math_reward. step_record and evaluate_run log the
-# count (grade_unknown, eval_grade_unknown) and stop the run past GRADE_UNKNOWN_MAX of its answers.
-# A gold with no verdict at load, or a worker that does not start, is a RunError (exit 1), never
-# the bad-row message: no model output can cause either.
+# A verdict is True / False, or None when none came back (the worker timed out, died or stalled,
+# or the wait was interrupted): latex_equal counts it, math_reward grades it 0.0, check_grades
+# stops the run past GRADE_UNKNOWN_MAX. A gold with no verdict at load, or a worker that does not
+# start, is a RunError (exit 1), never the bad-row message: no model output can cause either.
 VERIFY_TIMEOUT_S = 5.0
 VERIFY_START_S = 120.0  # for the worker's imports (sympy) on a loaded machine
 VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # evaluation grades this many at a time
@@ -1372,9 +1362,8 @@ for line in sys.stdin:
 
 def _verifier_pool(n: int) -> dict:
     """n worker slots ({"proc": a process or None}), the free ones in a LIFO queue (serial grading
-    reuses one warm worker); the verdicts given (a pure function of gold and got: avg@16's right
-    answers repeat), the count of verdicts that did not come back, the last one's cause, and
-    "logged": the count at the last metrics record."""
+    reuses one warm worker); the verdicts given (pure in gold and got: avg@16's answers repeat), the
+    count that did not come back, the last one's cause, "logged": the count at the last record."""
     slots = [{"proc": None} for _ in range(n)]
     free = queue.LifoQueue()
     for slot in slots:
@@ -1436,9 +1425,8 @@ def _ask(proc, gold: str, got, timeout: float):
 
 def latex_equal(gold: str, got=None, timeout: float = None):
     """math-verify's verdict on two short answers as \\boxed{} contents, by one of VERIFY_WORKERS
-    workers: True, False, or None when none came back twice (a fresh worker the second time; counted
-    in _VERIFIER). got None: whether sympy reads gold (at load); no verdict: RunError. sympy hangs
-    (\\boxed{9^{9^{9^{9}}}}): after timeout (VERIFY_TIMEOUT_S) seconds the worker is killed."""
+    workers, asked twice (a fresh worker the second time); got None: whether sympy reads gold (at
+    load). A hung worker (\\boxed{9^{9^{9^{9}}}}) is killed after timeout (VERIFY_TIMEOUT_S) s."""
     verdicts = _VERIFIER["verdicts"]
     if (gold, got) in verdicts:
         return verdicts[gold, got]
@@ -1446,7 +1434,6 @@ def latex_equal(gold: str, got=None, timeout: float = None):
     try:
         for _ in range(2):
             if slot["proc"] is None or slot["proc"].poll() is not None:
-                slot["proc"] = None
                 slot["proc"] = _start_verifier()
             said = _ask(slot["proc"], gold, got, timeout or VERIFY_TIMEOUT_S)
             if not isinstance(said, str):
@@ -1454,20 +1441,14 @@ def latex_equal(gold: str, got=None, timeout: float = None):
                     verdicts.clear()
                 verdicts[gold, got] = said
                 return said
-            slot["proc"] = None
-    except BaseException:
-        if slot["proc"] is not None and slot["proc"].poll() is not None:
-            slot["proc"] = None
-        raise
     finally:
         _VERIFIER["free"].put(slot)
-    with _VERIFIER["lock"]:
-        _VERIFIER["cause"] = said
-        if got is not None:
-            _VERIFIER["unknown"] += 1
     if got is None:
         raise RunError(f"the math-verify worker gave no verdict on the gold {gold[:60]!r}, "
                        f"twice (a fresh worker the second time): {said}")
+    with _VERIFIER["lock"]:
+        _VERIFIER["cause"] = said
+        _VERIFIER["unknown"] += 1
     return None
 
 def stop_verifiers():
@@ -1478,8 +1459,7 @@ def stop_verifiers():
             slot["proc"] = None
 
 def unknown_since_logged() -> int:
-    """The verdicts that did not come back since the last call (each metrics record takes its
-    own)."""
+    """The verdicts that did not come back since the last call (each metrics record its own)."""
     with _VERIFIER["lock"]:
         n = _VERIFIER["unknown"] - _VERIFIER["logged"]
         _VERIFIER["logged"] = _VERIFIER["unknown"]
@@ -1518,9 +1498,8 @@ def normal_answer(s: str) -> str:
     return _SPACED_OP.sub(r"\1", s)
 
 def bare_answer(s: str) -> str:
-    """The fallback's form of an answer math-verify cannot read: normal_answer with no spaces,
-    \\left, \\right, LaTeX spacing, \\dfrac or \\tfrac, E_{1} as E_1 (the fallback rule: these
-    strings equal)."""
+    """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read:
+    normal_answer with no spaces, \\left, \\right, LaTeX spacing, \\dfrac, \\tfrac, E_{1} as E_1."""
     s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
     for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                  ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
@@ -1534,7 +1513,7 @@ def _broken(gold: str) -> bool:
         depth += {"{": 1, "}": -1}.get(c, 0)
         if depth < 0:
             return True
-    return depth != 0 or not normal_answer(gold) or normal_answer(gold)[-1] in "^_\\"
+    return depth != 0 or normal_answer(gold)[-1:] in "^_\\"  # "" (empty) is in it too
 
 # ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT], a file, as it is =====
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file

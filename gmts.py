@@ -539,7 +539,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    same = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (B, 1)
+    same = ~informative(r, group_size)[:, None]  # (B, 1)
     return adv.masked_fill(same, 0.0).view(-1)  # (N,)
 
 def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -659,9 +659,8 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
         m = mask[rows]  # (n, T)
         h = response_hidden(model, batch, rows)[m]  # (M, d)
         y = batch["comp_ids"][rows][m]  # (M,)
-        parts = []
-        for hc, yc in zip(h.split(chunk), y.split(chunk)):
-            parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
+        parts = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
+                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
         for o, values in zip(out, zip(*parts)):  # zip(*parts): each statistic's chunks, in order
             block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
             block[m] = torch.cat(values)
@@ -676,9 +675,8 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = []
-    for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
-        parts.append(checkpoint(logp, h, y, use_reentrant=False))
+    parts = [checkpoint(logp, h, y, use_reentrant=False)
+             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
     if not parts:
         return hidden.new_zeros(0, dtype=torch.float32)
     return torch.cat(parts)
@@ -723,10 +721,9 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: i
     scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
-    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
-        n = float(valid.shape[0])
-        if loss_norm == "seq-sum":  # sum_prompts (1/G) sum_{i in group} ...: GMTS Framework1's
-            n = float(group_size)
+    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t; seq-sum (GMTS
+        # Framework1's): sum_prompts (1/G) sum_{i in group} ...
+        n = float(group_size if loss_norm == "seq-sum" else valid.shape[0])
         return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
     if loss_norm == "selected":
         return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
@@ -752,13 +749,11 @@ class Method:
     zero_kept: bool = True  # False: a score of 0 is never kept (its gradient is 0; deviation 9)
     scope: str = "batch"  # --scope auto's: group (each prompt's G answers) or batch
 
-def _random_score(logp, entropy, dz_norm, om, generator=None):
-    return torch.rand(entropy.shape, generator=generator).to(entropy.device)
-
 # The methods of --select: adding one is a row and its score. 'all' keeps every token (rho 1).
 METHODS = {
     "all": Method(lambda logp, H, dz_norm, om, gen=None: torch.ones_like(H)),  # vanilla GRPO
-    "random": Method(_random_score),  # the control
+    "random": Method(lambda logp, H, dz_norm, om, gen=None:  # the control
+                     torch.rand(H.shape, generator=gen).to(H.device)),
     "entropy": Method(lambda logp, H, dz_norm, om, gen=None: H),  # H_t (80/20 paper)
     # H_t * |omega_t| (GMTS; H >= 0), per group as its authors
     "gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),
@@ -906,9 +901,7 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     passes = micro_batch_logp(model, batch, need, objective.temperature, micro_batch, chunk)
     for rows, m, logp in passes:
-        ref = None
-        if objective.kl_beta > 0:
-            ref = ref_logp[rows][m]  # (M,)
+        ref = ref_logp[rows][m] if objective.kl_beta > 0 else None  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
         loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref,
                                         objective.w[rows][m], objective)
@@ -1050,8 +1043,7 @@ def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
     """GRPO with token selection (the docstring's algorithm steps 1-8) -> the output folder.
-    score_fn, if given, replaces METHODS[cfg.select] (step_method): a Method, or a bare
-    score(logp, entropy, dz_norm, om); the notebook trains its own score through it."""
+    score_fn: step_method's (the notebook trains its own score through it)."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
     cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
@@ -1088,9 +1080,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                 logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
-            ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
-            if run.ref is not None:
-                ref_ratio = torch.exp(ref_logp - logp)
+            # pi_ref / pi_theta, for the KL term's weight in omega
+            ref_ratio = None if ref_logp is None else torch.exp(ref_logp - logp)
             ratio = torch.exp(logp - old_logp)  # (N, T)
             om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
                        **weights)  # (N, T)

@@ -444,9 +444,7 @@ def math_final_answer(text: str, boxed_only: bool = False):
     if k < 0:
         return _last_number(text)
     m = _NUM_TOKEN.search(text, k + 4, k + 104)
-    if m is None:
-        return None
-    return m.group().rstrip(",.")
+    return None if m is None else m.group().rstrip(",.")
 
 def _answer_line(text: str):
     """What follows the last 'Answer:' to its line's end ($, \\boxed{} around it gone) or None."""
@@ -463,8 +461,7 @@ def math_reward(completion: str, answer: str, latex: bool = False, fallback: boo
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
     bonus. latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:'
     line), by math-verify on normal_answer's forms unless both are numbers; fallback (a gold
-    math-verify cannot read): bare_answer's forms equal. latex_equal (math-verify in a worker),
-    normal_answer and bare_answer: the supporting code's math-verify section."""
+    math-verify cannot read): bare_answer's forms equal (these three: supporting code)."""
     gold = parse_number(str(answer))
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
@@ -636,8 +633,7 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
     them under left padding. The decoder is the model's own (get_decoder): any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1)  # (n, P + T)
-    attn = attn.long()
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
         out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos)
@@ -662,8 +658,7 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
         parts = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
                  for hc, yc in zip(h.split(chunk), y.split(chunk))]
         for o, values in zip(out, zip(*parts)):  # zip(*parts): each statistic's chunks, in order
-            block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
-            block[m] = torch.cat(values)
+            o[rows][m] = torch.cat(values)  # o[rows]: a view (rows is a slice), writes o
     return tuple(out)
 
 def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
@@ -867,11 +862,9 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                      kept: torch.Tensor, ref_logp: torch.Tensor, w: torch.Tensor,
                      objective: Objective) -> tuple:
-    """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
-        sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
+    """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,)
     -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["kl"] the sum
-    of k3, counts["live"] the tokens with a gradient, each once: kept with A != 0 and an inactive
-    clip, or with KL where 1 - exp(ref - logp) != 0."""
+    of k3, counts["live"] the tokens with a gradient (deviation 6), each once."""
     o = objective
     pg, clip_m = grpo_token_loss(logp, old_logp, adv, o.clip_low, o.clip_high)  # (M,)
     loss = (pg * kept * w).sum() / o.denom
@@ -929,9 +922,8 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
         params = [p for p in model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     finite = math.isfinite(grad_norm) and math.isfinite(stats["loss"])
-    stats["grad_norm"] = grad_norm
-    stats["skipped"] = int(not finite)
-    stats["stepped"] = int(stats["live"] > 0 and finite)
+    stats.update(grad_norm=grad_norm, skipped=int(not finite),
+                 stepped=int(stats["live"] > 0 and finite))
     if stats["stepped"]:
         opt.step()
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
@@ -1002,9 +994,8 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         # n // G), by rollout() on the fast path while it works (sample_answers, supporting code)
         batch = sample_answers(run, prompts, cfg, log)
         # 3. one reward per answer from the task's verifier (the Rewards section)
-        rewards = torch.zeros(len(batch["texts"]))  # (N,)
-        for n, text in enumerate(batch["texts"]):
-            rewards[n] = run.task["reward"](text, rows[n // G])
+        rewards = torch.tensor([float(run.task["reward"](text, rows[n // G]))
+                                for n, text in enumerate(batch["texts"])])  # (N,)
         # 4. group advantages
         adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
         parts.append((batch, rewards, adv))

@@ -672,9 +672,7 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
     parts = [checkpoint(logp, h, y, use_reentrant=False)
              for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
-    if not parts:
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(parts)
+    return torch.cat(parts)  # split() yields one empty piece for no tokens: never an empty list
 
 def micro_batch_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                      chunk: int):
@@ -720,9 +718,8 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: i
         # Framework1's): sum_prompts (1/G) sum_{i in group} ...
         n = float(group_size if loss_norm == "seq-sum" else valid.shape[0])
         return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
-    if loss_norm == "selected":
-        return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
-    return dict(w=w, denom=n_valid, kl_denom=n_valid)
+    denom = float(max(n_kept, 1)) if loss_norm == "selected" else n_valid
+    return dict(w=w, denom=denom, kl_denom=n_valid)
 
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float,
           kl_beta: float = 0.0, ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0,

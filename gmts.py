@@ -75,7 +75,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse, ast, concurrent.futures, contextlib, copy, dataclasses, errno, fcntl, fnmatch
 import functools, hashlib, importlib, itertools, json, logging, math, queue, random, re, select
-import shutil, subprocess, sys, tempfile, threading, time
+import operator, shutil, subprocess, sys, tempfile, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -315,7 +315,8 @@ def _last_answer(text: str):
 # -- countdown (TinyZero): combine the given numbers with + - * / to hit the target --
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
         "/": lambda a, b: a / b if b else None}  # None: division by zero
-_AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_AST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+            ast.Div: operator.truediv}  # on Fractions: x / 0 raises ZeroDivisionError
 _CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads "٣" as 3 too
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
@@ -330,10 +331,7 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
     if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
         left = _cd_eval(node.left, lits, depth + 1)
         right = _cd_eval(node.right, lits, depth + 1)
-        value = _OPS[_AST_OPS[type(node.op)]](left, right)
-        if value is None:
-            raise ZeroDivisionError
-        return value
+        return _AST_OPS[type(node.op)](left, right)
     raise ValueError(f"{type(node).__name__} not allowed")
 
 @functools.partial(_never_raise, fallback=None)
@@ -600,9 +598,8 @@ def filter_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
 #    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
 # 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's norm, dz_norm) and
-#    keeps about the top rho of each prompt's group (kept_count's drop rule; a score of 0, H_t = 0
-#    included, is never kept: the authors' code, see "Provenance"). 'gradnorm' uses the exact norm
-#    ||dL/dz|| = |omega| * dz_norm instead (our ablation, for the same vocabulary reduction as H).
+#    keeps about the top rho of each prompt's group (kept_count's drop rule; deviation 9). Our
+#    ablation 'gradnorm' scores by the exact ||dL/dz|| = |omega| * dz_norm (one reduction over V).
 # The temperature: p, H, log p at the rollout temperature T (the authors sample at T = 1 only);
 # omega, fp32: deviations 2, 8.
 
@@ -1011,9 +1008,8 @@ def step_method(cfg: Config, score_fn=None) -> Method:
     return METHODS[cfg.select]
 
 def selection_rule(cfg: Config, method: Method = None) -> tuple:
-    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch);
-    --scope group ranks within each prompt's G answers, batch over the whole batch (0); auto: the
-    method's scope (default METHODS[cfg.select]'s: group for gmts, as its authors, else batch)."""
+    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch), the
+    others --scope's: group (G), batch (0), auto: the method's (default METHODS[cfg.select]'s)."""
     if cfg.select == "all":
         return 1.0, 0
     scope = cfg.scope
@@ -1037,7 +1033,6 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
-    report = run.report  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
     method = step_method(cfg, score_fn)  # the score, its zero rule and scope (METHODS)
     model.train()
@@ -1089,12 +1084,12 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate_run(model, run, cfg))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        report(rec)
+        run.report(rec)
         show(step_line(rec), "eval_acc" in rec)
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
             save_checkpoint(cfg.out, step, model, run.tok, opt, run.skipped)
     show(None, False)
-    report(None)
+    run.report(None)
     plot_metrics(cfg.out)
     save_final(cfg.out, model, run.tok)  # last: its config.json marks the run finished
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")

@@ -75,7 +75,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse, ast, concurrent.futures, contextlib, copy, dataclasses, errno, fcntl, fnmatch
 import functools, hashlib, importlib, itertools, json, logging, math, queue, random, re, select
-import shutil, subprocess, sys, tempfile, threading, time
+import operator, shutil, subprocess, sys, tempfile, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -315,7 +315,8 @@ def _last_answer(text: str):
 # -- countdown (TinyZero): combine the given numbers with + - * / to hit the target --
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
         "/": lambda a, b: a / b if b else None}  # None: division by zero
-_AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_AST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+            ast.Div: operator.truediv}  # on Fractions: x / 0 raises ZeroDivisionError
 _CD_CHARS = re.compile(r"[0-9+\-*/() \t\r\n]*")  # ASCII digits only: ast reads "٣" as 3 too
 
 def _cd_eval(node, lits: list, depth=0) -> Fraction:
@@ -330,10 +331,7 @@ def _cd_eval(node, lits: list, depth=0) -> Fraction:
     if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
         left = _cd_eval(node.left, lits, depth + 1)
         right = _cd_eval(node.right, lits, depth + 1)
-        value = _OPS[_AST_OPS[type(node.op)]](left, right)
-        if value is None:
-            raise ZeroDivisionError
-        return value
+        return _AST_OPS[type(node.op)](left, right)
     raise ValueError(f"{type(node).__name__} not allowed")
 
 @functools.partial(_never_raise, fallback=None)
@@ -396,9 +394,7 @@ def parse_number(s: str):
         parts = [s]
     if len(parts) == 1:
         value = _decimal(parts[0].strip(), signed=False)
-        if value is None:
-            return None
-        return sign * value
+        return None if value is None else sign * value
     top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
@@ -446,9 +442,7 @@ def math_final_answer(text: str, boxed_only: bool = False):
     if k < 0:
         return _last_number(text)
     m = _NUM_TOKEN.search(text, k + 4, k + 104)
-    if m is None:
-        return None
-    return m.group().rstrip(",.")
+    return None if m is None else m.group().rstrip(",.")
 
 def _answer_line(text: str):
     """What follows the last 'Answer:' to its line's end ($, \\boxed{} around it gone) or None."""
@@ -465,8 +459,7 @@ def math_reward(completion: str, answer: str, latex: bool = False, fallback: boo
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
     bonus. latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:'
     line), by math-verify on normal_answer's forms unless both are numbers; fallback (a gold
-    math-verify cannot read): bare_answer's forms equal. latex_equal (math-verify in a worker),
-    normal_answer and bare_answer: the supporting code's math-verify section."""
+    math-verify cannot read): bare_answer's forms equal (these three: supporting code)."""
     gold = parse_number(str(answer))
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
@@ -541,7 +534,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
     adv = r - r.mean(dim=1, keepdim=True)  # (B, G)
     if std_normalize:
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    same = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # (B, 1)
+    same = ~informative(r, group_size)[:, None]  # (B, 1)
     return adv.masked_fill(same, 0.0).view(-1)  # (N,)
 
 def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -605,9 +598,8 @@ def filter_groups(parts: list, group_size: int, B: int, pad_id: int) -> tuple:
 #    under seq the 1 / |o_i| ranks a token of a short answer above the same token of a long one.
 #    Entropy ranking ignores this factor: it spends budget on tokens whose gradient is small or 0.
 # 6. GMTS scores a token by H_t * |omega_t| (entropy standing in for step 3's norm, dz_norm) and
-#    keeps about the top rho of each prompt's group (kept_count's drop rule; a score of 0, H_t = 0
-#    included, is never kept: the authors' code, see "Provenance"). 'gradnorm' uses the exact norm
-#    ||dL/dz|| = |omega| * dz_norm instead (our ablation, for the same vocabulary reduction as H).
+#    keeps about the top rho of each prompt's group (kept_count's drop rule; deviation 9). Our
+#    ablation 'gradnorm' scores by the exact ||dL/dz|| = |omega| * dz_norm (one reduction over V).
 # The temperature: p, H, log p at the rollout temperature T (the authors sample at T = 1 only);
 # omega, fp32: deviations 2, 8.
 
@@ -638,8 +630,7 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     -> (n, T, d). Position ids come from the attention mask (cumsum - 1), as generate() computes
     them under left padding. The decoder is the model's own (get_decoder): any causal LM works."""
     ids = torch.cat([batch["prompt_ids"][rows], batch["comp_ids"][rows]], dim=1)  # (n, P + T)
-    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1)  # (n, P + T)
-    attn = attn.long()
+    attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
         out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos)
@@ -661,12 +652,10 @@ def batch_token_stats(model, batch: dict, temperature: float, micro_batch: int,
         m = mask[rows]  # (n, T)
         h = response_hidden(model, batch, rows)[m]  # (M, d)
         y = batch["comp_ids"][rows][m]  # (M,)
-        parts = []
-        for hc, yc in zip(h.split(chunk), y.split(chunk)):
-            parts.append(token_stats(F.linear(hc, head.weight, head.bias), yc, temperature))
+        parts = [token_stats(F.linear(hc, head.weight, head.bias), yc, temperature)
+                 for hc, yc in zip(h.split(chunk), y.split(chunk))]
         for o, values in zip(out, zip(*parts)):  # zip(*parts): each statistic's chunks, in order
-            block = o[rows]  # (n, T): a view (rows is a slice), so writing it writes o
-            block[m] = torch.cat(values)
+            o[rows][m] = torch.cat(values)  # o[rows]: a view (rows is a slice), writes o
     return tuple(out)
 
 def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
@@ -678,12 +667,9 @@ def head_logp(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
     def logp(h, y):
         z = F.linear(h, head.weight, head.bias).float() / temperature  # (C, V)
         return z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (C,)
-    parts = []
-    for h, y in zip(hidden.split(chunk), tokens.split(chunk)):
-        parts.append(checkpoint(logp, h, y, use_reentrant=False))
-    if not parts:
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(parts)
+    parts = [checkpoint(logp, h, y, use_reentrant=False)
+             for h, y in zip(hidden.split(chunk), tokens.split(chunk))]
+    return torch.cat(parts)  # split() yields one empty piece for no tokens: never an empty list
 
 def micro_batch_logp(model, batch: dict, mask: torch.Tensor, temperature: float, micro_batch: int,
                      chunk: int):
@@ -725,14 +711,12 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: i
     scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
-    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t
-        n = float(valid.shape[0])
-        if loss_norm == "seq-sum":  # sum_prompts (1/G) sum_{i in group} ...: GMTS Framework1's
-            n = float(group_size)
+    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t; seq-sum (GMTS
+        # Framework1's): sum_prompts (1/G) sum_{i in group} ...
+        n = float(group_size if loss_norm == "seq-sum" else valid.shape[0])
         return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
-    if loss_norm == "selected":
-        return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)
-    return dict(w=w, denom=n_valid, kl_denom=n_valid)
+    denom = float(max(n_kept, 1)) if loss_norm == "selected" else n_valid
+    return dict(w=w, denom=denom, kl_denom=n_valid)
 
 def omega(adv: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float,
           kl_beta: float = 0.0, ref_ratio: torch.Tensor = None, *, w=1.0, denom: float = 1.0,
@@ -754,13 +738,11 @@ class Method:
     zero_kept: bool = True  # False: a score of 0 is never kept (its gradient is 0; deviation 9)
     scope: str = "batch"  # --scope auto's: group (each prompt's G answers) or batch
 
-def _random_score(logp, entropy, dz_norm, om, generator=None):
-    return torch.rand(entropy.shape, generator=generator).to(entropy.device)
-
 # The methods of --select: adding one is a row and its score. 'all' keeps every token (rho 1).
 METHODS = {
     "all": Method(lambda logp, H, dz_norm, om, gen=None: torch.ones_like(H)),  # vanilla GRPO
-    "random": Method(_random_score),  # the control
+    "random": Method(lambda logp, H, dz_norm, om, gen=None:  # the control
+                     torch.rand(H.shape, generator=gen).to(H.device)),
     "entropy": Method(lambda logp, H, dz_norm, om, gen=None: H),  # H_t (80/20 paper)
     # H_t * |omega_t| (GMTS; H >= 0), per group as its authors
     "gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),
@@ -797,9 +779,7 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
     how many of each label's tokens are kept, by kept_count's rule (default: drop with labels, as
     the authors' per-group code; ceil over the whole batch, as ours)."""
     if rule is None:
-        rule = "ceil"
-        if group_size or groups is not None:
-            rule = "drop"
+        rule = "drop" if group_size or groups is not None else "ceil"
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
         return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
@@ -876,11 +856,9 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def micro_batch_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                      kept: torch.Tensor, ref_logp: torch.Tensor, w: torch.Tensor,
                      objective: Objective) -> tuple:
-    """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,):
-        sum_{kept} w_t l_t / denom  +  kl_beta * sum_{all M} w_t k3_t / kl_denom
+    """The objective L (derivation) on one micro-batch's M needed tokens, every input (M,)
     -> (loss, counts): counts["clipped"] the kept tokens with an active clip, counts["kl"] the sum
-    of k3, counts["live"] the tokens with a gradient, each once: kept with A != 0 and an inactive
-    clip, or with KL where 1 - exp(ref - logp) != 0."""
+    of k3, counts["live"] the tokens with a gradient (deviation 6), each once."""
     o = objective
     pg, clip_m = grpo_token_loss(logp, old_logp, adv, o.clip_low, o.clip_high)  # (M,)
     loss = (pg * kept * w).sum() / o.denom
@@ -906,15 +884,11 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
     if valid is None:
         valid = batch["resp_mask"]
-    need = sel_mask
-    if objective.kl_beta > 0:
-        need = sel_mask | valid
+    need = sel_mask | valid if objective.kl_beta > 0 else sel_mask
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     passes = micro_batch_logp(model, batch, need, objective.temperature, micro_batch, chunk)
     for rows, m, logp in passes:
-        ref = None
-        if objective.kl_beta > 0:
-            ref = ref_logp[rows][m]  # (M,)
+        ref = ref_logp[rows][m] if objective.kl_beta > 0 else None  # (M,)
         a = adv[rows][:, None].expand_as(m)[m]  # (M,)
         loss, counts = micro_batch_loss(logp, old_logp[rows][m], a, sel_mask[rows][m], ref,
                                         objective.w[rows][m], objective)
@@ -942,9 +916,8 @@ def policy_update(model, opt, batch: dict, adv: torch.Tensor, sel_mask: torch.Te
         params = [p for p in model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     finite = math.isfinite(grad_norm) and math.isfinite(stats["loss"])
-    stats["grad_norm"] = grad_norm
-    stats["skipped"] = int(not finite)
-    stats["stepped"] = int(stats["live"] > 0 and finite)
+    stats.update(grad_norm=grad_norm, skipped=int(not finite),
+                 stepped=int(stats["live"] > 0 and finite))
     if stats["stepped"]:
         opt.step()
     opt.zero_grad(set_to_none=True)  # a NaN/inf never reaches the weights or the Adam moments
@@ -986,12 +959,10 @@ def start_run(cfg: Config, log=print) -> Run:
                             eps=cfg.adam_eps)
     if "opt" in state:  # a resume
         opt.load_state_dict(state["opt"])
-    fast = cfg.fast_generate
-    if fast is None:
-        fast = device.type == "cuda"
-    task = get_task(cfg.task)
-    run = Run(model=model, tok=tok, opt=opt, task=task, draw=data.draw, eval_rows=data.held,
-              chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
+    fast = device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate
+    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=data.draw,
+              eval_rows=data.held, chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model,
+              fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
@@ -1005,9 +976,7 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
     with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
     are drawn, joined by filter_groups; parts: each batch drawn, (batch, rewards, adv)."""
     B, G = cfg.prompts_per_step, cfg.group_size
-    max_batches = 1
-    if cfg.filter_groups:
-        max_batches = cfg.max_resample
+    max_batches = cfg.max_resample if cfg.filter_groups else 1
     parts = []
     n_informative = 0
     while len(parts) < max_batches and n_informative < B:
@@ -1019,9 +988,8 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
         # n // G), by rollout() on the fast path while it works (sample_answers, supporting code)
         batch = sample_answers(run, prompts, cfg, log)
         # 3. one reward per answer from the task's verifier (the Rewards section)
-        rewards = torch.zeros(len(batch["texts"]))  # (N,)
-        for n, text in enumerate(batch["texts"]):
-            rewards[n] = run.task["reward"](text, rows[n // G])
+        rewards = torch.tensor([float(run.task["reward"](text, rows[n // G]))
+                                for n, text in enumerate(batch["texts"])])  # (N,)
         # 4. group advantages
         adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
         parts.append((batch, rewards, adv))
@@ -1040,19 +1008,14 @@ def step_method(cfg: Config, score_fn=None) -> Method:
     return METHODS[cfg.select]
 
 def selection_rule(cfg: Config, method: Method = None) -> tuple:
-    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch);
-    --scope group ranks within each prompt's G answers, batch over the whole batch (0); auto: the
-    method's scope (default METHODS[cfg.select]'s: group for gmts, as its authors, else batch)."""
+    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch), the
+    others --scope's: group (G), batch (0), auto: the method's (default METHODS[cfg.select]'s)."""
     if cfg.select == "all":
         return 1.0, 0
-    if method is None:
-        method = METHODS[cfg.select]
     scope = cfg.scope
     if scope == "auto":
-        scope = method.scope
-    if scope == "group":
-        return cfg.rho, cfg.group_size
-    return cfg.rho, 0
+        scope = (method or METHODS[cfg.select]).scope
+    return cfg.rho, cfg.group_size if scope == "group" else 0
 
 def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None) -> torch.Tensor:
     """Algorithm step 6 as train() runs it, all (N, T): select_tokens by step_method's score, zero
@@ -1064,14 +1027,12 @@ def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
     """GRPO with token selection (the docstring's algorithm steps 1-8) -> the output folder.
-    score_fn, if given, replaces METHODS[cfg.select] (step_method): a Method, or a bare
-    score(logp, entropy, dz_norm, om); the notebook trains its own score through it."""
+    score_fn: step_method's (the notebook trains its own score through it)."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
     cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
     run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
-    report = run.report  # --report-to: tensorboard, wandb or nothing
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
     method = step_method(cfg, score_fn)  # the score, its zero rule and scope (METHODS)
     model.train()
@@ -1102,9 +1063,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                 logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
-            ref_ratio = None  # pi_ref / pi_theta, for the KL term's weight in omega
-            if run.ref is not None:
-                ref_ratio = torch.exp(ref_logp - logp)
+            # pi_ref / pi_theta, for the KL term's weight in omega
+            ref_ratio = None if ref_logp is None else torch.exp(ref_logp - logp)
             ratio = torch.exp(logp - old_logp)  # (N, T)
             om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,
                        **weights)  # (N, T)
@@ -1124,12 +1084,12 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
             rec.update(evaluate_run(model, run, cfg))
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-        report(rec)
+        run.report(rec)
         show(step_line(rec), "eval_acc" in rec)
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
             save_checkpoint(cfg.out, step, model, run.tok, opt, run.skipped)
     show(None, False)
-    report(None)
+    run.report(None)
     plot_metrics(cfg.out)
     save_final(cfg.out, model, run.tok)  # last: its config.json marks the run finished
     log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")

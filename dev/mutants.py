@@ -271,8 +271,8 @@ MUTANTS = {
         "the KL term is divided by the kept-token count under --loss-norm selected",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "kl_only_kept_tokens": (
-        "        need = sel_mask | valid",
-        "        need = sel_mask",
+        "    need = sel_mask | valid if objective.kl_beta > 0 else sel_mask",
+        "    need = sel_mask",
         "with KL only the kept tokens enter the KL term",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "live_counts_zero_adv": (
@@ -281,8 +281,8 @@ MUTANTS = {
         "a kept token with A = 0 counts as live: an all-zero batch steps",
         T + "test_all_zero_advantage_batch_makes_no_update"),
     "step_without_live": (
-        'stats["stepped"] = int(stats["live"] > 0 and finite)',
-        'stats["stepped"] = int(finite)',
+        'stepped=int(stats["live"] > 0 and finite))',
+        'stepped=int(finite))',
         "the step rule steps on a batch with no live token (AdamW moves on zero gradients)",
         T + "test_all_zero_advantage_batch_makes_no_update"),
     "step_on_nonfinite": (
@@ -312,8 +312,8 @@ MUTANTS = {
         "dynamic sampling stops at the first informative group, not at B",
         T + "test_filter_groups_resamples_new_prompts_until_b_groups_are_informative"),
     "reward_wrong_prompt": (
-        'rewards[n] = run.task["reward"](text, rows[n // G])',
-        'rewards[n] = run.task["reward"](text, rows[n % B])',
+        'rewards = torch.tensor([float(run.task["reward"](text, rows[n // G]))',
+        'rewards = torch.tensor([float(run.task["reward"](text, rows[n % B]))',
         "answer n is scored against prompt n % B, not n // G",
         T + "test_every_method_honours_select_and_loss_norm"),
     "inner_stats_not_recomputed": (
@@ -335,8 +335,8 @@ MUTANTS = {
         "pi_old's statistics at T = 1 while the sampler and the loss use --temperature",
         T + "test_training_at_a_temperature_is_on_policy"),
     "loss_norm_selected_ignored": (
-        "return dict(w=w, denom=float(max(n_kept, 1)), kl_denom=n_valid)",
-        "return dict(w=w, denom=n_valid, kl_denom=n_valid)",
+        'denom = float(max(n_kept, 1)) if loss_norm == "selected" else n_valid',
+        "denom = n_valid",
         "--loss-norm selected divides by the valid tokens, as 'all' does",
         T + "test_every_method_honours_select_and_loss_norm"),
     "ref_logp_other_path": (
@@ -351,8 +351,8 @@ MUTANTS = {
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
     # ---- issue 35: the authors' scope, budget and omega
     "scope_group_ranks_batch": (
-        '    if scope == "group":\n        return cfg.rho, cfg.group_size',
-        '    if scope == "group":\n        return cfg.rho, 0',
+        '    return cfg.rho, cfg.group_size if scope == "group" else 0',
+        '    return cfg.rho, 0',
         "--scope group (gmts's default) ranks over the whole batch",
         T + "test_scope_flag_and_each_methods_default"),
     "groups_pooled_into_one": (
@@ -412,7 +412,7 @@ MUTANTS = {
         "live counts a kept token with a policy and a KL gradient twice",
         T + "test_live_counts_a_token_once_under_kl"),
     "row_scope_ignored": (
-        "        scope = method.scope",
+        "        scope = (method or METHODS[cfg.select]).scope",
         "        scope = METHODS[cfg.select].scope",
         "a user's method row (train(score_fn=Method(...))) ranks at --select's scope, not its own",
         T + "test_a_users_method_row_sets_its_score_zero_rule_and_scope"),

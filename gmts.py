@@ -394,7 +394,9 @@ def parse_number(s: str):
         parts = [s]
     if len(parts) == 1:
         value = _decimal(parts[0].strip(), signed=False)
-        return None if value is None else sign * value
+        if value is None:
+            return None
+        return sign * value
     top = _decimal(parts[0].strip(), signed=True)  # a fraction: a sign on either side
     bottom = _decimal(parts[1].strip(), signed=True)
     if top is None or bottom is None or bottom == 0:
@@ -779,7 +781,9 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
     how many of each label's tokens are kept, by kept_count's rule (default: drop with labels, as
     the authors' per-group code; ceil over the whole batch, as ours)."""
     if rule is None:
-        rule = "drop" if group_size or groups is not None else "ceil"
+        rule = "ceil"
+        if group_size or groups is not None:
+            rule = "drop"
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
         return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
@@ -884,7 +888,9 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
     if valid is None:
         valid = batch["resp_mask"]
-    need = sel_mask | valid if objective.kl_beta > 0 else sel_mask
+    need = sel_mask
+    if objective.kl_beta > 0:
+        need = sel_mask | valid
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     passes = micro_batch_logp(model, batch, need, objective.temperature, micro_batch, chunk)
     for rows, m, logp in passes:
@@ -959,10 +965,12 @@ def start_run(cfg: Config, log=print) -> Run:
                             eps=cfg.adam_eps)
     if "opt" in state:  # a resume
         opt.load_state_dict(state["opt"])
-    fast = device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate
-    run = Run(model=model, tok=tok, opt=opt, task=get_task(cfg.task), draw=data.draw,
-              eval_rows=data.held, chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model,
-              fast=fast,
+    fast = cfg.fast_generate
+    if fast is None:
+        fast = device.type == "cuda"
+    task = get_task(cfg.task)
+    run = Run(model=model, tok=tok, opt=opt, task=task, draw=data.draw, eval_rows=data.held,
+              chat=use_chat(tok, cfg.chat_template), ref=ref, sampler=model, fast=fast,
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
@@ -976,7 +984,9 @@ def sample_groups(run: Run, cfg: Config, step: int, log=print) -> tuple:
     with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
     are drawn, joined by filter_groups; parts: each batch drawn, (batch, rewards, adv)."""
     B, G = cfg.prompts_per_step, cfg.group_size
-    max_batches = cfg.max_resample if cfg.filter_groups else 1
+    max_batches = 1
+    if cfg.filter_groups:
+        max_batches = cfg.max_resample
     parts = []
     n_informative = 0
     while len(parts) < max_batches and n_informative < B:
@@ -1012,10 +1022,14 @@ def selection_rule(cfg: Config, method: Method = None) -> tuple:
     others --scope's: group (G), batch (0), auto: the method's (default METHODS[cfg.select]'s)."""
     if cfg.select == "all":
         return 1.0, 0
+    if method is None:
+        method = METHODS[cfg.select]
     scope = cfg.scope
     if scope == "auto":
-        scope = (method or METHODS[cfg.select]).scope
-    return cfg.rho, cfg.group_size if scope == "group" else 0
+        scope = method.scope
+    if scope == "group":
+        return cfg.rho, cfg.group_size
+    return cfg.rho, 0
 
 def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None) -> torch.Tensor:
     """Algorithm step 6 as train() runs it, all (N, T): select_tokens by step_method's score, zero

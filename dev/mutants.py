@@ -271,8 +271,8 @@ MUTANTS = {
         "the KL term is divided by the kept-token count under --loss-norm selected",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "kl_only_kept_tokens": (
-        "    need = sel_mask | valid if objective.kl_beta > 0 else sel_mask",
-        "    need = sel_mask",
+        "        need = sel_mask | valid",
+        "        need = sel_mask",
         "with KL only the kept tokens enter the KL term",
         T + "test_kl_gradient_matches_autograd_and_ignores_the_selection"),
     "live_counts_zero_adv": (
@@ -351,8 +351,8 @@ MUTANTS = {
         T + "test_overlong_filter_trains_nothing_on_truncated_answers"),
     # ---- issue 35: the authors' scope, budget and omega
     "scope_group_ranks_batch": (
-        '    return cfg.rho, cfg.group_size if scope == "group" else 0',
-        '    return cfg.rho, 0',
+        '    if scope == "group":\n        return cfg.rho, cfg.group_size',
+        '    if scope == "group":\n        return cfg.rho, 0',
         "--scope group (gmts's default) ranks over the whole batch",
         T + "test_scope_flag_and_each_methods_default"),
     "groups_pooled_into_one": (
@@ -412,7 +412,7 @@ MUTANTS = {
         "live counts a kept token with a policy and a KL gradient twice",
         T + "test_live_counts_a_token_once_under_kl"),
     "row_scope_ignored": (
-        "        scope = (method or METHODS[cfg.select]).scope",
+        "        scope = method.scope",
         "        scope = METHODS[cfg.select].scope",
         "a user's method row (train(score_fn=Method(...))) ranks at --select's scope, not its own",
         T + "test_a_users_method_row_sets_its_score_zero_rule_and_scope"),

@@ -2367,8 +2367,8 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
                              "differ); pass --allow-change to use it")
     state = dict(step=0, skipped=0, resumed=False)
     if checkpoints(cfg.out) and cfg.resume:
-        want = saved.get("fingerprint", {}).get("prompt")
-        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
+        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template,
+                                            prints.get("prompt"))
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
         state["resumed"] = True
@@ -2406,10 +2406,8 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
                          "differs); pass --allow-change to train against it")
     run.report = open_tracker(cfg)  # wandb without a login: one line, nothing written
-    kept = ""
-    if resumed:  # the steps after the checkpoint will rerun
-        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
-    write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
+    kept = read_metrics(cfg.out, run.start - 1) if resumed else []  # later steps will rerun
+    write_file(os.path.join(cfg.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
@@ -2671,9 +2669,7 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
                          "--out")
     if found and found != kind:
         raise ValueError(f"--out {out} holds a {found} output of this program, not a {kind} one; choose another --out")
-    worth = clash
-    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value
-        worth = checkpoints(out)
+    worth = checkpoints(out) if kind == "gmts" else clash  # a run without a checkpoint: nothing
     if found and worth and not (resume or overwrite):
         hint = {"gmts": f"continue it with --resume {out}, or "}.get(kind, "")
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
@@ -2709,9 +2705,7 @@ def claim_run(cfg: Config) -> dict:
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
     claim_out(cfg.out, "gmts")
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    if not cfg.resume:
-        return {}
-    return read_run_config(cfg.out)
+    return read_run_config(cfg.out) if cfg.resume else {}
 
 def weights_print(model) -> str:
     """The KL reference's fingerprint: the sha256 of every parameter's bytes, in order."""
@@ -2757,13 +2751,9 @@ SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy
 
 def step_line(rec: dict) -> str:
     """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
-    fields = [f"step {rec['step']}"]
-    for key in SHOWN:
-        if key in rec:
-            fields.append(f"{key} {rec[key]:.3f}")
-    for key in ("grade_unknown", "eval_grade_unknown"):  # answers math-verify gave no verdict on
-        if rec.get(key):
-            fields.append(f"{key} {rec[key]}")
+    fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
+    unknown = ("grade_unknown", "eval_grade_unknown")  # answers math-verify gave no verdict on
+    fields += [f"{key} {rec[key]}" for key in unknown if rec.get(key)]
     fields.append(f"{rec['step_time_s']:.2f} s")
     return " | ".join(fields)
 
@@ -2929,7 +2919,11 @@ def parse_args(argv=None) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
     if pre.resume:
         saved = dict(ADDED, **read_run_config(pre.resume))
-        check_saved_keys(pre.resume, saved, names)
+        for what, keys in (("lacks", names - set(saved)),  # every Config field and nothing else
+                           ("holds unknown keys", set(saved) - names - {"fingerprint"})):
+            if keys:
+                raise ValueError(f"--resume {pre.resume}: run_config.json {what} "
+                                 f"{', '.join(sorted(keys))}")
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run goes on in its folder
     cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
@@ -2953,44 +2947,26 @@ def resolved_paths(cfg: Config) -> Config:
         out = os.path.abspath(out)
     return dataclasses.replace(cfg, model=model, data=data, eval_data=eval_data, out=out)
 
-def absolute_data(data: str) -> str:
-    """A --data value with its local file, or hf:FOLDER[:...]'s dataset folder, made absolute."""
+def absolute_data(data: str, where=os.path.abspath) -> str:
+    """A --data value with its local file, or hf:FOLDER[:...]'s dataset folder, written as
+    where(path): absolute, or (os.path.realpath) the real path a resume compares."""
     parts = data.split(":")
     if data_kind(data) == "file":
-        return os.path.abspath(data)
+        return where(data)
     if data_kind(data) == "hf" and len(parts) > 1 and "/" in parts[1] and os.path.isdir(parts[1]):  # as load_rows
-        return ":".join(["hf", os.path.abspath(parts[1]), *parts[2:]])
+        return ":".join(["hf", where(parts[1]), *parts[2:]])
     return data
 
 def same_value(field: str, a, b) -> bool:
     """A resume's test of a field against the saved one; paths are equal where they lead to one
     place (--eval-data: the same names in order, each leading where the saved one does)."""
-    if field == "model" and isinstance(a, str) and isinstance(b, str):
-        return os.path.realpath(a) == os.path.realpath(b)
-    if field == "data" and isinstance(a, str) and isinstance(b, str):
-        return _real_data(a) == _real_data(b)
-    if field == "eval_data" and isinstance(a, str) and isinstance(b, str):
-        sets = [[(name, _real_data(d)) for name, d in eval_sets(x)] for x in (a, b)]
-        return sets[0] == sets[1]
+    def real_data(data):
+        return absolute_data(data, os.path.realpath)
+    real = {"model": os.path.realpath, "data": real_data,
+            "eval_data": lambda x: [(name, real_data(d)) for name, d in eval_sets(x)]}
+    if field in real and isinstance(a, str) and isinstance(b, str):
+        return real[field](a) == real[field](b)
     return a == b
-
-def _real_data(data: str) -> str:
-    """A --data value with its local file or dataset folder written as its real path."""
-    parts = absolute_data(data).split(":")
-    if data_kind(data) == "file":
-        return os.path.realpath(data)
-    if data_kind(data) == "hf" and len(parts) > 1 and os.path.isabs(parts[1]):  # a dataset folder
-        return ":".join(["hf", os.path.realpath(parts[1]), *parts[2:]])
-    return data
-
-def check_saved_keys(out: str, saved: dict, names: set):
-    """A run_config.json holds every Config field and nothing else (besides the fingerprint)."""
-    missing = sorted(names - set(saved))
-    unknown = sorted(set(saved) - names - {"fingerprint"})
-    if missing:
-        raise ValueError(f"--resume {out}: run_config.json lacks {', '.join(missing)}")
-    if unknown:
-        raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
 
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens"):
     """The one line, naming the flags to `lower`, for an allocation that failed (the GPU's: torch.OutOfMemoryError or a
@@ -3062,30 +3038,27 @@ def handling_signals():
 
 def main(argv=None):
     with handling_signals():
-        _main(argv)
-
-def _main(argv):
-    out = None
-    steps = None
-    started = time.time()
-    try:
-        cfg = parse_args(argv)
-        check_config(cfg)
-        out = cfg.out
-        steps = cfg.steps
-        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
-        say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
-        train(cfg, log=say)
-        say("", end="")  # an interrupt swallowed at the very end still counts
-        ignore_stops()  # done: every file is saved
-    except KeyboardInterrupt:
-        if finished(out, steps, started):  # the signal came after the final model was saved
-            return
-        die(f"interrupted; {interrupted_state(out)}", 130)
-    except Exception as e:  # memory; bad input (flags, data, --out); a model that cannot load
-        fail(e, f"; {interrupted_state(out)}")
-    finally:
-        release_all()
+        out = steps = None
+        started = time.time()
+        try:
+            cfg = parse_args(argv)
+            check_config(cfg)
+            out = cfg.out
+            steps = cfg.steps
+            changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
+            say(f"config (other than the defaults; {cfg.out}/run_config.json has all): "
+                f"{json.dumps(changed)}")
+            train(cfg, log=say)
+            say("", end="")  # an interrupt swallowed at the very end still counts
+            ignore_stops()  # done: every file is saved
+        except KeyboardInterrupt:
+            if finished(out, steps, started):  # the signal came after the final model was saved
+                return
+            die(f"interrupted; {interrupted_state(out)}", 130)
+        except Exception as e:  # memory; bad input (flags, data, --out); a model that cannot load
+            fail(e, f"; {interrupted_state(out)}")
+        finally:
+            release_all()
 
 def finished(out, steps: int, since: float) -> bool:
     """Whether this process ended the run in `out`: its last step logged and its final model saved after `since`

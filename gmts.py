@@ -2350,9 +2350,8 @@ MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
-    """The run folder's side of start_run, before the optimiser: claim the folder (this process its only writer),
-    read the data (a resume: the file it started with), load the model (a resume: its newest loadable checkpoint;
-    none: afresh), check every row's prompt, only then delete an old run's files -> (model, tok, state, data)."""
+    """start_run's first half -> (model, tok, state, data): claim the folder, read the data,
+    load the model (a resume: its newest good checkpoint), check prompts, then clear an old run."""
     saved = claim_run(cfg)
     set_seed(cfg.seed)
     data = read_data(cfg)
@@ -2385,8 +2384,7 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     return model, tok, state, data
 
 def rows_drawn(cfg: Config, step: int) -> int:
-    """The training rows the run in cfg.out drew in steps 1..step (B per rollout batch, as
-    metrics.jsonl's rollout_batches count): where --data-order epoch goes on."""
+    """The rows the run in cfg.out drew in steps 1..step (metrics.jsonl's rollout_batches x B)."""
     recs = [r for r in read_metrics(cfg.out, step) if r["step"] >= 1]
     if [r["step"] for r in recs] != list(range(1, step + 1)):
         raise ValueError(f"--resume {cfg.out}: metrics.jsonl lacks steps before {step}, so "
@@ -2394,9 +2392,8 @@ def rows_drawn(cfg: Config, step: int) -> int:
     return cfg.prompts_per_step * sum(int(r.get("rollout_batches", 1)) for r in recs)
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
-    """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
-    (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
-    checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
+    """start_run's second half: check a resume's KL reference, open the tracker, write
+    metrics.jsonl, run_config.json (what a resume checks), a new run's step 0 and checkpoint."""
     prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),
                   reference=weights_print(run.ref) if run.ref else None)
     if data.bench:  # absent without --eval-data: run_config.json as before
@@ -2427,14 +2424,12 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
 
 def write_row_lists(cfg: Config, data: Data, log=print):
-    """OUT/fallback_rows.jsonl: the rows read whose gold math-verify cannot read (graded by
-    bare_answer's exact match); OUT/skipped_rows.jsonl: --skip-bad-rows' rows left out. Each
-    counted in a line; no file where there are none."""
+    """OUT/fallback_rows.jsonl and OUT/skipped_rows.jsonl, each counted in a line; none if empty."""
     pairs = zip(data.where, data.rows)
     fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
     skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
     lists = (("fallback_rows.jsonl", fallback, "graded by exact match (math-verify cannot read "
-                                               "their gold)"),
+              "their gold)"),
              ("skipped_rows.jsonl", skipped, "of --data left out (--skip-bad-rows)"))
     for name, recs, what in lists:
         if recs:
@@ -2497,21 +2492,16 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
     return recs
 
 def checkpoints(out: str) -> list:
-    """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
-    one that holds an output of this program of its own is not a checkpoint)."""
+    """The complete checkpoint folders in out, oldest first (none with an output of its own)."""
     names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a name may hold [ ] * ?
     return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
-    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; no RNG: every step reseeds), written as .tmp and
-    renamed; then all but the newest `keep` go, each renamed first (a half-deleted one is no checkpoint)."""
+    """OUT/ckpt-<step> (model, tokenizer, state.pt; no RNG: every step reseeds) by _save_model; then
+    all but the newest `keep` go, each renamed first (a half-deleted one is no checkpoint)."""
     final = os.path.join(out, f"ckpt-{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with writing(tmp):
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        torch.save(dict(step=step, skipped=skipped, opt=opt.state_dict()), os.path.join(tmp, "state.pt"))
+    state = dict(step=step, skipped=skipped, opt=opt.state_dict())
+    tmp = _save_model(final + ".tmp", model, tok, state)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in checkpoints(out)[:-keep]:
@@ -2519,9 +2509,8 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         shutil.rmtree(old + ".old", ignore_errors=True)
 
 def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads (load_model checks its tokenizer) and can continue the
-    run: finite weights, a chat template that renders, the run's prompt format (prompt_print == want); a damaged one
-    is reported in one line and the previous one tried. state.pt is read with weights_only=True. OSError if none."""
+    """(model, tok, state) from the newest checkpoint that loads and can go on (finite weights,
+    prompt format == want); a damaged one is reported in one line, the previous one tried."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
@@ -2556,16 +2545,22 @@ def check_weights(model, batch: dict, step: int, out: str):
                        f"in {out} are from before it")
 
 def save_final(out: str, model, tok):
-    """save_pretrained into OUT itself (from_pretrained(OUT) loads it) through a temporary folder, each file moved in by
-    an atomic rename, config.json last: no reader sees a torn model (check_out refused others' such files in OUT)."""
-    tmp = os.path.join(out, "final.tmp")
+    """save_pretrained into OUT itself, each file renamed in from final.tmp, config.json last: no
+    reader sees a torn model (check_out refused others' such files in OUT)."""
+    tmp = _save_model(os.path.join(out, "final.tmp"), model, tok)
+    for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, n), os.path.join(out, n))
+    os.rmdir(tmp)
+
+def _save_model(tmp: str, model, tok, state=None) -> str:
+    """model, tokenizer (and state.pt) written afresh into the folder tmp -> tmp."""
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-    for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
-        os.replace(os.path.join(tmp, n), os.path.join(out, n))
-    os.rmdir(tmp)
+        if state is not None:
+            torch.save(state, os.path.join(tmp, "state.pt"))
+    return tmp
 
 def plot_metrics(out: str):
     """OUT/metrics.png: held-out accuracy and batch reward vs step."""
@@ -2607,9 +2602,8 @@ def _own(path: str) -> bool:
     return not os.path.isdir(path) or run_kind(path) is None
 
 def _run_around(out: str, below: bool = True):
-    """(where, folder, kind) of the nearest folder above `out` with an output of this program other than a compare
-    ("lies inside"), else of one below it ("holds"), or None: either would stop the other (the outer's clean-up or
-    rotation could delete the inner, whose resume the outer's marker refuses)."""
+    """(where, folder, kind) of the nearest output of this program (not a compare) above `out`
+    ("lies inside"), else below it ("holds"), or None: one's clean-up could delete the other."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
         if run_kind(parent) not in (None, "compare"):
@@ -2643,9 +2637,8 @@ def _lock(out: str, exclusive: bool) -> int:
     return fd
 
 def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, resume=False, more: tuple = ()):
-    """ValueError unless a `kind` output may go into `out` replacing nothing not its own: no other live writer; no
-    file this kind writes (or in `more`) unless the folder holds an earlier output of this kind (then --overwrite
-    once it holds a checkpoint or result); not the --model folder or one holding it; in warm/ only warm starts."""
+    """ValueError unless a `kind` output may go into `out` replacing nothing not its own: no other
+    live writer, file of WRITES[kind] or `more` or --model; --overwrite to replace a result."""
     real = os.path.realpath(out)
     warm = os.path.dirname(os.path.realpath(WARM_CPU))
     if kind != "warm" and os.path.commonpath([real, warm]) == warm:
@@ -2675,8 +2668,8 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
 
 def claim_out(out: str, kind: str):
-    """Make `out` this process's: create it and its marker and hold flock on it until the process ends (the OS drops
-    it if the process is killed); then, only where a gmts run was, clear a killed run's .tmp and .old leftovers."""
+    """Make `out` this process's (its marker flocked until the process ends), then clear a killed
+    gmts run's .tmp and .old leftovers."""
     if _held(out) is not None:
         return
     leftovers = kind == "gmts" and run_kind(out) == "gmts"
@@ -2894,9 +2887,8 @@ ADDED = {"data_order": "draw", "skip_bad_rows": False, "max_prompt_tokens": 0, "
          "adam_eps": 1e-8}
 
 def parse_args(argv=None) -> Config:
-    """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
-    --resume OUT starts from that run's saved config (every field, no other key; no preset): a field outside FREE
-    that differs needs --allow-change, paths compared by where they lead. Paths are stored absolute (resolved_paths)."""
+    """Config fields as --flags over --preset NAME's defaults or --resume OUT's saved config (a
+    field outside FREE that differs needs --allow-change); paths made absolute (resolved_paths)."""
     p = argparse.ArgumentParser(description="GRPO with GMTS token selection (see the module docstring).")
     p.error = die  # one line and exit 2, no usage dump
     p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults (not with --resume, which "
@@ -2996,9 +2988,8 @@ STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
 
 def _on_signal(signum, frame):
-    """The first stop signal raises KeyboardInterrupt, later ones are ignored (one message, however often pressed).
-    Python swallows an exception raised inside a __del__ ('Exception ignored in: <function Group.__del__>', then
-    the run went on and exited 0): _STOPPED remembers it and say() raises it again at the next line."""
+    """The first stop signal raises KeyboardInterrupt, later ones are ignored. Python swallows it
+    in a __del__ (the run went on, exit 0): _STOPPED remembers it, say() raises it again."""
     ignore_stops()
     _STOPPED.append(signum)
     raise KeyboardInterrupt
@@ -3019,8 +3010,8 @@ def ignore_stops():
 
 @contextlib.contextmanager
 def handling_signals():
-    """The command line's streams and signals: a closed stdout (>&-) is /dev/null, a character stdout cannot encode
-    is written as an escape; _on_signal for the stop signals (main thread only), the old ones back unless one came."""
+    """A closed stdout is /dev/null, an unencodable character an escape; _on_signal for the stop
+    signals (main thread only), the old handlers back unless one came."""
     sys.stdout = sys.stdout or open(os.devnull, "w")
     with contextlib.suppress(AttributeError, ValueError):  # a notebook's stream has no reconfigure
         sys.stdout.reconfigure(errors="backslashreplace")

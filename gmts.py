@@ -2352,7 +2352,13 @@ MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     """start_run's first half -> (model, tok, state, data): claim the folder, read the data,
     load the model (a resume: its newest good checkpoint), check prompts, then clear an old run."""
-    saved = claim_run(cfg)
+    if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
+        raise ValueError(f"--resume {cfg.resume} continues the run in that folder; "
+                         f"--out {cfg.out} is another")
+    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    claim_out(cfg.out, "gmts")  # then check again under the lock: a run may have ended meanwhile
+    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    saved = read_run_config(cfg.out) if cfg.resume else {}
     set_seed(cfg.seed)
     data = read_data(cfg)
     prints = saved.get("fingerprint", {})
@@ -2545,8 +2551,7 @@ def check_weights(model, batch: dict, step: int, out: str):
                        f"in {out} are from before it")
 
 def save_final(out: str, model, tok):
-    """save_pretrained into OUT itself, each file renamed in from final.tmp, config.json last: no
-    reader sees a torn model (check_out refused others' such files in OUT)."""
+    """save_pretrained into OUT itself via final.tmp, config.json renamed in last: never torn."""
     tmp = _save_model(os.path.join(out, "final.tmp"), model, tok)
     for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
@@ -2668,8 +2673,7 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
 
 def claim_out(out: str, kind: str):
-    """Make `out` this process's (its marker flocked until the process ends), then clear a killed
-    gmts run's .tmp and .old leftovers."""
+    """Make `out` this process's (its marker flocked), then clear a killed gmts run's leftovers."""
     if _held(out) is not None:
         return
     leftovers = kind == "gmts" and run_kind(out) == "gmts"
@@ -2691,15 +2695,6 @@ def release_all():
             os.close(fd)  # its lock goes with it
     _HELD.clear()
 
-def claim_run(cfg: Config) -> dict:
-    """check_out, claim_out, check_out under the lock (a run may have ended meanwhile) -> a resume's config or {}."""
-    if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
-        raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
-    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    claim_out(cfg.out, "gmts")
-    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    return read_run_config(cfg.out) if cfg.resume else {}
-
 def weights_print(model) -> str:
     """The KL reference's fingerprint: the sha256 of every parameter's bytes, in order."""
     digest = hashlib.sha256()
@@ -2714,8 +2709,7 @@ def prompt_print(tok, chat_template: str) -> dict:
 
 @contextlib.contextmanager
 def writing(path: str):
-    """A failed write removes the half-written `path`; a full disk (OSError, safetensors' SafetensorError, torch.save's
-    RuntimeError) -> OSError with one line, memory raised as it is."""
+    """A failed write removes `path` and raises OSError with one line (memory raised as it is)."""
     try:
         yield
     except Exception as e:
@@ -2781,8 +2775,7 @@ def check_tracker(name: str):
         raise ValueError(f"--report-to {name} needs the {name} package (pip install {name})") from None
 
 def open_tracker(cfg: Config):
-    """report(rec) sends a record's numbers to --report-to's tracker (tensorboard or wandb, under --out),
-    report(None) closes it. ValueError if the tracker cannot start (wandb without a login)."""
+    """report(rec) sends a record's numbers to --report-to's tracker, report(None) closes it."""
     if cfg.report_to == "none":
         return lambda rec: None
     try:
@@ -2926,22 +2919,20 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def resolved_paths(cfg: Config) -> Config:
-    """cfg with its paths absolute (--model if a folder, --data and --eval-data's sets if a file or dataset folder,
-    --out), as parse_args and train (configs made in Python) apply it: a resume from any folder finds the files."""
-    model, data, eval_data, out = cfg.model, cfg.data, cfg.eval_data, cfg.out
-    if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
-        model = os.path.abspath(model)
-    if isinstance(data, str):
-        data = absolute_data(data)
-    if isinstance(eval_data, str):
-        eval_data = ",".join(f"{name}={absolute_data(d)}" for name, d in eval_sets(eval_data))
-    if isinstance(out, str) and out:
-        out = os.path.abspath(out)
-    return dataclasses.replace(cfg, model=model, data=data, eval_data=eval_data, out=out)
+    """cfg with its paths absolute (--model, --data, --eval-data, --out): a resume finds them."""
+    new = {}  # train applies it too (configs made in Python)
+    if isinstance(cfg.model, str) and cfg.model != "tiny" and os.path.isdir(cfg.model):
+        new["model"] = os.path.abspath(cfg.model)
+    if isinstance(cfg.data, str):
+        new["data"] = absolute_data(cfg.data)
+    if isinstance(cfg.eval_data, str):
+        new["eval_data"] = ",".join(f"{n}={absolute_data(d)}" for n, d in eval_sets(cfg.eval_data))
+    if isinstance(cfg.out, str) and cfg.out:
+        new["out"] = os.path.abspath(cfg.out)
+    return dataclasses.replace(cfg, **new)
 
 def absolute_data(data: str, where=os.path.abspath) -> str:
-    """A --data value with its local file, or hf:FOLDER[:...]'s dataset folder, written as
-    where(path): absolute, or (os.path.realpath) the real path a resume compares."""
+    """A --data value with its local file or dataset folder written as where(path)."""
     parts = data.split(":")
     if data_kind(data) == "file":
         return where(data)
@@ -2950,8 +2941,7 @@ def absolute_data(data: str, where=os.path.abspath) -> str:
     return data
 
 def same_value(field: str, a, b) -> bool:
-    """A resume's test of a field against the saved one; paths are equal where they lead to one
-    place (--eval-data: the same names in order, each leading where the saved one does)."""
+    """A resume's test of a field against the saved one; paths are equal where they lead."""
     def real_data(data):
         return absolute_data(data, os.path.realpath)
     real = {"model": os.path.realpath, "data": real_data,
@@ -3010,8 +3000,7 @@ def ignore_stops():
 
 @contextlib.contextmanager
 def handling_signals():
-    """A closed stdout is /dev/null, an unencodable character an escape; _on_signal for the stop
-    signals (main thread only), the old handlers back unless one came."""
+    """A closed stdout is /dev/null, bad characters escaped; _on_signal for the stop signals."""
     sys.stdout = sys.stdout or open(os.devnull, "w")
     with contextlib.suppress(AttributeError, ValueError):  # a notebook's stream has no reconfigure
         sys.stdout.reconfigure(errors="backslashreplace")
@@ -3052,8 +3041,7 @@ def main(argv=None):
             release_all()
 
 def finished(out, steps: int, since: float) -> bool:
-    """Whether this process ended the run in `out`: its last step logged and its final model saved after `since`
-    (train plots first; save_final moves config.json in last)."""
+    """Whether this process logged the run's last step and saved its final model after `since`."""
     recs = read_metrics(out) if out else []
     config = os.path.join(out or "", "config.json")
     return bool(recs) and recs[-1]["step"] == steps and os.path.isfile(config) and os.path.getmtime(config) >= since

@@ -2540,8 +2540,7 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
 
 @torch.no_grad()
 def check_weights(model, batch: dict, step: int, out: str):
-    """After an update: weights that are not finite, or so large that the batch's first answer's first-token
-    distribution is not (the next step could not sample), end the run (RunError, exit 1) before a checkpoint."""
+    """Non-finite weights or first-token logits after an update end the run (RunError)."""
     finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
     if finite:  # one (1, V) row of logits: a sampling step's worth, not the whole answer's (T, V)
         h = response_hidden(model, batch, slice(0, 1))[0, :1]  # (1, d)
@@ -2591,8 +2590,7 @@ WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", "*_ro
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
 
 def run_kind(out: str):
-    """The kind in out's marker (a run_config.json alone: a gmts run of an earlier version), "" while a marker is
-    being written, None for a folder this program never wrote into."""
+    """The kind in out's marker ("gmts" for an old run_config.json alone), "" mid-write, or None."""
     try:
         with open(os.path.join(out, RUN_MARK)) as f:
             text = f.read()
@@ -2745,8 +2743,7 @@ def step_line(rec: dict) -> str:
     return " | ".join(fields)
 
 def step_printer(total: int, start: int, log=print):
-    """show(line, keep) prints a step's line: on a terminal (log prints to a TTY) a tqdm bar counts steps and carries
-    the latest line, keep=True ones (evaluations) above it; elsewhere all are logged. show(None, _) closes it."""
+    """show(line, keep): a tqdm bar on a TTY (keep: line kept above), else log; None closes."""
     if log not in (print, say) or not sys.stdout.isatty():
         def show(line, keep):
             if line is not None:
@@ -2951,8 +2948,7 @@ def same_value(field: str, a, b) -> bool:
     return a == b
 
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens"):
-    """The one line, naming the flags to `lower`, for an allocation that failed (the GPU's: torch.OutOfMemoryError or a
-    RuntimeError saying "out of memory"; the CPU's: MemoryError, torch's allocator), or None for any other error."""
+    """The one line (naming the flags to `lower`) for a failed CPU or GPU allocation, else None."""
     text = str(e) if isinstance(e, RuntimeError) else ""
     if isinstance(e, MemoryError) or "can't allocate memory" in text:
         return f"out of CPU memory: lower {lower}, or use a smaller model"
@@ -2961,13 +2957,11 @@ def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-token
     return None
 
 def error_line(e, cap: int = 1000) -> str:
-    """The one line for an exception or a message, which every printed error goes through: memory first (memory_fault),
-    else its message with line breaks written as \\n (a path may hold one) cut at `cap`, else its type's name."""
+    """Every printed error's one line: memory_fault's, else the message (\n escaped) cut at cap."""
     return memory_fault(e) or "\\n".join(str(e).strip().splitlines())[:cap] or type(e).__name__
 
 def fail(e: Exception, kept: str = ""):
-    """The exit of a command that an exception ends: memory (exit 1; `kept` says what the run keeps), bad input
-    (ValueError: 2), a fault (OSError, RunError: 1), each in one line. Any other exception is a bug: raised again."""
+    """Exit for an exception in one line: memory or OSError/RunError 1, ValueError 2; else a bug."""
     if memory_fault(e):
         die(memory_fault(e) + kept, 1)
     if not isinstance(e, (ValueError, OSError, RunError)):

@@ -2420,17 +2420,7 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     log(memory_line(cfg, run.model, data.longest, device))  # before any work
-    write_row_lists(cfg, data, log)
-    if resumed:
-        return
-    rec = dict(step=0, **evaluate_run(run.model, run, cfg))
-    log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
-    run.report(rec)
-    log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
-    save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
-
-def write_row_lists(cfg: Config, data: Data, log=print):
-    """OUT/fallback_rows.jsonl and OUT/skipped_rows.jsonl, each counted in a line; none if empty."""
+    # the rows graded by exact match and the rows left out: a file and a line each, if any
     pairs = zip(data.where, data.rows)
     fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
     skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
@@ -2441,6 +2431,13 @@ def write_row_lists(cfg: Config, data: Data, log=print):
         if recs:
             write_file(os.path.join(cfg.out, name), "".join(json.dumps(r) + "\n" for r in recs))
             log(f"{len(recs)} rows {what}: {os.path.join(cfg.out, name)}")
+    if resumed:
+        return
+    rec = dict(step=0, **evaluate_run(run.model, run, cfg))
+    log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
+    run.report(rec)
+    log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
+    save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
 
 def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards, adv, old_logp, entropy, sel_mask,
                 stats: dict, opt, skipped: int, t0: float, t_roll: float) -> dict:

@@ -2282,10 +2282,15 @@ MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
 
 # ==== The run folder [plumbing]: claim, checkpoints, resume, fingerprints, metrics ================
 def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
-    """The run folder's side of start_run, before the optimiser: claim the folder (this process its only writer),
-    read the data (a resume: the file it started with), load the model (a resume: its newest loadable checkpoint;
-    none: afresh), check every row's prompt, only then delete an old run's files -> (model, tok, state, data)."""
-    saved = claim_run(cfg)
+    """start_run's first half -> (model, tok, state, data): claim the folder, read the data,
+    load the model (a resume: its newest good checkpoint), check prompts, then clear an old run."""
+    if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
+        raise ValueError(f"--resume {cfg.resume} continues the run in that folder; "
+                         f"--out {cfg.out} is another")
+    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    claim_out(cfg.out, "gmts")  # then check again under the lock: a run may have ended meanwhile
+    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
+    saved = read_run_config(cfg.out) if cfg.resume else {}
     set_seed(cfg.seed)
     data = read_data(cfg)
     prints = saved.get("fingerprint", {})
@@ -2299,8 +2304,8 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
                              "differ); pass --allow-change to use it")
     state = dict(step=0, skipped=0, resumed=False)
     if checkpoints(cfg.out) and cfg.resume:
-        want = saved.get("fingerprint", {}).get("prompt")
-        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template, want)
+        model, tok, state = load_checkpoint(cfg.out, device, log, cfg.chat_template,
+                                            prints.get("prompt"))
         if state["step"] > cfg.steps:
             raise ValueError(f"--steps {cfg.steps} is below the run's last completed step {state['step']}")
         state["resumed"] = True
@@ -2317,8 +2322,7 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     return model, tok, state, data
 
 def rows_drawn(cfg: Config, step: int) -> int:
-    """The training rows the run in cfg.out drew in steps 1..step (B per rollout batch, as
-    metrics.jsonl's rollout_batches count): where --data-order epoch goes on."""
+    """The rows the run in cfg.out drew in steps 1..step (metrics.jsonl's rollout_batches x B)."""
     recs = [r for r in read_metrics(cfg.out, step) if r["step"] >= 1]
     if [r["step"] for r in recs] != list(range(1, step + 1)):
         raise ValueError(f"--resume {cfg.out}: metrics.jsonl lacks steps before {step}, so "
@@ -2326,9 +2330,8 @@ def rows_drawn(cfg: Config, step: int) -> int:
     return cfg.prompts_per_step * sum(int(r.get("rollout_batches", 1)) for r in recs)
 
 def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.device, log=print):
-    """The run folder's side of start_run once the optimiser exists: check a resume's KL reference, open the tracker
-    (run.report), write metrics.jsonl (a resume's up to its checkpoint), run_config.json (the config and what a resume
-    checks: data file, prompt format, KL reference) and, for a new run, step 0 (held-out accuracy) and ckpt-000000."""
+    """start_run's second half: check a resume's KL reference, open the tracker, write
+    metrics.jsonl, run_config.json (what a resume checks), a new run's step 0 and checkpoint."""
     prints = dict(data=data.fingerprint, prompt=prompt_print(run.tok, cfg.chat_template),
                   reference=weights_print(run.ref) if run.ref else None)
     if data.bench:  # absent without --eval-data: run_config.json as before
@@ -2338,10 +2341,8 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         raise ValueError(f"--model {cfg.model} is not the KL reference the run started from (its weights' sha256 "
                          "differs); pass --allow-change to train against it")
     run.report = open_tracker(cfg)  # wandb without a login: one line, nothing written
-    kept = ""
-    if resumed:  # the steps after the checkpoint will rerun
-        kept = "".join(json.dumps(r) + "\n" for r in read_metrics(cfg.out, run.start - 1))
-    write_file(os.path.join(cfg.out, "metrics.jsonl"), kept)
+    kept = read_metrics(cfg.out, run.start - 1) if resumed else []  # later steps will rerun
+    write_file(os.path.join(cfg.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(dict(**vars(cfg), fingerprint=prints), indent=1))
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU numbers depend on it (NOTES, issue 31)
@@ -2351,7 +2352,17 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     log(memory_line(cfg, run.model, data.longest, device))  # before any work
-    write_row_lists(cfg, data, log)
+    # the rows graded by exact match and the rows left out: a file and a line each, if any
+    pairs = zip(data.where, data.rows)
+    fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
+    skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
+    lists = (("fallback_rows.jsonl", fallback, "graded by exact match (math-verify cannot read "
+              "their gold)"),
+             ("skipped_rows.jsonl", skipped, "of --data left out (--skip-bad-rows)"))
+    for name, recs, what in lists:
+        if recs:
+            write_file(os.path.join(cfg.out, name), "".join(json.dumps(r) + "\n" for r in recs))
+            log(f"{len(recs)} rows {what}: {os.path.join(cfg.out, name)}")
     if resumed:
         return
     rec = dict(step=0, **evaluate_run(run.model, run, cfg))
@@ -2359,21 +2370,6 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
     run.report(rec)
     log(f"step 0 | eval_acc {rec['eval_acc']:.3f} | sample: {rec['eval_sample'][:80]!r}")
     save_checkpoint(cfg.out, 0, run.model, run.tok, run.opt, 0)
-
-def write_row_lists(cfg: Config, data: Data, log=print):
-    """OUT/fallback_rows.jsonl: the rows read whose gold math-verify cannot read (graded by
-    bare_answer's exact match); OUT/skipped_rows.jsonl: --skip-bad-rows' rows left out. Each
-    counted in a line; no file where there are none."""
-    pairs = zip(data.where, data.rows)
-    fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
-    skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
-    lists = (("fallback_rows.jsonl", fallback, "graded by exact match (math-verify cannot read "
-                                               "their gold)"),
-             ("skipped_rows.jsonl", skipped, "of --data left out (--skip-bad-rows)"))
-    for name, recs, what in lists:
-        if recs:
-            write_file(os.path.join(cfg.out, name), "".join(json.dumps(r) + "\n" for r in recs))
-            log(f"{len(recs)} rows {what}: {os.path.join(cfg.out, name)}")
 
 def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards, adv, old_logp, entropy, sel_mask,
                 stats: dict, opt, skipped: int, t0: float, t_roll: float) -> dict:
@@ -2431,21 +2427,16 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
     return recs
 
 def checkpoints(out: str) -> list:
-    """The complete checkpoint folders in out, oldest first (a folder is renamed into place only when complete;
-    one that holds an output of this program of its own is not a checkpoint)."""
+    """The complete checkpoint folders in out, oldest first (none with an output of its own)."""
     names = os.listdir(out) if os.path.isdir(out) else []  # not glob: a name may hold [ ] * ?
     return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n) and _own(os.path.join(out, n)))
 
 def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: int = 2):
-    """OUT/ckpt-<step>: model, tokenizer and state.pt (step, optimiser; no RNG: every step reseeds), written as .tmp and
-    renamed; then all but the newest `keep` go, each renamed first (a half-deleted one is no checkpoint)."""
+    """OUT/ckpt-<step> (model, tokenizer, state.pt; no RNG: every step reseeds) by _save_model; then
+    all but the newest `keep` go, each renamed first (a half-deleted one is no checkpoint)."""
     final = os.path.join(out, f"ckpt-{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with writing(tmp):
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        torch.save(dict(step=step, skipped=skipped, opt=opt.state_dict()), os.path.join(tmp, "state.pt"))
+    state = dict(step=step, skipped=skipped, opt=opt.state_dict())
+    tmp = _save_model(final + ".tmp", model, tok, state)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in checkpoints(out)[:-keep]:
@@ -2453,9 +2444,8 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         shutil.rmtree(old + ".old", ignore_errors=True)
 
 def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads (load_model checks its tokenizer) and can continue the
-    run: finite weights, a chat template that renders, the run's prompt format (prompt_print == want); a damaged one
-    is reported in one line and the previous one tried. state.pt is read with weights_only=True. OSError if none."""
+    """(model, tok, state) from the newest checkpoint that loads and can go on (finite weights,
+    prompt format == want); a damaged one is reported in one line, the previous one tried."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
@@ -2479,8 +2469,7 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
 
 @torch.no_grad()
 def check_weights(model, batch: dict, step: int, out: str):
-    """After an update: weights that are not finite, or so large that the batch's first answer's first-token
-    distribution is not (the next step could not sample), end the run (RunError, exit 1) before a checkpoint."""
+    """Non-finite weights or first-token logits after an update end the run (RunError)."""
     finite = bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
     if finite:  # one (1, V) row of logits: a sampling step's worth, not the whole answer's (T, V)
         h = response_hidden(model, batch, slice(0, 1))[0, :1]  # (1, d)
@@ -2490,16 +2479,21 @@ def check_weights(model, batch: dict, step: int, out: str):
                        f"in {out} are from before it")
 
 def save_final(out: str, model, tok):
-    """save_pretrained into OUT itself (from_pretrained(OUT) loads it) through a temporary folder, each file moved in by
-    an atomic rename, config.json last: no reader sees a torn model (check_out refused others' such files in OUT)."""
-    tmp = os.path.join(out, "final.tmp")
+    """save_pretrained into OUT itself via final.tmp, config.json renamed in last: never torn."""
+    tmp = _save_model(os.path.join(out, "final.tmp"), model, tok)
+    for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, n), os.path.join(out, n))
+    os.rmdir(tmp)
+
+def _save_model(tmp: str, model, tok, state=None) -> str:
+    """model, tokenizer (and state.pt) written afresh into the folder tmp -> tmp."""
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-    for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
-        os.replace(os.path.join(tmp, n), os.path.join(out, n))
-    os.rmdir(tmp)
+        if state is not None:
+            torch.save(state, os.path.join(tmp, "state.pt"))
+    return tmp
 
 def plot_metrics(out: str):
     """OUT/metrics.png: held-out accuracy and batch reward vs step."""
@@ -2525,8 +2519,7 @@ WRITES = {"gmts": ("metrics.*", "run_config.json*", "ckpt-*", "final.tmp", "*_ro
 _HELD = {}  # real path of a folder -> the fd of its marker, locked by this process
 
 def run_kind(out: str):
-    """The kind in out's marker (a run_config.json alone: a gmts run of an earlier version), "" while a marker is
-    being written, None for a folder this program never wrote into."""
+    """The kind in out's marker ("gmts" for an old run_config.json alone), "" mid-write, or None."""
     try:
         with open(os.path.join(out, RUN_MARK)) as f:
             text = f.read()
@@ -2541,9 +2534,8 @@ def _own(path: str) -> bool:
     return not os.path.isdir(path) or run_kind(path) is None
 
 def _run_around(out: str, below: bool = True):
-    """(where, folder, kind) of the nearest folder above `out` with an output of this program other than a compare
-    ("lies inside"), else of one below it ("holds"), or None: either would stop the other (the outer's clean-up or
-    rotation could delete the inner, whose resume the outer's marker refuses)."""
+    """(where, folder, kind) of the nearest output of this program (not a compare) above `out`
+    ("lies inside"), else below it ("holds"), or None: one's clean-up could delete the other."""
     parent = os.path.dirname(os.path.realpath(out))
     while parent != os.path.dirname(parent):
         if run_kind(parent) not in (None, "compare"):
@@ -2577,9 +2569,8 @@ def _lock(out: str, exclusive: bool) -> int:
     return fd
 
 def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, resume=False, more: tuple = ()):
-    """ValueError unless a `kind` output may go into `out` replacing nothing not its own: no other live writer; no
-    file this kind writes (or in `more`) unless the folder holds an earlier output of this kind (then --overwrite
-    once it holds a checkpoint or result); not the --model folder or one holding it; in warm/ only warm starts."""
+    """ValueError unless a `kind` output may go into `out` replacing nothing not its own: no other
+    live writer, file of WRITES[kind] or `more` or --model; --overwrite to replace a result."""
     real = os.path.realpath(out)
     warm = os.path.dirname(os.path.realpath(WARM_CPU))
     if kind != "warm" and os.path.commonpath([real, warm]) == warm:
@@ -2603,16 +2594,13 @@ def check_out(out: str, kind: str = "gmts", model: str = "", overwrite=False, re
                          "--out")
     if found and found != kind:
         raise ValueError(f"--out {out} holds a {found} output of this program, not a {kind} one; choose another --out")
-    worth = clash
-    if kind == "gmts":  # a run folder without a checkpoint holds nothing of value
-        worth = checkpoints(out)
+    worth = checkpoints(out) if kind == "gmts" else clash  # a run without a checkpoint: nothing
     if found and worth and not (resume or overwrite):
         hint = {"gmts": f"continue it with --resume {out}, or "}.get(kind, "")
         raise ValueError(f"--out {out} holds a run; {hint}pass --overwrite to replace it")
 
 def claim_out(out: str, kind: str):
-    """Make `out` this process's: create it and its marker and hold flock on it until the process ends (the OS drops
-    it if the process is killed); then, only where a gmts run was, clear a killed run's .tmp and .old leftovers."""
+    """Make `out` this process's (its marker flocked), then clear a killed gmts run's leftovers."""
     if _held(out) is not None:
         return
     leftovers = kind == "gmts" and run_kind(out) == "gmts"
@@ -2634,17 +2622,6 @@ def release_all():
             os.close(fd)  # its lock goes with it
     _HELD.clear()
 
-def claim_run(cfg: Config) -> dict:
-    """check_out, claim_out, check_out under the lock (a run may have ended meanwhile) -> a resume's config or {}."""
-    if cfg.resume and os.path.realpath(cfg.resume) != os.path.realpath(cfg.out):
-        raise ValueError(f"--resume {cfg.resume} continues the run in that folder; --out {cfg.out} is another")
-    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    claim_out(cfg.out, "gmts")
-    check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    if not cfg.resume:
-        return {}
-    return read_run_config(cfg.out)
-
 def weights_print(model) -> str:
     """The KL reference's fingerprint: the sha256 of every parameter's bytes, in order."""
     digest = hashlib.sha256()
@@ -2659,8 +2636,7 @@ def prompt_print(tok, chat_template: str) -> dict:
 
 @contextlib.contextmanager
 def writing(path: str):
-    """A failed write removes the half-written `path`; a full disk (OSError, safetensors' SafetensorError, torch.save's
-    RuntimeError) -> OSError with one line, memory raised as it is."""
+    """A failed write removes `path` and raises OSError with one line (memory raised as it is)."""
     try:
         yield
     except Exception as e:
@@ -2689,19 +2665,14 @@ SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy
 
 def step_line(rec: dict) -> str:
     """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
-    fields = [f"step {rec['step']}"]
-    for key in SHOWN:
-        if key in rec:
-            fields.append(f"{key} {rec[key]:.3f}")
-    for key in ("grade_unknown", "eval_grade_unknown"):  # answers math-verify gave no verdict on
-        if rec.get(key):
-            fields.append(f"{key} {rec[key]}")
+    fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
+    unknown = ("grade_unknown", "eval_grade_unknown")  # answers math-verify gave no verdict on
+    fields += [f"{key} {rec[key]}" for key in unknown if rec.get(key)]
     fields.append(f"{rec['step_time_s']:.2f} s")
     return " | ".join(fields)
 
 def step_printer(total: int, start: int, log=print):
-    """show(line, keep) prints a step's line: on a terminal (log prints to a TTY) a tqdm bar counts steps and carries
-    the latest line, keep=True ones (evaluations) above it; elsewhere all are logged. show(None, _) closes it."""
+    """show(line, keep): a tqdm bar on a TTY (keep: line kept above), else log; None closes."""
     if log not in (print, say) or not sys.stdout.isatty():
         def show(line, keep):
             if line is not None:
@@ -2730,8 +2701,7 @@ def check_tracker(name: str):
         raise ValueError(f"--report-to {name} needs the {name} package (pip install {name})") from None
 
 def open_tracker(cfg: Config):
-    """report(rec) sends a record's numbers to --report-to's tracker (tensorboard or wandb, under --out),
-    report(None) closes it. ValueError if the tracker cannot start (wandb without a login)."""
+    """report(rec) sends a record's numbers to --report-to's tracker, report(None) closes it."""
     if cfg.report_to == "none":
         return lambda rec: None
     try:
@@ -2836,9 +2806,8 @@ ADDED = {"data_order": "draw", "skip_bad_rows": False, "max_prompt_tokens": 0, "
          "adam_eps": 1e-8}
 
 def parse_args(argv=None) -> Config:
-    """Config fields become --flags (bools get --no-x too). --preset NAME sets defaults that explicit flags override;
-    --resume OUT starts from that run's saved config (every field, no other key; no preset): a field outside FREE
-    that differs needs --allow-change, paths compared by where they lead. Paths are stored absolute (resolved_paths)."""
+    """Config fields as --flags over --preset NAME's defaults or --resume OUT's saved config (a
+    field outside FREE that differs needs --allow-change); paths made absolute (resolved_paths)."""
     p = argparse.ArgumentParser(description="GRPO with GMTS token selection (see the module docstring).")
     p.error = die  # one line and exit 2, no usage dump
     p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults (not with --resume, which "
@@ -2861,7 +2830,11 @@ def parse_args(argv=None) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
     if pre.resume:
         saved = dict(ADDED, **read_run_config(pre.resume))
-        check_saved_keys(pre.resume, saved, names)
+        for what, keys in (("lacks", names - set(saved)),  # every Config field and nothing else
+                           ("holds unknown keys", set(saved) - names - {"fingerprint"})):
+            if keys:
+                raise ValueError(f"--resume {pre.resume}: run_config.json {what} "
+                                 f"{', '.join(sorted(keys))}")
     p.set_defaults(**{k: v for k, v in saved.items() if k in names - {"resume", "overwrite", "allow_change", "out"}})
     p.set_defaults(out=pre.resume or p.get_default("out"), resume="")  # a run goes on in its folder
     cfg = resolved_paths(Config(**{k: v for k, v in vars(p.parse_args(argv)).items() if k != "preset"}))
@@ -2872,61 +2845,39 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 def resolved_paths(cfg: Config) -> Config:
-    """cfg with its paths absolute (--model if a folder, --data and --eval-data's sets if a file or dataset folder,
-    --out), as parse_args and train (configs made in Python) apply it: a resume from any folder finds the files."""
-    model, data, eval_data, out = cfg.model, cfg.data, cfg.eval_data, cfg.out
-    if isinstance(model, str) and model != "tiny" and os.path.isdir(model):
-        model = os.path.abspath(model)
-    if isinstance(data, str):
-        data = absolute_data(data)
-    if isinstance(eval_data, str):
-        eval_data = ",".join(f"{name}={absolute_data(d)}" for name, d in eval_sets(eval_data))
-    if isinstance(out, str) and out:
-        out = os.path.abspath(out)
-    return dataclasses.replace(cfg, model=model, data=data, eval_data=eval_data, out=out)
+    """cfg with its paths absolute (--model, --data, --eval-data, --out): a resume finds them."""
+    new = {}  # train applies it too (configs made in Python)
+    if isinstance(cfg.model, str) and cfg.model != "tiny" and os.path.isdir(cfg.model):
+        new["model"] = os.path.abspath(cfg.model)
+    if isinstance(cfg.data, str):
+        new["data"] = absolute_data(cfg.data)
+    if isinstance(cfg.eval_data, str):
+        new["eval_data"] = ",".join(f"{n}={absolute_data(d)}" for n, d in eval_sets(cfg.eval_data))
+    if isinstance(cfg.out, str) and cfg.out:
+        new["out"] = os.path.abspath(cfg.out)
+    return dataclasses.replace(cfg, **new)
 
-def absolute_data(data: str) -> str:
-    """A --data value with its local file, or hf:FOLDER[:...]'s dataset folder, made absolute."""
+def absolute_data(data: str, where=os.path.abspath) -> str:
+    """A --data value with its local file or dataset folder written as where(path)."""
     parts = data.split(":")
     if data_kind(data) == "file":
-        return os.path.abspath(data)
+        return where(data)
     if data_kind(data) == "hf" and len(parts) > 1 and "/" in parts[1] and os.path.isdir(parts[1]):  # as load_rows
-        return ":".join(["hf", os.path.abspath(parts[1]), *parts[2:]])
+        return ":".join(["hf", where(parts[1]), *parts[2:]])
     return data
 
 def same_value(field: str, a, b) -> bool:
-    """A resume's test of a field against the saved one; paths are equal where they lead to one
-    place (--eval-data: the same names in order, each leading where the saved one does)."""
-    if field == "model" and isinstance(a, str) and isinstance(b, str):
-        return os.path.realpath(a) == os.path.realpath(b)
-    if field == "data" and isinstance(a, str) and isinstance(b, str):
-        return _real_data(a) == _real_data(b)
-    if field == "eval_data" and isinstance(a, str) and isinstance(b, str):
-        sets = [[(name, _real_data(d)) for name, d in eval_sets(x)] for x in (a, b)]
-        return sets[0] == sets[1]
+    """A resume's test of a field against the saved one; paths are equal where they lead."""
+    def real_data(data):
+        return absolute_data(data, os.path.realpath)
+    real = {"model": os.path.realpath, "data": real_data,
+            "eval_data": lambda x: [(name, real_data(d)) for name, d in eval_sets(x)]}
+    if field in real and isinstance(a, str) and isinstance(b, str):
+        return real[field](a) == real[field](b)
     return a == b
 
-def _real_data(data: str) -> str:
-    """A --data value with its local file or dataset folder written as its real path."""
-    parts = absolute_data(data).split(":")
-    if data_kind(data) == "file":
-        return os.path.realpath(data)
-    if data_kind(data) == "hf" and len(parts) > 1 and os.path.isabs(parts[1]):  # a dataset folder
-        return ":".join(["hf", os.path.realpath(parts[1]), *parts[2:]])
-    return data
-
-def check_saved_keys(out: str, saved: dict, names: set):
-    """A run_config.json holds every Config field and nothing else (besides the fingerprint)."""
-    missing = sorted(names - set(saved))
-    unknown = sorted(set(saved) - names - {"fingerprint"})
-    if missing:
-        raise ValueError(f"--resume {out}: run_config.json lacks {', '.join(missing)}")
-    if unknown:
-        raise ValueError(f"--resume {out}: run_config.json holds unknown keys {', '.join(unknown)}")
-
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens"):
-    """The one line, naming the flags to `lower`, for an allocation that failed (the GPU's: torch.OutOfMemoryError or a
-    RuntimeError saying "out of memory"; the CPU's: MemoryError, torch's allocator), or None for any other error."""
+    """The one line (naming the flags to `lower`) for a failed CPU or GPU allocation, else None."""
     text = str(e) if isinstance(e, RuntimeError) else ""
     if isinstance(e, MemoryError) or "can't allocate memory" in text:
         return f"out of CPU memory: lower {lower}, or use a smaller model"
@@ -2935,13 +2886,11 @@ def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-token
     return None
 
 def error_line(e, cap: int = 1000) -> str:
-    """The one line for an exception or a message, which every printed error goes through: memory first (memory_fault),
-    else its message with line breaks written as \\n (a path may hold one) cut at `cap`, else its type's name."""
+    """Every printed error's one line: memory_fault's, else the message (\n escaped) cut at cap."""
     return memory_fault(e) or "\\n".join(str(e).strip().splitlines())[:cap] or type(e).__name__
 
 def fail(e: Exception, kept: str = ""):
-    """The exit of a command that an exception ends: memory (exit 1; `kept` says what the run keeps), bad input
-    (ValueError: 2), a fault (OSError, RunError: 1), each in one line. Any other exception is a bug: raised again."""
+    """Exit for an exception in one line: memory or OSError/RunError 1, ValueError 2; else a bug."""
     if memory_fault(e):
         die(memory_fault(e) + kept, 1)
     if not isinstance(e, (ValueError, OSError, RunError)):
@@ -2952,9 +2901,8 @@ STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED = []  # the stop signal received, kept even when its KeyboardInterrupt was swallowed
 
 def _on_signal(signum, frame):
-    """The first stop signal raises KeyboardInterrupt, later ones are ignored (one message, however often pressed).
-    Python swallows an exception raised inside a __del__ ('Exception ignored in: <function Group.__del__>', then
-    the run went on and exited 0): _STOPPED remembers it and say() raises it again at the next line."""
+    """The first stop signal raises KeyboardInterrupt, later ones are ignored. Python swallows it
+    in a __del__ (the run went on, exit 0): _STOPPED remembers it, say() raises it again."""
     ignore_stops()
     _STOPPED.append(signum)
     raise KeyboardInterrupt
@@ -2975,8 +2923,7 @@ def ignore_stops():
 
 @contextlib.contextmanager
 def handling_signals():
-    """The command line's streams and signals: a closed stdout (>&-) is /dev/null, a character stdout cannot encode
-    is written as an escape; _on_signal for the stop signals (main thread only), the old ones back unless one came."""
+    """A closed stdout is /dev/null, bad characters escaped; _on_signal for the stop signals."""
     sys.stdout = sys.stdout or open(os.devnull, "w")
     with contextlib.suppress(AttributeError, ValueError):  # a notebook's stream has no reconfigure
         sys.stdout.reconfigure(errors="backslashreplace")
@@ -2994,34 +2941,30 @@ def handling_signals():
 
 def main(argv=None):
     with handling_signals():
-        _main(argv)
-
-def _main(argv):
-    out = None
-    steps = None
-    started = time.time()
-    try:
-        cfg = parse_args(argv)
-        check_config(cfg)
-        out = cfg.out
-        steps = cfg.steps
-        changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
-        say(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
-        train(cfg, log=say)
-        say("", end="")  # an interrupt swallowed at the very end still counts
-        ignore_stops()  # done: every file is saved
-    except KeyboardInterrupt:
-        if finished(out, steps, started):  # the signal came after the final model was saved
-            return
-        die(f"interrupted; {interrupted_state(out)}", 130)
-    except Exception as e:  # memory; bad input (flags, data, --out); a model that cannot load
-        fail(e, f"; {interrupted_state(out)}")
-    finally:
-        release_all()
+        out = steps = None
+        started = time.time()
+        try:
+            cfg = parse_args(argv)
+            check_config(cfg)
+            out = cfg.out
+            steps = cfg.steps
+            changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
+            say(f"config (other than the defaults; {cfg.out}/run_config.json has all): "
+                f"{json.dumps(changed)}")
+            train(cfg, log=say)
+            say("", end="")  # an interrupt swallowed at the very end still counts
+            ignore_stops()  # done: every file is saved
+        except KeyboardInterrupt:
+            if finished(out, steps, started):  # the signal came after the final model was saved
+                return
+            die(f"interrupted; {interrupted_state(out)}", 130)
+        except Exception as e:  # memory; bad input (flags, data, --out); a model that cannot load
+            fail(e, f"; {interrupted_state(out)}")
+        finally:
+            release_all()
 
 def finished(out, steps: int, since: float) -> bool:
-    """Whether this process ended the run in `out`: its last step logged and its final model saved after `since`
-    (train plots first; save_final moves config.json in last)."""
+    """Whether this process logged the run's last step and saved its final model after `since`."""
     recs = read_metrics(out) if out else []
     config = os.path.join(out or "", "config.json")
     return bool(recs) and recs[-1]["step"] == steps and os.path.isfile(config) and os.path.getmtime(config) >= since

@@ -6,6 +6,9 @@ gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, 
          code does it; their omega's normaliser and KL under --loss-norm seq-sum --kl-beta 0.001.
   80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
          for LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
+  RSI-S  Lv et al. 2026, "Which Tokens Matter? Adaptive Token Selection for RLVR with the Relative
+         Surprisal Index", arXiv 2606.31575: train on the tokens whose (-log p_y) / H_t is in an
+         interval (ours: [0.5, 2]; the paper's was not in the sources we could read).
 
 One training step, as train() numbers it (the algorithm steps); the file follows this order:
   1. draw B prompts from the task                                     [plumbing]
@@ -18,6 +21,7 @@ One training step, as train() numbers it (the algorithm steps); the file follows
        entropy   H_t, over the whole batch                            [80/20, GMTS's ETS baseline]
        gmts      H_t * |omega_t|, omega = -dL/dlogp_t, per group      [GMTS]
        gradnorm  |omega_t| * dz_norm = ||dL/dz||, over the batch      [ours: an ablation]
+       rsi       every token with -log p_y / H_t in an interval, no rho   [RSI-S]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: the lr schedule, data, prompts, math-verify, model loading,
@@ -162,9 +166,14 @@ class Config:
         "prompt's G answers and summed over the prompts (GMTS's authors)")
     # token selection
     select: str = arg("gmts",
-        "all, random, entropy, gmts or gradnorm (METHODS); gmts selects as its authors' code "
-        "(their omega's normaliser and KL only with --loss-norm seq-sum --kl-beta 0.001)")
-    rho: float = arg(0.2, "share of the response tokens kept")
+        "all, random, entropy, gmts, gradnorm or rsi (METHODS); gmts selects as its authors' "
+        "code (their omega's normaliser and KL only with --loss-norm seq-sum --kl-beta 0.001); "
+        "rsi keeps an interval of RSI (--rsi-low, --rsi-high), not a top rho")
+    rho: float = arg(0.2, "share of the response tokens kept (not read by all and rsi)")
+    rsi_low: float = arg(0.5,
+        "rsi: keep the tokens whose RSI = -log p_y / H is >= this; ours, half RSI's on-policy mean "
+        "of 1 (the RSI paper's interval was not in the sources we could read)")
+    rsi_high: float = arg(2.0, "rsi: ... and <= this; ours, twice the on-policy mean")
     scope: str = arg("auto",
         "where the top rho of the valid tokens is taken: group (each prompt's G answers), by the "
         "rule of GMTS's authors' code: of n tokens drop max(1, ceil((1 - rho) n)) (one even at rho "
@@ -739,6 +748,14 @@ class Method:
     score: object  # score(logp, entropy, dz_norm, om, generator=None), all (N, T): high kept first
     zero_kept: bool = True  # False: a score of 0 is never kept (its gradient is 0; deviation 9)
     scope: str = "batch"  # --scope auto's: group (each prompt's G answers) or batch
+    band: bool = False  # True: keep every token whose score is in [--rsi-low, --rsi-high], no rho
+
+def relative_surprisal(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """RSI = (-log p_y) / H (Lv et al., arXiv 2606.31575). E_{y ~ p}[-log p_y] = H, so RSI is 1 on
+    average over on-policy samples: < 1 for a token likelier than typical (redundant), > 1 for a
+    rarer one (the unstable tail). H = 0 (p one-hot: the logit gradient is 0) -> inf, never kept.
+    (N, T) -> (N, T)."""
+    return torch.where(entropy > 0, -logp / entropy, math.inf)
 
 # The methods of --select: adding one is a row and its score. 'all' keeps every token (rho 1).
 METHODS = {
@@ -750,6 +767,8 @@ METHODS = {
     "gmts": Method(lambda logp, H, dz_norm, om, gen=None: (H * om).abs(), False, "group"),
     # ||dL/dz|| = |omega_t| * dz_norm, the exact logit-gradient norm (derivation step 3; ours)
     "gradnorm": Method(lambda logp, H, dz_norm, om, gen=None: om.abs() * dz_norm, False),
+    # RSI-S: RSI in [--rsi-low, --rsi-high], an interval, not a top rho (Lv et al. 2606.31575)
+    "rsi": Method(lambda logp, H, dz_norm, om, gen=None: relative_surprisal(logp, H), band=True),
 }
 CHOICES["select"].extend(METHODS)
 
@@ -1018,12 +1037,13 @@ def step_method(cfg: Config, score_fn=None) -> Method:
     return METHODS[cfg.select]
 
 def selection_rule(cfg: Config, method: Method = None) -> tuple:
-    """(rho, group_size) of algorithm step 6: 'all' keeps every token (rho 1 over the batch), the
-    others --scope's: group (G), batch (0), auto: the method's (default METHODS[cfg.select]'s)."""
-    if cfg.select == "all":
-        return 1.0, 0
+    """(rho, group_size) of algorithm step 6: 'all' and band methods (rsi) have no budget (rho 1
+    over the batch), the others --scope's: group (G), batch (0), auto: the method's (default
+    METHODS[cfg.select]'s)."""
     if method is None:
         method = METHODS[cfg.select]
+    if cfg.select == "all" or method.band:
+        return 1.0, 0
     scope = cfg.scope
     if scope == "auto":
         scope = method.scope
@@ -1033,10 +1053,13 @@ def selection_rule(cfg: Config, method: Method = None) -> tuple:
 
 def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None) -> torch.Tensor:
     """Algorithm step 6 as train() runs it, all (N, T): select_tokens by step_method's score, zero
-    rule (deviation 9) and scope (selection_rule)."""
+    rule (deviation 9) and scope (selection_rule); a band method keeps its closed interval
+    (no ties to break: a token on a bound is kept; NaN never is)."""
     method = step_method(cfg, score_fn)
     rho, group_size = selection_rule(cfg, method)
     scores = method.score(logp, entropy, dz_norm, om)
+    if method.band:
+        return mask & (scores >= cfg.rsi_low) & (scores <= cfg.rsi_high)
     return select_tokens(scores, mask, rho, not method.zero_kept, group_size)
 
 def train(cfg: Config, log=print, score_fn=None) -> str:
@@ -2740,7 +2763,7 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
     (["temperature"], lambda v: 1e-4 <= v < math.inf, "finite and >= 1e-4 (logits / T must stay finite)"),
     (["max_grad_norm", "adam_eps"], lambda v: 0 < v < math.inf, "finite and > 0"),
     (["clip_low", "clip_high"], lambda v: 0 <= v < 1, "in [0, 1)"),
-    (["kl_beta", "weight_decay"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
+    (["kl_beta", "weight_decay", "rsi_low", "rsi_high"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
     (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk", "eval_size",
       "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
     (["save_every", "eval_every", "warmup_steps", "top_k", "max_prompt_tokens", "rollout_rows"],
@@ -2767,6 +2790,11 @@ def check_config(cfg: Config, writes: bool = True):
         for name in names:
             if not ok(getattr(cfg, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
+    if cfg.rsi_low > cfg.rsi_high:
+        raise ValueError(f"--rsi-low {cfg.rsi_low} is above --rsi-high {cfg.rsi_high}: no RSI is kept")
+    if cfg.select == "rsi" and (cfg.scope != "auto" or cfg.loss_norm == "selected"):
+        raise ValueError("--select rsi keeps an interval, with no budget: not with --scope group/batch "
+                         "or --loss-norm selected (a budget's normaliser)")
     get_task(cfg.task)
     eval_sets(cfg.eval_data)
     if cfg.data_columns and (cfg.task != "math" or not re.fullmatch(r"[^,]+,[^,]+", cfg.data_columns)):
@@ -2803,7 +2831,7 @@ FREE = {"out", "resume", "overwrite", "allow_change", "steps", "save_every", "ev
 
 # fields newer than a run_config.json: the value its run had (issues 42, 44)
 ADDED = {"data_order": "draw", "skip_bad_rows": False, "max_prompt_tokens": 0, "rollout_rows": 0,
-         "adam_eps": 1e-8}
+         "adam_eps": 1e-8, "rsi_low": 0.5, "rsi_high": 2.0}
 
 def parse_args(argv=None) -> Config:
     """Config fields as --flags over --preset NAME's defaults or --resume OUT's saved config (a

@@ -983,9 +983,13 @@ def _main(lab, rest):
         arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
         # none: one line, as a malformed arm; the one-rho table scores ANALYZED only
         for arm in arms or [","]:
-            if parse_arm(arm, "--arms")[0] not in ANALYZED and not lab.rhos:
+            method = parse_arm(arm, "--arms")[0]
+            if method not in ANALYZED and not lab.rhos:
                 raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
-                                 f"({', '.join(ANALYZED)}; with --rhos: any)")
+                                 f"({', '.join(ANALYZED)}; with --rhos: any top-rho method)")
+            if gmts.METHODS[method].band:  # its kept share is set by its interval, not by rho
+                raise ValueError(f"--arms: {arm} keeps an interval, not a top rho: "
+                                 "analyze ranks top-rho methods only")
         if lab.command == "analyze" and lab.rhos:
             return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), log=gmts.say, arms=arms)
         return (analyze(cfg, lab.batches, log=gmts.say, arms=arms) if lab.command == "analyze"

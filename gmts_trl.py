@@ -102,7 +102,9 @@ from trl import GRPOConfig, GRPOTrainer
 import gmts
 
 TESTED_TRL = ("1.16.0",)
-SELECT = gmts.CHOICES["select"]  # all, random, entropy, gmts, gradnorm (gmts.METHODS)
+# all, random, entropy, gmts, gradnorm (gmts.METHODS); not rsi, whose interval rule (a band
+# method) only gmts.py runs: selection here is select_tokens' top token_rho
+SELECT = [m for m in gmts.CHOICES["select"] if not gmts.METHODS[m].band]
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 

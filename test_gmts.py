@@ -898,7 +898,8 @@ def test_scope_flag_and_each_methods_default():
     rule = {}
     for m in gmts.CHOICES["select"]:
         rule[m] = gmts.selection_rule(gmts.parse_args(["--select", m, "--group-size", "6"]))
-    assert rule == {"all": (1.0, 0), "random": (0.2, 0), "entropy": (0.2, 0), "gmts": (0.2, 6), "gradnorm": (0.2, 0)}
+    assert rule == {"all": (1.0, 0), "random": (0.2, 0), "entropy": (0.2, 0), "gmts": (0.2, 6), "gradnorm": (0.2, 0),
+                    "rsi": (1.0, 0)}  # an interval: no budget
     assert gmts.selection_rule(gmts.parse_args(["--scope", "batch"])) == (0.2, 0)
     assert gmts.selection_rule(gmts.parse_args(["--select", "entropy", "--scope", "group"])) == (0.2, 8)
     assert gmts.selection_rule(gmts.parse_args(["--select", "all", "--scope", "group"])) == (1.0, 0)
@@ -1340,7 +1341,7 @@ def test_a_batch_of_only_all_equal_groups_does_not_step(tiny):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for method in gmts.CHOICES["select"]:
         sel = gmts.step_selection(gmts.Config(select=method), logp, H, gn, om, m)
-        assert sel.any() == (method in ("all", "random", "entropy")), method
+        assert sel.any() == (method in ("all", "random", "entropy", "rsi")), method
         objective = _objective(m, float(m.sum()))
         stats = gmts.policy_update(model, opt, b, adv, sel, logp, objective, micro_batch=4,
                                    chunk=64, max_grad_norm=1.0)
@@ -2299,6 +2300,11 @@ BAD_INPUT = [  # (id, argv, exit code, a piece of the message or a tuple of piec
     ("eval-every -1", ["--eval-every", "-1"], 2, "--eval-every"),
     ("top-k -1", ["--top-k", "-1"], 2, "--top-k"),
     ("unknown select", ["--select", "best"], 2, "invalid choice"),
+    ("rsi-low above rsi-high", ["--rsi-low", "3", "--rsi-high", "2"], 2, "no RSI is kept"),
+    ("rsi-high inf", ["--rsi-high", "inf"], 2, "--rsi-high must be finite"),
+    ("rsi-low negative", ["--rsi-low", "-1"], 2, "--rsi-low must be finite and >= 0"),
+    ("rsi with a scope", ["--select", "rsi", "--scope", "group"], 2, "keeps an interval"),
+    ("rsi with loss-norm selected", ["--select", "rsi", "--loss-norm", "selected"], 2, "keeps an interval"),
     ("unknown task", ["--task", "poetry"], 2, "unknown task"),
     ("unknown preset", ["--preset", "gpu9000"], 2, "invalid choice"),
     ("unknown device", ["--device", "tpu"], 2, "invalid choice"),
@@ -2416,3 +2422,66 @@ def test_a_run_from_before_issue_42_resumes_with_its_own_values(tmp_path):
     path.write_text(json.dumps(saved))
     recs = train_main("--resume", out, "--steps", "2")
     assert [r["step"] for r in recs] == [0, 1, 2]
+
+
+# ---- RSI-S: the interval rule (--select rsi) --------------------------------------------------------------------------
+
+def test_relative_surprisal_by_hand():
+    """p = (1/2, 1/4, 1/4): H = 1.5 ln 2, so RSI = ln 2 / H = 2/3 for the likeliest token and 2 ln 2 / H = 4/3 for
+    the others; a one-hot p (H = 0) has RSI inf; over y ~ p the mean RSI is 1 (E[-log p_y] = H), for any p."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]] * 3 + [[1.0, 1.0, 1.0]]))
+    logits[3] = torch.tensor([0.0, -200.0, -200.0])  # e^-200 is 0 in float32: p is one-hot
+    logp, H, _ = token_stats(logits, torch.tensor([0, 1, 2, 0]))
+    rsi = gmts.relative_surprisal(logp, H)
+    assert H[3] == 0 and rsi[3] == math.inf
+    assert torch.allclose(rsi[:3], torch.tensor([2 / 3, 4 / 3, 4 / 3]), rtol=1e-6)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 50, generator=g) * 3  # five random distributions over 50 tokens
+    p = torch.softmax(z, -1)
+    every_y = torch.arange(50).expand(5, 50)  # (5, 50): each token of each distribution
+    lp, ent, _ = token_stats(z[:, None, :].expand(5, 50, 50), every_y)
+    mean = (p * gmts.relative_surprisal(lp, ent)).sum(-1)  # sum_y p_y RSI(y)
+    assert torch.allclose(mean, torch.ones(5), atol=1e-5), mean
+
+
+@pytest.mark.parametrize("low, high", [(0.5, 2.0), (0.0, 1.0), (1.0, 1.0), (0.9, 50.0)])
+def test_rsi_keeps_its_interval_against_a_slow_loop(low, high):
+    """step_selection with --select rsi equals a Python loop over the tokens that computes p, H and -log p_y in
+    float64 from the logits and keeps a valid token iff low <= RSI <= high (a closed interval, so no ties: a token on
+    a bound is kept); omega does not enter; the kept share is what selected_frac logs."""
+    g = torch.Generator().manual_seed(3)
+    N, T, V = 6, 9, 11
+    logits = torch.randn(N, T, V, generator=g) * 2.5
+    logits[0, 0] = torch.tensor([30.0] + [0.0] * (V - 1))  # near one-hot: RSI far below 1
+    logits[1, 1] = torch.tensor([0.0] * V)  # uniform: RSI exactly 1 for any token
+    tokens = torch.randint(0, V, (N, T), generator=g)
+    mask = torch.rand(N, T, generator=g) > 0.2
+    logp, H, dz = token_stats(logits, tokens)
+    cfg = gmts.Config(select="rsi", rsi_low=low, rsi_high=high)
+    for om in (torch.randn(N, T, generator=g), torch.zeros(N, T)):  # omega does not matter
+        sel = gmts.step_selection(cfg, logp, H, dz, om, mask)
+        want = torch.zeros(N, T, dtype=torch.bool)
+        for i in range(N):
+            for t in range(T):
+                p = [math.exp(v) for v in logits[i, t].double().tolist()]
+                p = [v / sum(p) for v in p]
+                ent = -sum(v * math.log(v) for v in p if v > 0)
+                rsi = -math.log(p[tokens[i, t]]) / ent if ent > 0 else math.inf
+                # a float32 RSI within 1e-5 of a bound may land on either side of it: skip those
+                if min(abs(rsi - low), abs(rsi - high)) < 1e-5 and not (i, t) == (1, 1):
+                    want[i, t] = sel[i, t]
+                    continue
+                want[i, t] = bool(mask[i, t]) and low <= rsi <= high
+        assert torch.equal(sel, want), (low, high)
+    assert sel[1, 1] == (bool(mask[1, 1]) and low <= 1.0 <= high)
+
+
+def test_rsi_trains_and_logs_its_kept_share(tmp_path, capsys):
+    """A short real run with --select rsi from the cpu preset's warm start (the tiny random model's near-uniform p
+    puts every RSI near 1): every step logs selected_frac, the share inside the interval, here neither 0 nor 1
+    (test_gmts_trl: the TRL wrapper refuses rsi, its selection being a top rho)."""
+    out = tmp_path / "rsi"
+    gmts.main(["--preset", "smoke", "--select", "rsi", "--out", str(out)])
+    recs = gmts.read_metrics(str(out))
+    shares = [r["selected_frac"] for r in recs if "selected_frac" in r]
+    assert shares and all(0.0 < f < 1.0 for f in shares), shares

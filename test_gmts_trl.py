@@ -216,7 +216,7 @@ def shuffled_micro_batches(tr, monkeypatch, perm, sizes, off_policy=False, seed=
     return batches, (ent, logp, log_sum_sq, gn, mask, adv), old
 
 
-@pytest.mark.parametrize("select", gmts.CHOICES["select"])
+@pytest.mark.parametrize("select", gmts_trl.SELECT)  # top-rho methods: rsi is gmts.py's only
 @pytest.mark.parametrize("off_policy, rho", [(False, 0.3), (True, 0.3), (False, 0.9)])
 def test_select_equals_select_tokens_in_generation_order(tmp_path, monkeypatch, select,
                                                          off_policy, rho):
@@ -570,7 +570,8 @@ BAD_INPUTS = [  # (argv, exit code, part of the message); {d}: the `bad` folder
     (["--grad-accum", "0"], 2, "--grad-accum"), (["--max-completion-length", "0"], 2, "--max-completion-length"),
     (["--max-completion-length", "5000"], 2, "the model's 4096 positions"), (["--seed", "-1"], 2, "--seed"),
     (["--seed", str(2**32)], 2, "--seed"), (["--task", "chess"], 2, "--task"),
-    (["--select", "bogus"], 2, "--select"), (["--loss-type", "ppo"], 2, "--loss-type"),
+    (["--select", "bogus"], 2, "--select"), (["--select", "rsi"], 2, "--select"),  # rsi: gmts.py only
+    (["--loss-type", "ppo"], 2, "--loss-type"),
     (["--per-device-batch-size", "3"], 2, "divisible"),
     (["--data", "{d}/missing.jsonl"], 2, "cannot read"), (["--data", "{d}/bad.jsonl"], 2, "invalid JSON"),
     (["--data", "{d}/empty.jsonl"], 2, "no rows"), (["--data", "{d}/schema.jsonl"], 2, 'missing key "target"'),

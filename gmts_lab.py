@@ -13,6 +13,8 @@ gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never impo
       held-out accuracy with the real and with another problem's target
   python gmts_lab.py report math=out/math --png docs/math.png
       tables and learning curves of compare folders
+  python gmts_lab.py scatter --png docs/scatter.png
+      entropy against the GMTS score and the exact gradient norm, one batch per warm start
 
 Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos,
 --arms) goes to gmts.parse_args: --preset, --model, --out, --seed, --no-filter-groups, --steps ...
@@ -52,6 +54,10 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
            folder.
   decoy    How much of a model's accuracy it reads from the target: the same held-out problems, each
            prompt showing another problem's target, scored against its own.
+  scatter  The reviewers' picture: every response token of the first raw batch (seed 0, the cpu
+           preset, filter off) of warm/cpu, warm/math and warm/logic, entropy H against H * |omega|
+           (GMTS's score) and against the exact logit-gradient norm |omega| * dz_norm, coloured by
+           its answer's |A|; with the Spearman correlations of H with each.
 """
 import argparse
 import collections
@@ -708,6 +714,61 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
 
 SPEARMAN_COLS = ("logit_within", "logit_batch", "param_within", "param_batch")
 
+def scatter_points(model, batch: dict, adv: torch.Tensor, cfg: gmts.Config) -> dict:
+    """Every valid token of one batch, on-policy (ratio 1), omega that of cfg's loss (gmts.omega,
+    the weights of the whole batch) -> {"H": entropy, "gmts": H * |omega|, "grad": |omega| *
+    dz_norm = ||dL/dz|| (derivation step 3), "abs_adv": |A| of its answer}, (n,) each."""
+    mask = batch["resp_mask"]  # (N, T)
+    logp, entropy, dz_norm = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
+                                                    cfg.stats_chunk)
+    weights = gmts.loss_weights(cfg.loss_norm, mask, int(mask.sum()), cfg.group_size)
+    om = gmts.omega(adv, torch.ones_like(logp), cfg.clip_low, cfg.clip_high, **weights)  # (N, T)
+    points = dict(H=entropy, gmts=gmts.token_scores("gmts", entropy, dz_norm, om),
+                  grad=gmts.token_scores("gradnorm", entropy, dz_norm, om),
+                  abs_adv=adv.abs()[:, None].expand_as(entropy))
+    return {k: v[mask].float().cpu() for k, v in points.items()}
+
+def scatter(png: str, tasks=("countdown", "math", "logic"), log=print) -> dict:
+    """scatter_points on the first raw batch of each task's warm start (retention_curve's batch 0
+    at seed 0), drawn into png: a row per task, H against H * |omega| and against ||dL/dz||,
+    coloured by |A|. Logs a table of Spearman correlations (H with each, and H * |omega| with the
+    exact norm) over all tokens and over those with A != 0.
+    -> {task: scatter_points}"""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.2 * len(tasks)), layout="constrained")
+    axes = fig.subplots(len(tasks), 2, squeeze=False)
+    lines = ["| warm start | tokens | with A = 0 | Spearman(H, H\\|omega\\|): all, A != 0 | "
+             "Spearman(H, \\|dL/dz\\|): all, A != 0 | Spearman(H\\|omega\\|, \\|dL/dz\\|): all, "
+             "A != 0 |", "|---|---|---|---|---|---|"]
+    res = {}
+    for row, task in zip(axes, tasks):
+        cfg = dataclasses.replace(warm_config(task), max_resample=1)  # the raw batch
+        gmts.set_seed(cfg.seed * 1_000_003)
+        model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden,
+                                     cfg.tiny_layers, cfg.seed)
+        chat = gmts.use_chat(tok, cfg.chat_template)
+        batch, _, adv = sample_parts(model, tok, gmts.get_task(task), gmts.read_data(cfg).draw,
+                                     chat, cfg, ("analyze", 0))[0]
+        pts = res[task] = scatter_points(model, batch, adv, cfg)
+        live = pts["abs_adv"] > 0
+        cells = []
+        for x, y in (("H", "gmts"), ("H", "grad"), ("gmts", "grad")):
+            cells.append(f"{spearman(pts[x], pts[y]):.3f}, "
+                         f"{spearman(pts[x][live], pts[y][live]):.3f}")
+        lines.append(f"| warm/{os.path.basename(WARM[task]['out'])} | {len(live)} | "
+                     f"{1 - float(live.float().mean()):.2f} | " + " | ".join(cells) + " |")
+        names = ("H * |omega| (GMTS)", "||dL/dz|| (exact)")
+        for ax, key, name in zip(row, ("gmts", "grad"), names):
+            dots = ax.scatter(pts["H"], pts[key], c=pts["abs_adv"], s=3, cmap="viridis")
+            ax.set_xlabel("entropy H (nats)")
+            ax.set_ylabel(name)
+            ax.set_title(f"{task}: H against {name}", fontsize=9)
+        fig.colorbar(dots, ax=row.tolist(), label="|A| of the answer")
+    fig.savefig(png, dpi=110)
+    log("\n".join(lines))
+    return res
+
 def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
     """What analyze and retention_curve share: OUT claimed, the model loaded
     -> (model, tok, task, draw, chat)."""
@@ -898,7 +959,8 @@ def main(argv=None):
                                 allow_abbrev=False)
     p.error = gmts.die
     p.add_argument("command",
-                   choices=["warm", "compare", "analyze", "decoy", "report", "retention"])
+                   choices=["warm", "compare", "analyze", "decoy", "report", "retention",
+                            "scatter"])
     p.add_argument("--methods", default="all,entropy,gmts",
                    help="compare: comma list of --select methods, each maybe METHOD@SCOPE "
                         "(gmts@batch)")
@@ -956,6 +1018,15 @@ def _main(lab, rest):
             acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
             gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): "
                      f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
+            return
+        if lab.command == "scatter":
+            r = argparse.ArgumentParser(prog="gmts_lab.py scatter", allow_abbrev=False)
+            r.error = gmts.die
+            r.add_argument("--png", required=True, help="the figure: a row per warm start")
+            a = r.parse_args(rest)
+            if os.path.isdir(a.png) or not a.png.endswith(".png"):
+                raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/scatter.png")
+            scatter(a.png, log=gmts.say)
             return
         if lab.command in ("report", "retention"):
             what = "a compare --out" if lab.command == "report" else "an analyze --rhos --out"

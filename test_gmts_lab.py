@@ -542,3 +542,49 @@ def test_warm_cli_takes_a_task_and_refuses_others_in_one_line(tmp_path, monkeypa
         lab.main(["warm", "--task", "chess"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "chess" in err
+
+
+# ---- the reviewers' scatter -------------------------------------------------------------------------------------------
+
+
+def test_scatter_points_are_the_gmts_score_and_the_autograd_logit_gradient(tiny):
+    """scatter_points under --loss-norm all, on-policy: "gmts" is H * |A| / n_valid, and "grad" is the norm of the
+    logit gradient of L = -sum_t A_i logp_t / n_valid, taken by autograd from one full forward of the model."""
+    model, tok = tiny
+    b, adv = _batch_from(model, tok, seed=4, n_prompts=3)
+    cfg = gmts.Config(micro_batch=2, stats_chunk=5)
+    pts = lab.scatter_points(model, b, adv, cfg)
+    mask = b["resp_mask"]
+    n = int(mask.sum())
+    ids = torch.cat([b["prompt_ids"], b["comp_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["resp_mask"]], 1).long()
+    P = b["prompt_ids"].shape[1]
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0))
+    z = out.logits[:, P - 1:-1].float().detach().requires_grad_(True)  # (N, T, V)
+    logp_all = torch.log_softmax(z, -1)
+    lp = logp_all.gather(-1, b["comp_ids"][..., None]).squeeze(-1)
+    (-(adv[:, None] * lp * mask).sum() / n).backward()
+    H = -(logp_all.exp() * logp_all).sum(-1).detach()
+    assert len(pts["H"]) == n and torch.allclose(pts["H"], H[mask], atol=1e-5)
+    assert torch.equal(pts["abs_adv"], adv.abs()[:, None].expand_as(mask)[mask])
+    assert torch.allclose(pts["gmts"], H[mask] * adv.abs()[:, None].expand_as(mask)[mask] / n, rtol=1e-4,
+                          atol=1e-9)
+    assert pts["grad"].max() > 0 and torch.allclose(pts["grad"], z.grad.norm(dim=-1)[mask], rtol=1e-4, atol=1e-9)
+
+
+def test_scatter_cli_refuses_a_png_that_is_not_one(tmp_path, capsys):
+    for png in (str(tmp_path), str(tmp_path / "s.jpg")):
+        with pytest.raises(SystemExit) as e:
+            lab.main(["scatter", "--png", png])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "must name a .png file" in err, err
+
+
+def test_analyze_refuses_an_interval_method(tmp_path, capsys):
+    """rsi keeps an interval, not a top rho: the kept-gradient curve (a curve over rho) refuses it in one line."""
+    with pytest.raises(SystemExit) as e:
+        lab.main(["analyze", "--preset", "smoke", "--rhos", "0.1", "--arms", "entropy,rsi", "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "keeps an interval" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "a").exists()

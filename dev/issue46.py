@@ -1,0 +1,162 @@
+"""Issue 46's tables and the accuracy-over-rho figure, from the run folders (NOTES.md, "The reviewers' questions").
+
+    python dev/issue46.py FOLDER [FOLDER ...] [--png docs/rho.png]
+
+Each FOLDER holds one folder per job, as the runs were queued: JOB/METHOD-sSEED (a `gmts_lab.py compare --seeds 1
+--out FOLDER/JOB` run), JOB = METHOD-rRHO-sSEED (the rho sweep), METHOD-rRHO-kl-sSEED (KL), METHOD-long-sSEED (240
+steps), all-sSEED, rsi-sSEED. Only finished runs count (gmts_lab.finished_runs: the last eval at the last step).
+Differences are paired by seed, with the 95% t interval of gmts_lab.ci95; the rule is fixed in NOTES.md.
+"""
+import argparse
+import collections
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gmts  # noqa: E402
+import gmts_lab as lab  # noqa: E402
+
+RHOS = (0.05, 0.1, 0.2, 0.5, 0.9)
+JOB = re.compile(r"(?P<method>[a-z]+)(?:-r(?P<rho>[0-9.]+))?(?P<kl>-kl)?(?P<long>-long)?-s(?P<seed>[0-9]+)$")
+
+
+def collect(folders: list) -> dict:
+    """{(arm, seed): dict(curve=[(step, eval_acc)], trunc=final truncated_frac, kept=mean selected_frac)}; arm is
+    (method, rho, kind) with kind '' (80 steps), 'kl' or 'long', rho None for all and rsi."""
+    runs = {}
+    for folder in folders:
+        for job in sorted(os.listdir(folder)):
+            m = JOB.match(job)
+            if not m:
+                continue
+            done = lab.finished_runs(os.path.join(folder, job))
+            for method, by_seed in done.items():
+                for seed, curve in by_seed.items():
+                    recs = gmts.read_metrics(os.path.join(folder, job, f"{method}-s{seed}"))
+                    steps = [r for r in recs if "selected_frac" in r]
+                    kind = "kl" if m["kl"] else "long" if m["long"] else ""
+                    rho = float(m["rho"]) if m["rho"] and method not in ("all", "rsi") else None
+                    if kind == "long":
+                        rho = None if method == "all" else 0.2
+                    runs[((method, rho, kind), seed)] = dict(
+                        curve=curve, trunc=steps[-1].get("truncated_frac", float("nan")),
+                        kept=sum(r["selected_frac"] for r in steps) / len(steps))
+    return runs
+
+
+def by_arm(runs: dict) -> dict:
+    out = collections.defaultdict(dict)
+    for (arm, seed), r in runs.items():
+        out[arm][seed] = r
+    return out
+
+
+def name(arm) -> str:
+    method, rho, kind = arm
+    return method + (f" rho {rho:g}" if rho is not None else "") + (f" ({kind})" if kind else "")
+
+
+def final(r) -> float:
+    return r["curve"][-1][1]
+
+
+def area(r) -> float:
+    """The mean of eval_acc over the run's evaluations (steps 0, 10, ...): the area under the eval curve over the
+    run's length, the evaluations being evenly spaced."""
+    return sum(a for _, a in r["curve"]) / len(r["curve"])
+
+
+def arm_rows(arms: dict, keys, metric=final) -> list:
+    rows = ["| arm | seeds | mean +- SE | kept share | per seed (final truncated_frac) |", "|---|---|---|---|---|"]
+    for arm in keys:
+        if arm not in arms:
+            continue
+        s = arms[arm]
+        v = [metric(s[k]) for k in sorted(s)]
+        kept = sum(s[k]["kept"] for k in s) / len(s)
+        per = ", ".join(f"s{k} {metric(s[k]):.3f} ({s[k]['trunc']:.2f})" for k in sorted(s))
+        rows.append(f"| {name(arm)} | {len(v)} | {sum(v) / len(v):.3f} +- {lab._se(v):.3f} | {kept:.3f} | {per} |")
+    return rows
+
+
+def pair_rows(arms: dict, pairs, metric=final) -> list:
+    rows = ["| paired by seed | seeds | mean difference +- SE | 95% interval (t) | excludes 0 | per seed |",
+            "|---|---|---|---|---|---|"]
+    for a, b in pairs:
+        if a not in arms or b not in arms:
+            continue
+        seeds = sorted(set(arms[a]) & set(arms[b]))
+        if len(seeds) < 2:
+            continue
+        d = [metric(arms[a][k]) - metric(arms[b][k]) for k in seeds]
+        lo, hi = lab.ci95(d)
+        rows.append(f"| {name(a)} - {name(b)} | {len(d)} | {sum(d) / len(d):+.3f} +- {lab._se(d):.3f} | "
+                    f"[{lo:+.3f}, {hi:+.3f}] | {'yes' if lo > 0 or hi < 0 else 'no'} | "
+                    + ", ".join(f"{x:+.3f}" for x in d) + " |")
+    return rows
+
+
+def tables(arms: dict) -> str:
+    A = ("all", None, "")
+    rsi = ("rsi", None, "")
+    sweep = [(m, r, "") for r in RHOS for m in ("gmts", "entropy")]
+    out = ["### Accuracy over rho (80 steps)", *arm_rows(arms, [A, rsi] + sweep), ""]
+    pairs = []
+    for r in RHOS:
+        g, e = ("gmts", r, ""), ("entropy", r, "")
+        pairs += [(g, e), (g, A), (e, A)]
+    out += ["#### At each rho", *pair_rows(arms, pairs), ""]
+    flat = [((m, r, ""), (m, 0.9, "")) for m in ("gmts", "entropy") for r in RHOS if r != 0.9]
+    out += ["#### Is the curve flat? (each rho against 0.9)", *pair_rows(arms, flat), ""]
+    out += ["#### rsi", *pair_rows(arms, [(rsi, A), (rsi, ("entropy", 0.2, "")), (rsi, ("gmts", 0.2, ""))]), ""]
+    long_ = [("gmts", 0.2, "long"), ("entropy", 0.2, "long"), ("all", None, "long")]
+    lp = [(long_[0], long_[1]), (long_[0], long_[2]), (long_[1], long_[2])]
+    out += ["### Longer runs (240 steps): final", *arm_rows(arms, long_), "", *pair_rows(arms, lp), "",
+            "#### Area under the eval curve (mean eval_acc over the evaluations)", *arm_rows(arms, long_, area), "",
+            *pair_rows(arms, lp, area), ""]
+    kl = [("gmts", 0.2, "kl"), ("entropy", 0.2, "kl")]
+    kp = [(kl[0], ("gmts", 0.2, "")), (kl[1], ("entropy", 0.2, "")), (kl[0], kl[1])]
+    out += ["### KL (--kl-beta 0.001, rho 0.2)", *arm_rows(arms, kl), "", *pair_rows(arms, kp), ""]
+    return "\n".join(out)
+
+
+def plot(arms: dict, png: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.subplots()
+    for i, m in enumerate(("gmts", "entropy")):
+        xs = [r for r in RHOS if (m, r, "") in arms]
+        for r in xs:
+            v = [final(x) for x in arms[(m, r, "")].values()]
+            ax.scatter([r * (1.04 if i else 0.96)] * len(v), v, s=8, color=f"C{i}", alpha=0.4)
+        means = [sum(final(x) for x in arms[(m, r, "")].values()) / len(arms[(m, r, "")]) for r in xs]
+        ses = [lab._se([final(x) for x in arms[(m, r, "")].values()]) for r in xs]
+        ax.errorbar(xs, means, yerr=ses, color=f"C{i}", marker="o", capsize=3, label=f"{m} (mean +- SE)")
+    for arm, style in ((("all", None, ""), "k--"), (("rsi", None, ""), "g:")):
+        if arm in arms:
+            v = [final(x) for x in arms[arm].values()]
+            kept = sum(x["kept"] for x in arms[arm].values()) / len(v)
+            label = "all tokens" if arm[0] == "all" else f"rsi [0.5, 2] (kept share {kept:.2f})"
+            ax.axhline(sum(v) / len(v), linestyle=style[1:], color=style[0], label=f"{label}, {len(v)} seeds")
+    ax.set(xscale="log", xlabel="rho (share of tokens kept)", ylabel="final held-out accuracy (80 steps)",
+           title="countdown, the cpu preset, seeds 0-4")
+    ax.set_xticks(list(RHOS), [f"{r:g}" for r in RHOS])
+    ax.legend(fontsize=8)
+    fig.savefig(png, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folders", nargs="+")
+    p.add_argument("--png", default=None)
+    a = p.parse_args()
+    arms = by_arm(collect(a.folders))
+    print(tables(arms))
+    if a.png:
+        plot(arms, a.png)
+
+
+if __name__ == "__main__":
+    main()

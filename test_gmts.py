@@ -2453,10 +2453,13 @@ def test_rsi_keeps_its_interval_against_a_slow_loop(low, high):
     N, T, V = 6, 9, 11
     logits = torch.randn(N, T, V, generator=g) * 2.5
     logits[0, 0] = torch.tensor([30.0] + [0.0] * (V - 1))  # near one-hot: RSI far below 1
-    logits[1, 1] = torch.tensor([0.0] * V)  # uniform: RSI exactly 1 for any token
+    logits[1, 1] = torch.tensor([0.0, 0.0] + [-200.0] * (V - 2))  # a fair coin (e^-200 is 0 in float32)
     tokens = torch.randint(0, V, (N, T), generator=g)
+    tokens[1, 1] = 0
     mask = torch.rand(N, T, generator=g) > 0.2
+    mask[1, 1] = True
     logp, H, dz = token_stats(logits, tokens)
+    assert gmts.relative_surprisal(logp, H)[1, 1] == 1.0  # -log p_y = H = ln 2 in float32: on a bound below
     cfg = gmts.Config(select="rsi", rsi_low=low, rsi_high=high)
     for om in (torch.randn(N, T, generator=g), torch.zeros(N, T)):  # omega does not matter
         sel = gmts.step_selection(cfg, logp, H, dz, om, mask)
@@ -2473,7 +2476,7 @@ def test_rsi_keeps_its_interval_against_a_slow_loop(low, high):
                     continue
                 want[i, t] = bool(mask[i, t]) and low <= rsi <= high
         assert torch.equal(sel, want), (low, high)
-    assert sel[1, 1] == (bool(mask[1, 1]) and low <= 1.0 <= high)
+    assert sel[1, 1] == (low <= 1.0 <= high)  # (1.0, 1.0): kept, as the interval is closed
 
 
 def test_rsi_trains_and_logs_its_kept_share(tmp_path, capsys):

@@ -249,6 +249,16 @@ MUTANTS = {
         "return select_tokens(scores, mask, rho, False, group_size)",
         "train's gmts/gradnorm fill rho with score-0 tokens (deviation 9)",
         T + "test_constant_reward_every_method_ends_identical_and_unchanged"),
+    "rsi_open_interval": (
+        "return mask & (scores >= cfg.rsi_low) & (scores <= cfg.rsi_high)",
+        "return mask & (scores > cfg.rsi_low) & (scores < cfg.rsi_high)",
+        "rsi drops a token on a bound of its interval (the interval is closed)",
+        T + "test_rsi_keeps_its_interval_against_a_slow_loop"),
+    "rsi_zero_entropy_kept": (
+        "return torch.where(entropy > 0, -logp / entropy, math.inf)",
+        "return torch.where(entropy > 0, -logp / entropy, 1.0)",
+        "a token with H = 0 (a zero logit gradient) counts as RSI 1, inside the default interval",
+        T + "test_relative_surprisal_by_hand"),
     # ---- loss and update
     "loss_max_not_min": (
         "loss = -torch.min(ratio * adv, clipped * adv)",

@@ -21,7 +21,7 @@ One training step, as train() numbers it (the algorithm steps); the file follows
        entropy   H_t, over the whole batch                            [80/20, GMTS's ETS baseline]
        gmts      H_t * |omega_t|, omega = -dL/dlogp_t, per group      [GMTS]
        gradnorm  |omega_t| * dz_norm = ||dL/dz||, over the batch      [ours: an ablation]
-       rsi       every token with -log p_y / H_t in an interval, no rho   [RSI-S]
+       rsi       -log p_y / H_t in an interval: no rho, no scope      [RSI-S]
   7. PPO-clip update on the kept tokens only, in micro-batches        [paper: objective]
   8. log, evaluate, checkpoint                                        [plumbing]
 Below the "Supporting code" banner: the lr schedule, data, prompts, math-verify, model loading,
@@ -1099,7 +1099,8 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             if inner > 0:  # the policy has moved: its statistics again
                 logp, entropy, dz_norm = batch_token_stats(model, batch, cfg.temperature, mb, chunk)
             # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
-            # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1)
+            # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1);
+            # rsi: an interval of its score instead
             # pi_ref / pi_theta, for the KL term's weight in omega
             ref_ratio = None if ref_logp is None else torch.exp(ref_logp - logp)
             ratio = torch.exp(logp - old_logp)  # (N, T)
@@ -2792,9 +2793,9 @@ def check_config(cfg: Config, writes: bool = True):
                 raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
     if cfg.rsi_low > cfg.rsi_high:
         raise ValueError(f"--rsi-low {cfg.rsi_low} is above --rsi-high {cfg.rsi_high}: no RSI is kept")
-    if cfg.select == "rsi" and (cfg.scope != "auto" or cfg.loss_norm == "selected"):
-        raise ValueError("--select rsi keeps an interval, with no budget: not with --scope group/batch "
-                         "or --loss-norm selected (a budget's normaliser)")
+    if METHODS[cfg.select].band and (cfg.scope != "auto" or cfg.loss_norm == "selected"):
+        raise ValueError(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
+                         "group/batch or --loss-norm selected (a budget's normaliser)")
     get_task(cfg.task)
     eval_sets(cfg.eval_data)
     if cfg.data_columns and (cfg.task != "math" or not re.fullmatch(r"[^,]+,[^,]+", cfg.data_columns)):

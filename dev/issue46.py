@@ -1,17 +1,23 @@
-"""Issue 46's tables and the accuracy-over-rho figure, from the run folders (NOTES.md, "The reviewers' questions").
+"""Issue 46's tables and the accuracy-over-rho figure (NOTES.md, "The reviewers' questions").
 
-    python dev/issue46.py FOLDER [FOLDER ...] [--png docs/rho.png]
+    python dev/issue46.py --add FOLDER --commit SHA      record FOLDER's finished runs in dev/issue46_runs.jsonl
+    python dev/issue46.py [--png docs/rho.png]          the tables (and the figure) from dev/issue46_runs.jsonl
 
-Each FOLDER holds one folder per job, as the runs were queued: JOB/METHOD-sSEED (a `gmts_lab.py compare --seeds 1
---out FOLDER/JOB` run), JOB = METHOD-rRHO-sSEED (the rho sweep), METHOD-rRHO-kl-sSEED (KL), METHOD-long-sSEED (240
-steps), all-sSEED, rsi-sSEED. Only finished runs count (gmts_lab.finished_runs: the last eval at the last step).
-Differences are paired by seed, with the 95% t interval of gmts_lab.ci95; the rule is fixed in NOTES.md.
+FOLDER holds one folder per queued job (dev/issue46_jobs.txt; dev/issue46_run.sh runs them), each a `gmts_lab.py
+compare --seeds 1 --out FOLDER/JOB` run: JOB/METHOD-sSEED, JOB = METHOD-rRHO-sSEED (the rho sweep),
+METHOD-rRHO-kl-sSEED (KL), METHOD-long-sSEED (240 steps), all-sSEED, rsi-sSEED. Only finished runs are recorded
+(gmts_lab.finished_runs: the last eval at the last step), one JSON line each: the job, the commit of the export it
+ran from, torch's CPU kernels, its eval curve, final truncated_frac and mean kept share. Differences are paired by
+seed, with the 95% t interval of gmts_lab.ci95; the rule is fixed in NOTES.md.
 """
 import argparse
 import collections
+import json
 import os
 import re
 import sys
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gmts  # noqa: E402
@@ -21,27 +27,50 @@ RHOS = (0.05, 0.1, 0.2, 0.5, 0.9)
 JOB = re.compile(r"(?P<method>[a-z]+)(?:-r(?P<rho>[0-9.]+))?(?P<kl>-kl)?(?P<long>-long)?-s(?P<seed>[0-9]+)$")
 
 
-def collect(folders: list) -> dict:
-    """{(arm, seed): dict(curve=[(step, eval_acc)], trunc=final truncated_frac, kept=mean selected_frac)}; arm is
-    (method, rho, kind) with kind '' (80 steps), 'kl' or 'long', rho None for all and rsi."""
-    runs = {}
-    for folder in folders:
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "issue46_runs.jsonl")
+
+
+def arm_of(job: str):
+    """JOB -> ((method, rho, kind), seed); kind '' (80 steps), 'kl' or 'long'; rho None for all and rsi."""
+    m = JOB.match(job)
+    kind = "kl" if m["kl"] else "long" if m["long"] else ""
+    rho = float(m["rho"]) if m["rho"] else None
+    if m["method"] in ("all", "rsi"):
+        rho = None
+    elif kind == "long":
+        rho = 0.2
+    return (m["method"], rho, kind), int(m["seed"])
+
+
+def add(folder: str, commit: str):
+    """Append FOLDER's finished runs that dev/issue46_runs.jsonl does not hold yet."""
+    have = set()
+    if os.path.exists(RUNS):
+        with open(RUNS) as f:
+            have = {json.loads(line)["job"] for line in f if line.strip()}
+    kernels = torch.backends.cpu.get_cpu_capability()  # of this machine: run add where the runs ran
+    with open(RUNS, "a") as f:
         for job in sorted(os.listdir(folder)):
-            m = JOB.match(job)
-            if not m:
+            if not JOB.match(job) or job in have:
                 continue
-            done = lab.finished_runs(os.path.join(folder, job))
-            for method, by_seed in done.items():
+            for method, by_seed in lab.finished_runs(os.path.join(folder, job)).items():
                 for seed, curve in by_seed.items():
                     recs = gmts.read_metrics(os.path.join(folder, job, f"{method}-s{seed}"))
                     steps = [r for r in recs if "selected_frac" in r]
-                    kind = "kl" if m["kl"] else "long" if m["long"] else ""
-                    rho = float(m["rho"]) if m["rho"] and method not in ("all", "rsi") else None
-                    if kind == "long":
-                        rho = None if method == "all" else 0.2
-                    runs[((method, rho, kind), seed)] = dict(
-                        curve=curve, trunc=steps[-1].get("truncated_frac", float("nan")),
-                        kept=sum(r["selected_frac"] for r in steps) / len(steps))
+                    f.write(json.dumps(dict(
+                        job=job, commit=commit, kernels=kernels, curve=curve,
+                        trunc=steps[-1].get("truncated_frac", float("nan")),
+                        kept=round(sum(r["selected_frac"] for r in steps) / len(steps), 6))) + "\n")
+
+
+def collect() -> dict:
+    """{(arm, seed): the run's record} from dev/issue46_runs.jsonl."""
+    runs = {}
+    with open(RUNS) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                runs[arm_of(r["job"])] = r
     return runs
 
 
@@ -149,10 +178,15 @@ def plot(arms: dict, png: str):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("folders", nargs="+")
+    p.add_argument("--add", default=None, help="a folder of job folders whose finished runs to record")
+    p.add_argument("--commit", default=None, help="with --add: the commit the runs' export was made from")
     p.add_argument("--png", default=None)
     a = p.parse_args()
-    arms = by_arm(collect(a.folders))
+    if a.add:
+        if not a.commit:
+            p.error("--add needs --commit")
+        add(a.add, a.commit)
+    arms = by_arm(collect())
     print(tables(arms))
     if a.png:
         plot(arms, a.png)

@@ -109,6 +109,15 @@ def arm_rows(arms: dict, keys, metric=final) -> list:
     return rows
 
 
+SEEDS = 5  # the rule's paired seeds: an interval over fewer is shown, not counted
+
+
+def verdict(lo: float, hi: float, n: int) -> str:
+    if n < SEEDS:
+        return f"not counted ({n} < {SEEDS} seeds)"
+    return "yes" if lo > 0 or hi < 0 else "no"
+
+
 def pair_rows(arms: dict, pairs, metric=final) -> list:
     rows = ["| paired by seed | seeds | mean difference +- SE | 95% interval (t) | excludes 0 | per seed |",
             "|---|---|---|---|---|---|"]
@@ -121,7 +130,7 @@ def pair_rows(arms: dict, pairs, metric=final) -> list:
         d = [metric(arms[a][k]) - metric(arms[b][k]) for k in seeds]
         lo, hi = lab.ci95(d)
         rows.append(f"| {name(a)} - {name(b)} | {len(d)} | {sum(d) / len(d):+.3f} +- {lab._se(d):.3f} | "
-                    f"[{lo:+.3f}, {hi:+.3f}] | {'yes' if lo > 0 or hi < 0 else 'no'} | "
+                    f"[{lo:+.3f}, {hi:+.3f}] | {verdict(lo, hi, len(d))} | "
                     + ", ".join(f"{x:+.3f}" for x in d) + " |")
     return rows
 
@@ -163,6 +172,9 @@ def plot(arms: dict, png: str):
         means = [sum(final(x) for x in arms[(m, r, "")].values()) / len(arms[(m, r, "")]) for r in xs]
         ses = [lab._se([final(x) for x in arms[(m, r, "")].values()]) for r in xs]
         ax.errorbar(xs, means, yerr=ses, color=f"C{i}", marker="o", capsize=3, label=f"{m} (mean +- SE)")
+        for r, y in zip(xs, means):  # a cell's seeds so far: the queue may not have finished it
+            ax.annotate(f"n={len(arms[(m, r, '')])}", (r, y), textcoords="offset points",
+                        xytext=(6, 10 if i else -14), color=f"C{i}", fontsize=7)
     for arm, style in ((("all", None, ""), "k--"), (("rsi", None, ""), "g:")):
         if arm in arms:
             v = [final(x) for x in arms[arm].values()]
@@ -170,7 +182,7 @@ def plot(arms: dict, png: str):
             label = "all tokens" if arm[0] == "all" else f"rsi [0.5, 2] (kept share {kept:.2f})"
             ax.axhline(sum(v) / len(v), linestyle=style[1:], color=style[0], label=f"{label}, {len(v)} seeds")
     ax.set(xscale="log", xlabel="rho (share of tokens kept)", ylabel="final held-out accuracy (80 steps)",
-           title="countdown, the cpu preset, seeds 0-4")
+           title="countdown, the cpu preset, seeds 0-4 (n: seeds finished)")
     ax.set_xticks(list(RHOS), [f"{r:g}" for r in RHOS])
     ax.legend(fontsize=8)
     fig.savefig(png, dpi=110)

@@ -4,6 +4,7 @@
 # Each worker claims the next unclaimed line of dev/issue46_jobs.txt (a mkdir under $EXP/claims is atomic), runs
 #   cd $EXP/SHA && OMP_NUM_THREADS=1 $PY gmts_lab.py compare ARGS --workers 1 --out out/i46/JOB
 # from an export of commit SHA (made once, from this checkout), and repeats; it exits when every line is claimed.
+# A job already in dev/issue46_runs.jsonl is skipped: a later session goes on where the last one stopped.
 # A run stopped midway leaves a claim and an unfinished folder: delete both to run it again.
 # Then: python dev/issue46.py --add $EXP/SHA/out/i46 --commit SHA, once per SHA.
 set -u
@@ -14,6 +15,7 @@ JOBS=${JOBS:-$REPO/dev/issue46_jobs.txt}
 mkdir -p "$EXP/claims"
 while read -r sha job args; do
   case "$sha" in ''|\#*) continue;; esac
+  grep -q "\"job\": \"$job\"" "$REPO/dev/issue46_runs.jsonl" 2>/dev/null && continue  # recorded already
   mkdir "$EXP/claims/$job" 2>/dev/null || continue
   (  # one worker makes the export; the other waits for it
     flock 9

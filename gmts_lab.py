@@ -1024,8 +1024,7 @@ def _main(lab, rest):
             r.error = gmts.die
             r.add_argument("--png", required=True, help="the figure: a row per warm start")
             a = r.parse_args(rest)
-            if os.path.isdir(a.png) or not a.png.endswith(".png"):
-                raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/scatter.png")
+            check_png(a.png, "scatter")
             scatter(a.png, log=gmts.say)
             return
         if lab.command in ("report", "retention"):
@@ -1037,10 +1036,7 @@ def _main(lab, rest):
             a = r.parse_args(rest)
             if not all("=" in x for x in a.panels):
                 raise ValueError(f"{lab.command} takes TITLE=FOLDER arguments, e.g. math=out/math")
-            # savefig would write a.png + ".png"
-            if os.path.isdir(a.png) or not a.png.endswith(".png"):
-                raise ValueError(f"--png {a.png!r} must name a .png file, "
-                                 f"e.g. docs/{lab.command}.png")
+            check_png(a.png, lab.command)
             panels = dict(x.split("=", 1) for x in a.panels)
             if len(panels) < len(a.panels):  # a title given twice would draw one panel
                 raise ValueError(f"{lab.command}: each TITLE=FOLDER needs a title of its own")
@@ -1072,6 +1068,11 @@ def _main(lab, rest):
         gmts.fail(e)
     finally:
         gmts.release_all()
+
+def check_png(png: str, command: str):
+    """ValueError (one line) unless --png names a .png file (savefig would write PNG + ".png")."""
+    if os.path.isdir(png) or not png.endswith(".png"):
+        raise ValueError(f"--png {png!r} must name a .png file, e.g. docs/{command}.png")
 
 def decoy_main(cfg: gmts.Config):
     """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json),

@@ -11,6 +11,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 import collections
+import importlib.util
 import json
 import math
 import random
@@ -24,6 +25,7 @@ import gmts
 import gmts_lab as lab
 
 torch.set_num_threads(1)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +346,56 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             lab.main(["report", *bad, "--png", str(tmp_path / "x.png")])
         assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def _issue46():
+    spec = importlib.util.spec_from_file_location("issue46", os.path.join(HERE, "dev", "issue46.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_issue46_queue_runs_what_each_job_name_says():
+    """Every line of dev/issue46_jobs.txt: the arm and seed its name gives the tables (arm_of) are the ones its flags
+    run (gmts.parse_args over the cpu preset): method, rho (none for all and rsi), --kl-beta 0.001 for -kl, 240 steps
+    with a 30-step warm-up (3x the preset's) for -long, 80 steps else. Five seeds per arm, each once; rsi only from
+    2598d00, the first commit that has it."""
+    i46 = _issue46()
+    seen = collections.Counter()
+    with open(os.path.join(HERE, "dev", "issue46_jobs.txt")) as f:
+        lines = [ln.split() for ln in f if ln.strip() and not ln.startswith("#")]
+    for sha, job, *args in lines:
+        (method, rho, kind), seed = i46.arm_of(job)
+        methods = args[args.index("--methods") + 1]
+        rest = [a for i, a in enumerate(args) if "--methods" not in args[max(i - 1, 0):i + 1]]
+        rest = [a for i, a in enumerate(rest) if "--seeds" not in rest[max(i - 1, 0):i + 1]]
+        cfg = gmts.parse_args(rest)
+        assert (methods, seed) == (method, cfg.seed), job
+        assert rho == (None if method in ("all", "rsi") else cfg.rho), job
+        assert (cfg.kl_beta > 0) == (kind == "kl") and cfg.kl_beta in (0.0, 0.001), job
+        assert (cfg.steps, cfg.warmup_steps) == ((240, 30) if kind == "long" else (80, 10)), job
+        assert (method == "rsi") == (sha == "2598d00") and sha in ("b0ca3b6", "2598d00"), job
+        seen[(method, rho, kind)] += 1
+        assert seen[(method, rho, kind)] == seed + 1, job  # seeds 0..4 in order, none twice
+    assert set(seen.values()) == {5} and len(seen) == 2 * 5 + 2 + 2 + 3  # the sweep, all, rsi, KL, long
+
+
+def test_issue46_tables_pair_by_seed_against_hand_values():
+    """Two arms over five seeds: the paired row's mean, SE, t interval (t(4) = 2.776) and verdict are the hand
+    values; four seeds are shown and not counted; the area is the mean of the curve."""
+    i46 = _issue46()
+    a, b = ("gmts", 0.2, ""), ("entropy", 0.2, "")
+    runs = {a: {}, b: {}}
+    for s, (x, y) in enumerate(((0.6, 0.5), (0.6, 0.5), (0.6, 0.5), (0.6, 0.5), (0.7, 0.5))):
+        runs[a][s] = {"curve": [[0, 0.3], [10, x]], "trunc": 0.0, "kept": 0.1}
+        runs[b][s] = {"curve": [[0, 0.3], [10, y]], "trunc": 0.0, "kept": 0.2}
+    # differences 0.1 x 4, 0.2: mean 0.12, sample std sqrt(0.008 / 4), SE 0.02, half-width 2.776 * 0.02
+    row = i46.pair_rows(runs, [(a, b)])[2].split("|")
+    assert row[3].strip() == "+0.120 +- 0.020" and row[4].strip() == "[+0.064, +0.176]" and row[5].strip() == "yes"
+    del runs[a][4]
+    row = i46.pair_rows(runs, [(a, b)])[2].split("|")
+    assert row[2].strip() == "4" and row[5].strip() == "not counted (4 < 5 seeds)"
+    assert i46.area(runs[a][0]) == pytest.approx(0.45) and i46.final(runs[a][0]) == 0.6
 
 
 # ---- analysis ----------------------------------------------------------------------------------------------------

@@ -366,11 +366,10 @@ def test_issue46_queue_runs_what_each_job_name_says():
         lines = [ln.split() for ln in f if ln.strip() and not ln.startswith("#")]
     for sha, job, *args in lines:
         (method, rho, kind), seed = i46.arm_of(job)
-        methods = args[args.index("--methods") + 1]
-        rest = [a for i, a in enumerate(args) if "--methods" not in args[max(i - 1, 0):i + 1]]
-        rest = [a for i, a in enumerate(rest) if "--seeds" not in rest[max(i - 1, 0):i + 1]]
-        cfg = gmts.parse_args(rest)
-        assert (methods, seed) == (method, cfg.seed), job
+        flags = dict(zip(args[::2], args[1::2]))  # every job's arguments are --flag value pairs
+        lab_flags = ("--methods", "--seeds")  # compare's own; the rest go to gmts.parse_args
+        cfg = gmts.parse_args([x for k, v in flags.items() if k not in lab_flags for x in (k, v)])
+        assert (flags["--methods"], seed) == (method, cfg.seed), job
         assert rho == (None if method in ("all", "rsi") else cfg.rho), job
         assert (cfg.kl_beta > 0) == (kind == "kl") and cfg.kl_beta in (0.0, 0.001), job
         assert (cfg.steps, cfg.warmup_steps) == ((240, 30) if kind == "long" else (80, 10)), job

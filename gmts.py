@@ -1222,8 +1222,8 @@ def _run_program(program: str, values: dict):
     steps = []
     for i, step in enumerate(program.split(), 1):
         x, op, y = re.split(r"([-+*/])", step)
-        x = values[x] if x in values else int(x)
-        y = values[y] if y in values else int(y)
+        x = int(values.get(x, x))
+        y = int(values.get(y, y))
         z = _OPS[op](Fraction(x), y)
         if z < 0 or z.denominator != 1:
             return None
@@ -1862,8 +1862,8 @@ def read_data(cfg: Config) -> Data:
     bench = {}
     prints = {}
     for name, spec in eval_sets(cfg.eval_data):
-        read = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
-        bench[name], named, prints[name] = read
+        bench[name], named, prints[name] = load_rows(cfg.task, spec, 0, cfg.seed, True,
+                                                     cfg.data_columns)
         checked = checked + bench[name]
         where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}

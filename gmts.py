@@ -1232,8 +1232,7 @@ def _run_program(program: str, values: dict):
     return steps
 
 def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the
-    integer answer. A draw whose steps leave the natural numbers is redrawn."""
+    """A problem from a template with n_steps steps: question, worked steps and integer answer."""
     fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
     if not fits:
         raise ValueError(f"no math template has {n_steps} steps")
@@ -1496,8 +1495,7 @@ def normal_answer(s: str) -> str:
     return _SPACED_OP.sub(r"\1", s)
 
 def bare_answer(s: str) -> str:
-    """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read:
-    normal_answer with no spaces, \\left, \\right, LaTeX spacing, \\dfrac, \\tfrac, E_{1} as E_1."""
+    """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read."""
     s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
     for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                  ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
@@ -1539,9 +1537,8 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
                            and all(type(x) is bool for x in v.values()))},
 }
 
-# The math layouts' (question, answer) columns, in the order tried: a.b: b in a (a list: its first
-# item; a chat: its last turn); an answer column ending in \\boxed: the last \\boxed{} of that text
-# (a worked solution) is the gold
+# The math layouts' (question, answer) columns: a.b: b in a (a list: its first item; a chat: its
+# last turn); an answer column a\\boxed: the last \\boxed{} of a's text (a worked solution) is gold
 LAYOUTS = {"ours, GSM8K": ("question", "answer"),
            "MATH-500, math12k, Minerva": ("problem", "answer"),
            "AIME 2024 CSV": ("Question", "Answer"), "OlympiadBench": ("question", "final_answer"),
@@ -1651,8 +1648,7 @@ _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read
 
 def _checked(items, data: str, task: str, columns: str = "", skip: list = None) -> tuple:
     """items: (WHERE, a function giving the row as read, None for no row) -> (rows, their WHEREs),
-    each row checked (_check_row); the bad ones, "WHERE: why", in one ValueError (the first 20, a
-    count), or added to skip."""
+    each checked (_check_row); the bad ones, "WHERE: why", in one ValueError or added to skip."""
     rows, where, bad = [], [], []
     for at, read in items:
         try:
@@ -1725,8 +1721,7 @@ def _cell_cap(row, depth: int = 0):
 _ENV_ERRNO = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 def _env_fault(e):
-    """The OSError in e's chain of causes that is the machine's fault (a full disk, a folder that
-    cannot be written), else None."""
+    """e's OSError that is the machine's fault (a full disk, a folder it cannot write), or None."""
     for _ in range(20):  # datasets wraps a writer's error in its own
         if isinstance(e, OSError) and e.errno in _ENV_ERRNO:
             return e
@@ -1845,9 +1840,8 @@ class Data:
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are
-    evaluated instead). draw(n, *key) -> n training rows from random.Random(str((seed,) + key)),
-    never a held-out or benchmark prompt; --data-order epoch: the next n rows of seeded passes over
-    them, each pass a shuffle without replacement."""
+    evaluated instead). draw(n, *key) -> n training rows, never a held-out or benchmark prompt;
+    --data-order epoch: the next n rows of seeded passes over them, each a shuffle."""
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size

@@ -1941,9 +1941,8 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
                   style: str = "ours") -> list:
     """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
-    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
-    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
-    system line, prefill or suffix that contradicts it."""
+    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a row
+    that says where its answer goes (DAPO's "Answer:" line) takes style "own": nothing added."""
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
@@ -1954,8 +1953,7 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the
     model's positions, or every row past --max-prompt-tokens (refused, never cut; data.longest: the
-    plan's P): every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows
-    at a time (bounded memory)."""
+    plan's P): every row read, before step 0 (at step 1 it fails every resume again), in chunks."""
     long = []  # the rows past --max-prompt-tokens, all named in one line
     limit = getattr(model.config, "max_position_embeddings", None) or 0
     for i in range(0, len(data.rows), chunk):

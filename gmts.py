@@ -1217,8 +1217,7 @@ _MATH = [
 ]
 
 def _run_program(program: str, values: dict):
-    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...),
-    or None if a step leaves the natural numbers (a negative or a fraction)."""
+    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...)."""
     steps = []
     for i, step in enumerate(program.split(), 1):
         x, op, y = re.split(r"([-+*/])", step)
@@ -1577,8 +1576,7 @@ def _cell(row: dict, key: str):
 
 def _math_layout(row: dict, columns: str = "") -> dict:
     """{question, answer} of a math row in --data-columns' layout (only that one) or the first of
-    LAYOUTS it has; ValueError naming the columns looked for. The layout never decides the grading
-    rule (_check_row does)."""
+    LAYOUTS it has. The layout never decides the grading rule (_check_row does)."""
     layouts = [tuple(columns.split(","))] if columns else list(LAYOUTS.values())
     for q, a in layouts:
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
@@ -1609,11 +1607,10 @@ def _finite(gold: str) -> bool:
         return True
 
 def _check_row(row, task: str, columns: str = "") -> dict:
-    """A row as read -> the row the task trains on: math: GSM8K's (its answer a solution ending
-    in '#### N') or "latex" (every other gold: graded by the last \\boxed{}; "answer_line" where the
-    question asks for a last line 'Answer: N'; "fallback" where math-verify cannot read the gold).
-    Any problem raises (ValueError, RecursionError, ...): the reader's net names the file and line,
-    or set and row."""
+    """A row as read -> the row the task trains on: math: GSM8K's ('... #### N') or "latex" (every
+    other gold: graded by the last \\boxed{}; "answer_line" where the question asks for a last line
+    'Answer: N'; "fallback" where math-verify cannot read the gold). Any problem raises (ValueError,
+    RecursionError, ...): the reader's net (_checked) names the file and line, or set and row."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if task == "math":
@@ -1926,8 +1923,7 @@ PROMPT_STYLES = {
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
     """The text the model continues: the question in the chat template or a plain User/Assistant
-    frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False
-    drops the system line."""
+    frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn)."""
     head, prefix, suffix = PROMPT_STYLES[style]
     question = question + suffix
     system = system and head is not None

@@ -1707,11 +1707,10 @@ def bytes_print(path: str) -> dict:
 def _cell_cap(row, depth: int = 0):
     """The row read through `datasets`, or ValueError if a string cell of it is longer than
     LINE_CAP characters (a JSONL line's cap): no cell that long reaches a tokenizer."""
-    cells = row.values() if isinstance(row, dict) else row if isinstance(row, list) else [row]
-    for cell in cells:
-        if isinstance(cell, str) and len(cell) > LINE_CAP:
-            raise ValueError(f"a cell is longer than {LINE_CAP} characters")
-        if isinstance(cell, (dict, list)) and depth < 100:
+    if isinstance(row, str) and len(row) > LINE_CAP:
+        raise ValueError(f"a cell is longer than {LINE_CAP} characters")
+    if isinstance(row, (dict, list)) and depth <= 100:
+        for cell in (row.values() if isinstance(row, dict) else row):
             _cell_cap(cell, depth + 1)
     return row
 

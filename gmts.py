@@ -1217,13 +1217,12 @@ _MATH = [
 ]
 
 def _run_program(program: str, values: dict):
-    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...),
-    or None if a step leaves the natural numbers (a negative or a fraction)."""
+    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...)."""
     steps = []
     for i, step in enumerate(program.split(), 1):
         x, op, y = re.split(r"([-+*/])", step)
-        x = values[x] if x in values else int(x)
-        y = values[y] if y in values else int(y)
+        x = int(values.get(x, x))
+        y = int(values.get(y, y))
         z = _OPS[op](Fraction(x), y)
         if z < 0 or z.denominator != 1:
             return None
@@ -1232,8 +1231,7 @@ def _run_program(program: str, values: dict):
     return steps
 
 def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    """A problem from a template with n_steps steps: question, worked steps 'x op y = z' and the
-    integer answer. A draw whose steps leave the natural numbers is redrawn."""
+    """A problem from a template with n_steps steps: question, worked steps and integer answer."""
     fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
     if not fits:
         raise ValueError(f"no math template has {n_steps} steps")
@@ -1496,8 +1494,7 @@ def normal_answer(s: str) -> str:
     return _SPACED_OP.sub(r"\1", s)
 
 def bare_answer(s: str) -> str:
-    """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read:
-    normal_answer with no spaces, \\left, \\right, LaTeX spacing, \\dfrac, \\tfrac, E_{1} as E_1."""
+    """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read."""
     s = re.sub(r"([_^])\{(\w)\}", r"\1\2", normal_answer(s))
     for a, b in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                  ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", "")):
@@ -1539,9 +1536,8 @@ _SCHEMA = {  # task -> key -> (what the value must be, its test)
                            and all(type(x) is bool for x in v.values()))},
 }
 
-# The math layouts' (question, answer) columns, in the order tried: a.b: b in a (a list: its first
-# item; a chat: its last turn); an answer column ending in \\boxed: the last \\boxed{} of that text
-# (a worked solution) is the gold
+# The math layouts' (question, answer) columns: a.b: b in a (a list: its first item; a chat: its
+# last turn); an answer column a\\boxed: the last \\boxed{} of a's text (a worked solution) is gold
 LAYOUTS = {"ours, GSM8K": ("question", "answer"),
            "MATH-500, math12k, Minerva": ("problem", "answer"),
            "AIME 2024 CSV": ("Question", "Answer"), "OlympiadBench": ("question", "final_answer"),
@@ -1580,8 +1576,7 @@ def _cell(row: dict, key: str):
 
 def _math_layout(row: dict, columns: str = "") -> dict:
     """{question, answer} of a math row in --data-columns' layout (only that one) or the first of
-    LAYOUTS it has; ValueError naming the columns looked for. The layout never decides the grading
-    rule (_check_row does)."""
+    LAYOUTS it has. The layout never decides the grading rule (_check_row does)."""
     layouts = [tuple(columns.split(","))] if columns else list(LAYOUTS.values())
     for q, a in layouts:
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
@@ -1612,11 +1607,10 @@ def _finite(gold: str) -> bool:
         return True
 
 def _check_row(row, task: str, columns: str = "") -> dict:
-    """A row as read -> the row the task trains on: math: GSM8K's (its answer a solution ending
-    in '#### N') or "latex" (every other gold: graded by the last \\boxed{}; "answer_line" where the
-    question asks for a last line 'Answer: N'; "fallback" where math-verify cannot read the gold).
-    Any problem raises (ValueError, RecursionError, ...): the reader's net names the file and line,
-    or set and row."""
+    """A row as read -> the row the task trains on: math: GSM8K's ('... #### N') or "latex" (every
+    other gold: graded by the last \\boxed{}; "answer_line" where the question asks for a last line
+    'Answer: N'; "fallback" where math-verify cannot read the gold). Any problem raises (ValueError,
+    RecursionError, ...): the reader's net (_checked) names the file and line, or set and row."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     if task == "math":
@@ -1651,8 +1645,7 @@ _WHY = {RecursionError: "JSON nested too deep", UnicodeDecodeError: "cannot read
 
 def _checked(items, data: str, task: str, columns: str = "", skip: list = None) -> tuple:
     """items: (WHERE, a function giving the row as read, None for no row) -> (rows, their WHEREs),
-    each row checked (_check_row); the bad ones, "WHERE: why", in one ValueError (the first 20, a
-    count), or added to skip."""
+    each checked (_check_row); the bad ones, "WHERE: why", in one ValueError or added to skip."""
     rows, where, bad = [], [], []
     for at, read in items:
         try:
@@ -1714,19 +1707,17 @@ def bytes_print(path: str) -> dict:
 def _cell_cap(row, depth: int = 0):
     """The row read through `datasets`, or ValueError if a string cell of it is longer than
     LINE_CAP characters (a JSONL line's cap): no cell that long reaches a tokenizer."""
-    cells = row.values() if isinstance(row, dict) else row if isinstance(row, list) else [row]
-    for cell in cells:
-        if isinstance(cell, str) and len(cell) > LINE_CAP:
-            raise ValueError(f"a cell is longer than {LINE_CAP} characters")
-        if isinstance(cell, (dict, list)) and depth < 100:
+    if isinstance(row, str) and len(row) > LINE_CAP:
+        raise ValueError(f"a cell is longer than {LINE_CAP} characters")
+    if isinstance(row, (dict, list)) and depth <= 100:
+        for cell in (row.values() if isinstance(row, dict) else row):
             _cell_cap(cell, depth + 1)
     return row
 
 _ENV_ERRNO = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 def _env_fault(e):
-    """The OSError in e's chain of causes that is the machine's fault (a full disk, a folder that
-    cannot be written), else None."""
+    """e's OSError that is the machine's fault (a full disk, a folder it cannot write), or None."""
     for _ in range(20):  # datasets wraps a writer's error in its own
         if isinstance(e, OSError) and e.errno in _ENV_ERRNO:
             return e
@@ -1845,9 +1836,8 @@ class Data:
 
 def read_data(cfg: Config) -> Data:
     """The FIRST eval_size rows of the data are held out (none with --eval-data: its sets are
-    evaluated instead). draw(n, *key) -> n training rows from random.Random(str((seed,) + key)),
-    never a held-out or benchmark prompt; --data-order epoch: the next n rows of seeded passes over
-    them, each pass a shuffle without replacement."""
+    evaluated instead). draw(n, *key) -> n training rows, never a held-out or benchmark prompt;
+    --data-order epoch: the next n rows of seeded passes over them, each a shuffle."""
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
@@ -1862,8 +1852,8 @@ def read_data(cfg: Config) -> Data:
     bench = {}
     prints = {}
     for name, spec in eval_sets(cfg.eval_data):
-        read = load_rows(cfg.task, spec, 0, cfg.seed, True, cfg.data_columns)
-        bench[name], named, prints[name] = read
+        bench[name], named, prints[name] = load_rows(cfg.task, spec, 0, cfg.seed, True,
+                                                     cfg.data_columns)
         checked = checked + bench[name]
         where = where + (named or [f"row {i} of --eval-data {name}" for i in range(len(bench[name]))])
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
@@ -1932,8 +1922,7 @@ PROMPT_STYLES = {
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
     """The text the model continues: the question in the chat template or a plain User/Assistant
-    frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn). system=False
-    drops the system line."""
+    frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn)."""
     head, prefix, suffix = PROMPT_STYLES[style]
     question = question + suffix
     system = system and head is not None
@@ -1947,9 +1936,8 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
                   style: str = "ours") -> list:
     """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
-    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a
-    row that says where its answer goes (DAPO's "Answer:" line) is rendered as it is, with no
-    system line, prefill or suffix that contradicts it."""
+    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a row
+    that says where its answer goes (DAPO's "Answer:" line) takes style "own": nothing added."""
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
@@ -1960,8 +1948,7 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
 def check_prompts(cfg: Config, model, tok, data: Data, chunk: int = 1024):
     """ValueError naming the first row whose prompt does not render or, with its answer, passes the
     model's positions, or every row past --max-prompt-tokens (refused, never cut; data.longest: the
-    plan's P): every row read, before step 0 (at step 1 it fails every resume again), `chunk` rows
-    at a time (bounded memory)."""
+    plan's P): every row read, before step 0 (at step 1 it fails every resume again), in chunks."""
     long = []  # the rows past --max-prompt-tokens, all named in one line
     limit = getattr(model.config, "max_position_embeddings", None) or 0
     for i in range(0, len(data.rows), chunk):

@@ -2123,8 +2123,7 @@ LEFT_PADDED = ("prompt_ids", "prompt_mask")
 PAD_ID_FILLED = ("prompt_ids", "comp_ids")
 
 def _join_rows(xs: list, key: str, pad_id: int):
-    """One per-answer entry `key` of several rollout batches, joined along the answers: lists
-    concatenated, (N, W) tensors' rows padded to one width by the rule above."""
+    """One per-answer entry `key` of several rollout batches, joined along the answers as above."""
     if isinstance(xs[0], list):
         return [x for part in xs for x in part]
     if xs[0].dim() == 1:
@@ -2139,12 +2138,9 @@ def prompts_per_call(cfg: Config, n: int) -> int:
     return min(n, max(cfg.rollout_rows // cfg.group_size, 1)) if cfg.rollout_rows else n
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Algorithm step 2: G answers per prompt (_sample_call), prompts_per_call at a time, joined as
-    rollout batches are (_join_rows)."""
+    """Algorithm step 2: G answers per prompt, prompts_per_call at a time, joined by _join_rows."""
     per = prompts_per_call(cfg, len(prompts))
     parts = [_sample_call(run, prompts[i:i + per], cfg, log) for i in range(0, len(prompts), per)]
-    if len(parts) == 1:
-        return parts[0]
     return {key: _join_rows([p[key] for p in parts], key, run.tok.pad_token_id) for key in parts[0]}
 
 def _sample_call(run, prompts: list, cfg: Config, log=print) -> dict:

@@ -2054,8 +2054,9 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         except Exception as e:  # a missing or misspelled name, no hub, damaged files
             if memory_fault(e):  # not the model's fault
                 raise
-            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-            why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access, a misspelled name or bad files"
+            why = "no hub access, a misspelled name or bad files"
+            if os.environ.get("HF_HUB_OFFLINE") == "1":
+                why = "no hub access (HF_HUB_OFFLINE=1)"
             if os.path.isdir(path):  # a local folder: its files, whatever the hub
                 why = "its files are missing or damaged"
             raise OSError(f"cannot load model '{path}': {why}: {error_line(e, 200)}; "

@@ -2145,8 +2145,7 @@ def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
     return {key: _join_rows([p[key] for p in parts], key, run.tok.pad_token_id) for key in parts[0]}
 
 def _sample_call(run, prompts: list, cfg: Config, log=print) -> dict:
-    """rollout() on run.sampler with its log-probs, on the fast path (static cache, compiled
-    decoding) while run.fast holds; if that raises, one line, then the plain path from now on."""
+    """rollout() on run.sampler with its log-probs, fast until a failure clears run.fast."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
     if run.fast:
@@ -2227,8 +2226,7 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
     return {part: size / 2**30 for part, size in plan.items() if size}
 
 def memory_phases(cfg: Config, model, prompt_tokens: int, device: torch.device) -> tuple:
-    """(stay, {phase: {part: bytes}}): what stays and each phase's own (the dicts below name them).
-    Sizes from the config, with GPT-2's names as fallbacks; ({}, {}) if one is missing.
+    """(stay, {phase: {part: bytes}}) from the config's sizes: what stays and each phase's own.
     bench_gmts.py section g checks the CPU phases against measured peaks."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)

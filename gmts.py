@@ -2041,8 +2041,9 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         except Exception as e:  # a missing or misspelled name, no hub, damaged files
             if memory_fault(e):  # not the model's fault
                 raise
-            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-            why = "no hub access (HF_HUB_OFFLINE=1)" if offline else "no hub access, a misspelled name or bad files"
+            why = "no hub access, a misspelled name or bad files"
+            if os.environ.get("HF_HUB_OFFLINE") == "1":
+                why = "no hub access (HF_HUB_OFFLINE=1)"
             if os.path.isdir(path):  # a local folder: its files, whatever the hub
                 why = "its files are missing or damaged"
             raise OSError(f"cannot load model '{path}': {why}: {error_line(e, 200)}; "
@@ -2110,8 +2111,7 @@ LEFT_PADDED = ("prompt_ids", "prompt_mask")
 PAD_ID_FILLED = ("prompt_ids", "comp_ids")
 
 def _join_rows(xs: list, key: str, pad_id: int):
-    """One per-answer entry `key` of several rollout batches, joined along the answers: lists
-    concatenated, (N, W) tensors' rows padded to one width by the rule above."""
+    """One per-answer entry `key` of several rollout batches, joined along the answers as above."""
     if isinstance(xs[0], list):
         return [x for part in xs for x in part]
     if xs[0].dim() == 1:
@@ -2126,17 +2126,13 @@ def prompts_per_call(cfg: Config, n: int) -> int:
     return min(n, max(cfg.rollout_rows // cfg.group_size, 1)) if cfg.rollout_rows else n
 
 def sample_answers(run, prompts: list, cfg: Config, log=print) -> dict:
-    """Algorithm step 2: G answers per prompt (_sample_call), prompts_per_call at a time, joined as
-    rollout batches are (_join_rows)."""
+    """Algorithm step 2: G answers per prompt, prompts_per_call at a time, joined by _join_rows."""
     per = prompts_per_call(cfg, len(prompts))
     parts = [_sample_call(run, prompts[i:i + per], cfg, log) for i in range(0, len(prompts), per)]
-    if len(parts) == 1:
-        return parts[0]
     return {key: _join_rows([p[key] for p in parts], key, run.tok.pad_token_id) for key in parts[0]}
 
 def _sample_call(run, prompts: list, cfg: Config, log=print) -> dict:
-    """rollout() on run.sampler with its log-probs, on the fast path (static cache, compiled
-    decoding) while run.fast holds; if that raises, one line, then the plain path from now on."""
+    """rollout() on run.sampler with its log-probs, fast until a failure clears run.fast."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, sampler_logp=True)
     if run.fast:
@@ -2217,8 +2213,7 @@ def memory_plan(cfg: Config, model, prompt_tokens: int, device: torch.device) ->
     return {part: size / 2**30 for part, size in plan.items() if size}
 
 def memory_phases(cfg: Config, model, prompt_tokens: int, device: torch.device) -> tuple:
-    """(stay, {phase: {part: bytes}}): what stays and each phase's own (the dicts below name them).
-    Sizes from the config, with GPT-2's names as fallbacks; ({}, {}) if one is missing.
+    """(stay, {phase: {part: bytes}}) from the config's sizes: what stays and each phase's own.
     bench_gmts.py section g checks the CPU phases against measured peaks."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)

@@ -2314,10 +2314,9 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
     claim_out(cfg.out, "gmts")  # then check again under the lock: a run may have ended meanwhile
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    saved = read_run_config(cfg.out) if cfg.resume else {}
+    prints = read_run_config(cfg.out).get("fingerprint", {}) if cfg.resume else {}
     set_seed(cfg.seed)
     data = read_data(cfg)
-    prints = saved.get("fingerprint", {})
     changed = [(f"--data {cfg.data}", prints.get("data"), data.fingerprint)]
     benches = dict(eval_sets(cfg.eval_data))
     for name, want in (prints.get("eval_data") or {}).items():  # a run before issue 44: none
@@ -2338,11 +2337,10 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     else:
         model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
-    if state["resumed"]:
-        return model, tok, state, data
-    for n in _names(cfg.out, ("metrics.jsonl", "run_config.json", "ckpt-*")):  # they go only now
-        if _own(os.path.join(cfg.out, n)):
-            remove(os.path.join(cfg.out, n))
+    if not state["resumed"]:
+        for n in _names(cfg.out, ("metrics.jsonl", "run_config.json", "ckpt-*")):  # only now
+            if _own(os.path.join(cfg.out, n)):
+                remove(os.path.join(cfg.out, n))
     return model, tok, state, data
 
 def rows_drawn(cfg: Config, step: int) -> int:

@@ -2440,12 +2440,11 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(os.path.join(out, "metrics.jsonl")) as f:
             for line in f:
-                try:
-                    rec = json.loads(line) if line.endswith("\n") else None
-                except ValueError:
-                    rec = None
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
-                    recs.append(rec)
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if (line.endswith("\n") and isinstance(rec, dict)
+                            and isinstance(rec.get("step"), int) and rec["step"] <= last_step):
+                        recs.append(rec)
     return recs
 
 def checkpoints(out: str) -> list:

@@ -2374,7 +2374,6 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     log(memory_line(cfg, run.model, data.longest, device))  # before any work
-    # the rows graded by exact match and the rows left out: a file and a line each, if any
     pairs = zip(data.where, data.rows)
     fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
     skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
@@ -2431,7 +2430,7 @@ def read_run_config(out: str) -> dict:
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
-    with open(path, "ab", buffering=0) as f:  # unbuffered: the line is one write() call
+    with open(path, "ab", buffering=0) as f:
         f.write((json.dumps(rec) + "\n").encode())
 
 def read_metrics(out: str, last_step: float = math.inf) -> list:
@@ -2465,8 +2464,7 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         shutil.rmtree(old + ".old", ignore_errors=True)
 
 def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads and can go on (finite weights,
-    prompt format == want); a damaged one is reported in one line, the previous one tried."""
+    """(model, tok, state) from the newest checkpoint that loads and can go on, else OSError."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
@@ -2482,7 +2480,7 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
                 raise ValueError("state.pt holds no step and optimiser")
             log(f"resuming from {ck}")
             return model, tok, state
-        except Exception as e:  # truncated, empty or foreign files: try the previous one
+        except Exception as e:  # truncated, empty or foreign files
             if memory_fault(e):  # not the files' fault: every checkpoint stays as it is
                 raise
             log(f"{ck} does not load ({type(e).__name__}: {error_line(e, 120)}); trying the previous checkpoint")
@@ -2507,7 +2505,6 @@ def save_final(out: str, model, tok):
     os.rmdir(tmp)
 
 def _save_model(tmp: str, model, tok, state=None) -> str:
-    """model, tokenizer (and state.pt) written afresh into the folder tmp -> tmp."""
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
         model.save_pretrained(tmp)
@@ -2668,7 +2665,6 @@ def writing(path: str):
         raise OSError(f"cannot write {path}: {error_line(e, 200)}") from None
 
 def remove(path: str):
-    """Delete the file or folder at `path` (OSError if it cannot be deleted)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:

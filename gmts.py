@@ -2296,10 +2296,9 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
     claim_out(cfg.out, "gmts")  # then check again under the lock: a run may have ended meanwhile
     check_out(cfg.out, "gmts", cfg.model, cfg.overwrite, bool(cfg.resume))
-    saved = read_run_config(cfg.out) if cfg.resume else {}
+    prints = read_run_config(cfg.out).get("fingerprint", {}) if cfg.resume else {}
     set_seed(cfg.seed)
     data = read_data(cfg)
-    prints = saved.get("fingerprint", {})
     changed = [(f"--data {cfg.data}", prints.get("data"), data.fingerprint)]
     benches = dict(eval_sets(cfg.eval_data))
     for name, want in (prints.get("eval_data") or {}).items():  # a run before issue 44: none
@@ -2320,11 +2319,10 @@ def open_run(cfg: Config, device: torch.device, log=print) -> tuple:
     else:
         model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
     check_prompts(cfg, model, tok, data)  # every row renders and fits before anything changes
-    if state["resumed"]:
-        return model, tok, state, data
-    for n in _names(cfg.out, ("metrics.jsonl", "run_config.json", "ckpt-*")):  # they go only now
-        if _own(os.path.join(cfg.out, n)):
-            remove(os.path.join(cfg.out, n))
+    if not state["resumed"]:
+        for n in _names(cfg.out, ("metrics.jsonl", "run_config.json", "ckpt-*")):  # only now
+            if _own(os.path.join(cfg.out, n)):
+                remove(os.path.join(cfg.out, n))
     return model, tok, state, data
 
 def rows_drawn(cfg: Config, step: int) -> int:
@@ -2358,7 +2356,6 @@ def record_start(cfg: Config, run, data: Data, resumed: bool, device: torch.devi
         f"held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed at step {run.start}" if resumed else ""))
     log(memory_line(cfg, run.model, data.longest, device))  # before any work
-    # the rows graded by exact match and the rows left out: a file and a line each, if any
     pairs = zip(data.where, data.rows)
     fallback = [dict(where=w, answer=r["answer"]) for w, r in pairs if r.get("fallback")]
     skipped = [dict(zip(("where", "why"), w.split(": ", 1))) for w in data.skipped or []]
@@ -2415,7 +2412,7 @@ def read_run_config(out: str) -> dict:
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
-    with open(path, "ab", buffering=0) as f:  # unbuffered: the line is one write() call
+    with open(path, "ab", buffering=0) as f:
         f.write((json.dumps(rec) + "\n").encode())
 
 def read_metrics(out: str, last_step: float = math.inf) -> list:
@@ -2424,12 +2421,11 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(os.path.join(out, "metrics.jsonl")) as f:
             for line in f:
-                try:
-                    rec = json.loads(line) if line.endswith("\n") else None
-                except ValueError:
-                    rec = None
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
-                    recs.append(rec)
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if (line.endswith("\n") and isinstance(rec, dict)
+                            and isinstance(rec.get("step"), int) and rec["step"] <= last_step):
+                        recs.append(rec)
     return recs
 
 def checkpoints(out: str) -> list:
@@ -2450,8 +2446,7 @@ def save_checkpoint(out: str, step: int, model, tok, opt, skipped: int, keep: in
         shutil.rmtree(old + ".old", ignore_errors=True)
 
 def load_checkpoint(out: str, device: torch.device, log=print, chat_template="auto", want=None) -> tuple:
-    """(model, tok, state) from the newest checkpoint that loads and can go on (finite weights,
-    prompt format == want); a damaged one is reported in one line, the previous one tried."""
+    """(model, tok, state) from the newest checkpoint that loads and can go on, else OSError."""
     for ck in reversed(checkpoints(out)):
         try:
             model, tok = load_model(ck, device)
@@ -2467,7 +2462,7 @@ def load_checkpoint(out: str, device: torch.device, log=print, chat_template="au
                 raise ValueError("state.pt holds no step and optimiser")
             log(f"resuming from {ck}")
             return model, tok, state
-        except Exception as e:  # truncated, empty or foreign files: try the previous one
+        except Exception as e:  # truncated, empty or foreign files
             if memory_fault(e):  # not the files' fault: every checkpoint stays as it is
                 raise
             log(f"{ck} does not load ({type(e).__name__}: {error_line(e, 120)}); trying the previous checkpoint")
@@ -2492,7 +2487,6 @@ def save_final(out: str, model, tok):
     os.rmdir(tmp)
 
 def _save_model(tmp: str, model, tok, state=None) -> str:
-    """model, tokenizer (and state.pt) written afresh into the folder tmp -> tmp."""
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(tmp):
         model.save_pretrained(tmp)
@@ -2653,7 +2647,6 @@ def writing(path: str):
         raise OSError(f"cannot write {path}: {error_line(e, 200)}") from None
 
 def remove(path: str):
-    """Delete the file or folder at `path` (OSError if it cannot be deleted)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:

@@ -722,8 +722,7 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: i
     scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
-    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t; seq-sum (GMTS
-        # Framework1's): sum_prompts (1/G) sum_{i in group} ...
+    if loss_norm in ("seq", "seq-sum"):  # seq: GRPO's; seq-sum: GMTS Framework1's
         n = float(group_size if loss_norm == "seq-sum" else valid.shape[0])
         return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
     denom = float(max(n_kept, 1)) if loss_norm == "selected" else n_valid
@@ -791,18 +790,17 @@ def kept_count(counts: list, rho: float, rule: str) -> list:
         return [max(0, n - max(1, math.ceil((1 - r) * n))) for n in counts]
     return [min(n, max(1, math.ceil(r * n))) for n in counts]
 
-def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: torch.Tensor = None,
-                 rule: str = None) -> tuple:
+def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0,
+                 groups: torch.Tensor = None) -> tuple:
     """Algorithm step 6's budget, read by both the mask (select_tokens) and the 'selected'
     normaliser (train) -> (label, kept, rule). The scope is a label per token: groups (N, T), or
     with group_size G each run of G rows (filter_groups' layout), or one label: the whole batch.
     label (n,): each valid token's label index, in position order (None: one label); kept (L,):
-    how many of each label's tokens are kept, by kept_count's rule (default: drop with labels, as
-    the authors' per-group code; ceil over the whole batch, as ours)."""
-    if rule is None:
-        rule = "ceil"
-        if group_size or groups is not None:
-            rule = "drop"
+    how many of each label's tokens are kept, by kept_count's rule: drop with labels, as the
+    authors' per-group code; ceil over the whole batch, as ours."""
+    rule = "ceil"
+    if group_size or groups is not None:
+        rule = "drop"
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
         return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
@@ -816,8 +814,7 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
     return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device), rule
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
-                  group_size: int = 0, groups: torch.Tensor = None,
-                  rule: str = None) -> torch.Tensor:
+                  group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
     """The top valid tokens by score in each scope, as many as scope_budget's count, ties as
     kept_count says: (N, T) -> (N, T) bool; masked out tokens are never kept, NaN ranks lowest.
     nonzero (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9): maybe fewer."""
@@ -825,7 +822,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
         return sel.view_as(mask)
-    label, kept, rule = scope_budget(mask, rho, group_size, groups, rule)
+    label, kept, rule = scope_budget(mask, rho, group_size, groups)
     vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
     vals = torch.nan_to_num(vals, nan=-math.inf)
     # Highest first; the stable sort keeps equal scores in position order (ties to the earlier),
@@ -861,10 +858,9 @@ class Objective:
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
-    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy
-    r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp takes token_stats' code
-    path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
+    """The PPO-clip token loss l (derivation), r = exp(logp - old_logp): (M,) inputs -> (loss, clip
+    active bool), each (M,). On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's
+    comes from token_stats, not head_logp: on a first inner update r is 1 up to rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -1078,10 +1074,9 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
         set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
         # 1-4. B prompts, G answers each, their rewards and group advantages (sample_groups)
         batch, rewards, adv, parts = sample_groups(run, cfg, step, log)
-        mask = batch["resp_mask"]  # (N, T)
-        valid = mask  # the tokens the loss may use
+        valid = batch["resp_mask"]  # (N, T): the tokens the loss may use
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
-            valid = mask & ~batch["truncated"][:, None]
+            valid = valid & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
         # 5. log pi(y_t), H_t, dz_norm (N, T) of pi_old, the fp32 policy before this update (a bf16
         # copy of it sampled under --sampler-dtype bf16); the KL reference's log-probs
@@ -1101,7 +1096,6 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1);
             # rsi: an interval of its score instead
-            # pi_ref / pi_theta, for the KL term's weight in omega
             ref_ratio = None if ref_logp is None else torch.exp(ref_logp - logp)
             ratio = torch.exp(logp - old_logp)  # (N, T)
             om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,

@@ -400,9 +400,7 @@ def parse_number(s: str):
     elif s.count("/") == 1:
         parts = s.split("/")
     else:
-        parts = [s]
-    if len(parts) == 1:
-        value = _decimal(parts[0].strip(), signed=False)
+        value = _decimal(s, signed=False)
         if value is None:
             return None
         return sign * value
@@ -476,9 +474,9 @@ def math_reward(completion: str, answer: str, latex: bool = False, fallback: boo
     if got is None or (gold is None and not latex):
         return 0.0
     if gold is not None and (not latex or parse_number(got) is not None):
-        return 1.0 if parse_number(got) == gold else 0.0
+        return float(parse_number(got) == gold)
     if fallback:
-        return 1.0 if bare_answer(str(answer)) == bare_answer(got) else 0.0
+        return float(bare_answer(str(answer)) == bare_answer(got))
     return 1.0 if latex_equal(normal_answer(str(answer)), normal_answer(got)) else 0.0
 
 _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
@@ -629,7 +627,6 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     p_y = logp.exp()  # (...)
     # p_rest is p with p_y set to 0: its sums run over j != y; y's own term is added back to them.
     p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
-    # H = -sum_j p_j log p_j = -(sum_{j != y} p_j log p_j + p_y log p_y)
     entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
     # ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2. Unlike 1 - 2 p_y + sum_j p_j^2 it does
     # not cancel catastrophically when p_y ~ 1 (1 - p_y = -expm1(log p_y)).
@@ -798,12 +795,9 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0,
     label (n,): each valid token's label index, in position order (None: one label); kept (L,):
     how many of each label's tokens are kept, by kept_count's rule: drop with labels, as the
     authors' per-group code; ceil over the whole batch, as ours."""
-    rule = "ceil"
-    if group_size or groups is not None:
-        rule = "drop"
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
-        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
+        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, "ceil")), "ceil"
     if groups is None:
         if mask.shape[0] % group_size:
             raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
@@ -811,7 +805,7 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0,
         groups = (rows // group_size)[:, None].expand(mask.shape)  # (N, T)
     found = torch.unique(groups.reshape(-1)[flat_mask], return_inverse=True, return_counts=True)
     _, label, counts = found  # (L,), (n,), (L,)
-    return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device), rule
+    return label, torch.tensor(kept_count(counts.tolist(), rho, "drop"), device=mask.device), "drop"
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
                   group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:

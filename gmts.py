@@ -793,8 +793,7 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0,
     normaliser (train) -> (label, kept, rule). The scope is a label per token: groups (N, T), or
     with group_size G each run of G rows (filter_groups' layout), or one label: the whole batch.
     label (n,): each valid token's label index, in position order (None: one label); kept (L,):
-    how many of each label's tokens are kept, by kept_count's rule: drop with labels, as the
-    authors' per-group code; ceil over the whole batch, as ours."""
+    how many of each label's tokens are kept, by kept_count's drop rule (one label: its ceil)."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
         return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, "ceil")), "ceil"

@@ -525,7 +525,8 @@ def logic_prompt(row: dict, short=False) -> str:
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
-    "countdown": {"prompt": countdown_prompt, "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
+    "countdown": {"prompt": countdown_prompt,
+                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(
         c, row["answer"], row.get("latex", False), row.get("fallback", False),
         row.get("answer_line", False))},
@@ -982,7 +983,7 @@ def start_run(cfg: Config, log=print) -> Run:
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate's bf16 copy
+        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)
         for p in run.sampler.parameters():  # RoPE's inv_freq buffer stays fp32, as in a bf16 load
             p.data = p.data.to(torch.bfloat16)
     return run
@@ -1056,18 +1057,18 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     score_fn: step_method's (the notebook trains its own score through it)."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
     cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
-    run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
+    run = start_run(cfg, log)
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
-    method = step_method(cfg, score_fn)  # the score, its zero rule and scope (METHODS)
+    method = step_method(cfg, score_fn)
     model.train()
     for step in range(run.start, cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
         # 1-4. B prompts, G answers each, their rewards and group advantages (sample_groups)
         batch, rewards, adv, parts = sample_groups(run, cfg, step, log)
-        valid = batch["resp_mask"]  # (N, T): the tokens the loss may use
+        valid = batch["resp_mask"]  # the tokens the loss may use
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
             valid = valid & ~batch["truncated"][:, None]
         t_roll = time.time() - t0

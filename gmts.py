@@ -400,9 +400,7 @@ def parse_number(s: str):
     elif s.count("/") == 1:
         parts = s.split("/")
     else:
-        parts = [s]
-    if len(parts) == 1:
-        value = _decimal(parts[0].strip(), signed=False)
+        value = _decimal(s, signed=False)
         if value is None:
             return None
         return sign * value
@@ -476,9 +474,9 @@ def math_reward(completion: str, answer: str, latex: bool = False, fallback: boo
     if got is None or (gold is None and not latex):
         return 0.0
     if gold is not None and (not latex or parse_number(got) is not None):
-        return 1.0 if parse_number(got) == gold else 0.0
+        return float(parse_number(got) == gold)
     if fallback:
-        return 1.0 if bare_answer(str(answer)) == bare_answer(got) else 0.0
+        return float(bare_answer(str(answer)) == bare_answer(got))
     return 1.0 if latex_equal(normal_answer(str(answer)), normal_answer(got)) else 0.0
 
 _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
@@ -527,7 +525,8 @@ def logic_prompt(row: dict, short=False) -> str:
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 TASKS = {  # sample_groups calls "prompt" and "reward"; the supporting code adds "load", the loader
-    "countdown": {"prompt": countdown_prompt, "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
+    "countdown": {"prompt": countdown_prompt,
+                  "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
     "math": {"prompt": math_prompt, "reward": lambda c, row: math_reward(
         c, row["answer"], row.get("latex", False), row.get("fallback", False),
         row.get("answer_line", False))},
@@ -629,7 +628,6 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float =
     p_y = logp.exp()  # (...)
     # p_rest is p with p_y set to 0: its sums run over j != y; y's own term is added back to them.
     p_rest = logp_all.exp().scatter(-1, y, 0.0)  # (..., V)
-    # H = -sum_j p_j log p_j = -(sum_{j != y} p_j log p_j + p_y log p_y)
     entropy = -((p_rest * logp_all).sum(-1) + p_y * logp)  # (...)
     # ||onehot(y) - p||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2. Unlike 1 - 2 p_y + sum_j p_j^2 it does
     # not cancel catastrophically when p_y ~ 1 (1 - p_y = -expm1(log p_y)).
@@ -722,8 +720,7 @@ def loss_weights(loss_norm: str, valid: torch.Tensor, n_kept: int, group_size: i
     scores are dropped)."""
     n_valid = float(max(int(valid.sum()), 1))
     w = torch.ones(valid.shape, device=valid.device)  # (N, T)
-    if loss_norm in ("seq", "seq-sum"):  # GRPO: (1/N) sum_i (1/|o_i|) sum_t; seq-sum (GMTS
-        # Framework1's): sum_prompts (1/G) sum_{i in group} ...
+    if loss_norm in ("seq", "seq-sum"):  # seq: GRPO's; seq-sum: GMTS Framework1's
         n = float(group_size if loss_norm == "seq-sum" else valid.shape[0])
         return dict(w=w / valid.sum(1, keepdim=True).clamp_min(1), denom=n, kl_denom=n)
     denom = float(max(n_kept, 1)) if loss_norm == "selected" else n_valid
@@ -791,21 +788,16 @@ def kept_count(counts: list, rho: float, rule: str) -> list:
         return [max(0, n - max(1, math.ceil((1 - r) * n))) for n in counts]
     return [min(n, max(1, math.ceil(r * n))) for n in counts]
 
-def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: torch.Tensor = None,
-                 rule: str = None) -> tuple:
+def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0,
+                 groups: torch.Tensor = None) -> tuple:
     """Algorithm step 6's budget, read by both the mask (select_tokens) and the 'selected'
     normaliser (train) -> (label, kept, rule). The scope is a label per token: groups (N, T), or
     with group_size G each run of G rows (filter_groups' layout), or one label: the whole batch.
     label (n,): each valid token's label index, in position order (None: one label); kept (L,):
-    how many of each label's tokens are kept, by kept_count's rule (default: drop with labels, as
-    the authors' per-group code; ceil over the whole batch, as ours)."""
-    if rule is None:
-        rule = "ceil"
-        if group_size or groups is not None:
-            rule = "drop"
+    how many of each label's tokens are kept, by kept_count's drop rule (one label: its ceil)."""
     flat_mask = mask.reshape(-1)  # (N*T,)
     if groups is None and not group_size:
-        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, rule)), rule
+        return None, torch.tensor(kept_count([int(flat_mask.sum())], rho, "ceil")), "ceil"
     if groups is None:
         if mask.shape[0] % group_size:
             raise ValueError(f"{mask.shape[0]} answers are not groups of {group_size}")
@@ -813,11 +805,10 @@ def scope_budget(mask: torch.Tensor, rho: float, group_size: int = 0, groups: to
         groups = (rows // group_size)[:, None].expand(mask.shape)  # (N, T)
     found = torch.unique(groups.reshape(-1)[flat_mask], return_inverse=True, return_counts=True)
     _, label, counts = found  # (L,), (n,), (L,)
-    return label, torch.tensor(kept_count(counts.tolist(), rho, rule), device=mask.device), rule
+    return label, torch.tensor(kept_count(counts.tolist(), rho, "drop"), device=mask.device), "drop"
 
 def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero: bool = False,
-                  group_size: int = 0, groups: torch.Tensor = None,
-                  rule: str = None) -> torch.Tensor:
+                  group_size: int = 0, groups: torch.Tensor = None) -> torch.Tensor:
     """The top valid tokens by score in each scope, as many as scope_budget's count, ties as
     kept_count says: (N, T) -> (N, T) bool; masked out tokens are never kept, NaN ranks lowest.
     nonzero (gmts, gradnorm) then drops kept tokens whose score is 0 (deviation 9): maybe fewer."""
@@ -825,7 +816,7 @@ def select_tokens(scores: torch.Tensor, mask: torch.Tensor, rho: float, nonzero:
     sel = torch.zeros_like(flat_mask)
     if not flat_mask.any():
         return sel.view_as(mask)
-    label, kept, rule = scope_budget(mask, rho, group_size, groups, rule)
+    label, kept, rule = scope_budget(mask, rho, group_size, groups)
     vals = scores.reshape(-1)[flat_mask].float()  # (n,), in position order
     vals = torch.nan_to_num(vals, nan=-math.inf)
     # Highest first; the stable sort keeps equal scores in position order (ties to the earlier),
@@ -861,10 +852,9 @@ class Objective:
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     clip_low: float, clip_high: float) -> tuple:
-    """Per-token PPO-clip loss l = -min(r * A, clip(r, 1 - eps_l, 1 + eps_h) * A),
-    r = exp(logp - old_logp): (M,) inputs -> (loss (M,), clip active (M,) bool). On-policy
-    r == 1 (REINFORCE) when old_logp is logp.detach(); train's old_logp takes token_stats' code
-    path, not head_logp's, so on a first inner update r is 1 only up to rounding (~1e-6)."""
+    """The PPO-clip token loss l (derivation), r = exp(logp - old_logp): (M,) inputs -> (loss, clip
+    active bool), each (M,). On-policy r == 1 (REINFORCE) when old_logp is logp.detach(); train's
+    comes from token_stats, not head_logp: on a first inner update r is 1 up to rounding (~1e-6)."""
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -993,7 +983,7 @@ def start_run(cfg: Config, log=print) -> Run:
               start=state["step"] + 1, skipped=state["skipped"])
     record_start(cfg, run, data, state["resumed"], device, log)
     if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
-        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)  # generate's bf16 copy
+        run.sampler = copy.deepcopy(model).eval().requires_grad_(False)
         for p in run.sampler.parameters():  # RoPE's inv_freq buffer stays fp32, as in a bf16 load
             p.data = p.data.to(torch.bfloat16)
     return run
@@ -1067,21 +1057,20 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
     score_fn: step_method's (the notebook trains its own score through it)."""
     check_tracker(cfg.report_to)  # a missing tracker package: one line, before any work
     cfg = resolved_paths(cfg)  # absolute paths in run_config.json: any folder's resume finds them
-    run = start_run(cfg, log)  # model, optimiser, KL reference, sampler; --resume: its checkpoint
+    run = start_run(cfg, log)
     model, opt = run.model, run.opt
     mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
     show = step_printer(cfg.steps, run.start, log)  # a progress bar on a terminal
-    method = step_method(cfg, score_fn)  # the score, its zero rule and scope (METHODS)
+    method = step_method(cfg, score_fn)
     model.train()
     for step in range(run.start, cfg.steps + 1):
         t0 = time.time()
         set_seed(cfg.seed * 1_000_003 + step)  # a step's randomness depends on (seed, step) only
         # 1-4. B prompts, G answers each, their rewards and group advantages (sample_groups)
         batch, rewards, adv, parts = sample_groups(run, cfg, step, log)
-        mask = batch["resp_mask"]  # (N, T)
-        valid = mask  # the tokens the loss may use
+        valid = batch["resp_mask"]  # the tokens the loss may use
         if cfg.overlong_filter:  # DAPO's overlong filtering: a truncated answer trains nothing
-            valid = mask & ~batch["truncated"][:, None]
+            valid = valid & ~batch["truncated"][:, None]
         t_roll = time.time() - t0
         # 5. log pi(y_t), H_t, dz_norm (N, T) of pi_old, the fp32 policy before this update (a bf16
         # copy of it sampled under --sampler-dtype bf16); the KL reference's log-probs
@@ -1101,7 +1090,6 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             # 6. omega (-dL/dlogp of the loss: derivation step 1), scores, the top rho of each
             # prompt's group (--scope group: GMTS's authors) or of the whole batch (deviation 1);
             # rsi: an interval of its score instead
-            # pi_ref / pi_theta, for the KL term's weight in omega
             ref_ratio = None if ref_logp is None else torch.exp(ref_logp - logp)
             ratio = torch.exp(logp - old_logp)  # (N, T)
             om = omega(adv, ratio, cfg.clip_low, cfg.clip_high, cfg.kl_beta, ref_ratio,

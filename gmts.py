@@ -81,14 +81,12 @@ class Config:
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: Literal["countdown", "math", "logic"] = arg("countdown", "the task (TASKS)")
-    data: str = arg("gen", "gen, easy (generated), hf, hf:test, hf:ID[:CONFIG][:SPLIT], or a "
-                           ".jsonl, .json, .csv or .parquet file")
-    data_columns: str = arg("", "QUESTION,ANSWER columns of a math file's own layout")
+    data: str = arg("gen", "gen, easy (generated), hf:ID[:CONFIG][:SPLIT] (a hub set or a dataset "
+                           "folder), or a .jsonl, .json, .csv or .parquet file")
     data_order: Literal["draw", "epoch"] = arg("draw", "draw: rows drawn afresh each step; "
                                                "epoch: seeded passes over a file's rows")
-    prompt_style: Literal["ours", "qwen-math", "boxed-suffix"] = arg(
-        "ours", "math: ours (<think>, <answer>), qwen-math (the GMTS authors' \\boxed{} system "
-                "prompt) or boxed-suffix (a \\boxed{} request after the question)")
+    prompt_style: Literal["ours", "qwen-math"] = arg(
+        "ours", "math: ours (<think>, <answer>) or qwen-math (the GMTS authors' \\boxed{} system prompt)")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
     eval_every: int = arg(20, "held-out accuracy every this many steps (0: at 0 and the end)")
     eval_size: int = arg(64, "held-out problems: the data's first rows")
@@ -304,7 +302,7 @@ def math_reward(completion: str, answer: str, latex: bool = False,
     """1.0 iff the final answer equals the gold; no format bonus. A GSM8K row (latex False): the
     last \\boxed{}, else the number after ####, else the last number, as an exact fraction. Any
     other row: the last \\boxed{} (answer_line: the last 'Answer:' line); numbers as fractions,
-    anything else by math-verify, or as bare strings where math-verify cannot read the gold."""
+    anything else by same_latex: units compared where both sides have one, values by math-verify."""
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     gold = parse_number(str(answer))
     if got is None or (gold is None and not latex):
@@ -737,9 +735,7 @@ def loss_backward(model, batch: dict, adv: torch.Tensor, sel_mask: torch.Tensor,
     clip_frac (of the kept), kl (per valid token), live (tokens with a gradient: deviation 6)."""
     if valid is None:
         valid = batch["resp_mask"]
-    need = sel_mask
-    if objective.kl_beta > 0:
-        need = sel_mask | valid
+    need = sel_mask | valid if objective.kl_beta > 0 else sel_mask
     totals = dict(loss=0.0, clipped=0, live=0, kl=0.0)
     passes = micro_batch_logp(model, batch, need, objective.temperature, micro_batch, chunk)
     for rows, m, logp in passes:
@@ -800,9 +796,7 @@ def sample_groups(run: Run, cfg: Config, step: int) -> tuple:
     with --filter-groups (deviation 5) more batches until B groups are informative or --max-resample
     are drawn, joined by filter_groups; parts: each batch drawn, (batch, rewards, adv)."""
     B, G = cfg.prompts_per_step, cfg.group_size
-    max_batches = 1
-    if cfg.filter_groups:
-        max_batches = cfg.max_resample
+    max_batches = cfg.max_resample if cfg.filter_groups else 1
     parts = []
     n_informative = 0
     while len(parts) < max_batches and n_informative < B:
@@ -841,9 +835,7 @@ def selection_rule(cfg: Config, method: Method = None) -> tuple:
         method = METHODS[cfg.select]
     if cfg.select == "all" or method.band:
         return 1.0, 0
-    scope = cfg.scope
-    if scope == "auto":
-        scope = method.scope
+    scope = method.scope if cfg.scope == "auto" else cfg.scope
     if scope == "group":
         return cfg.rho, cfg.group_size
     return cfg.rho, 0
@@ -862,7 +854,6 @@ def step_selection(cfg: Config, logp, entropy, dz_norm, om, mask, score_fn=None)
 def train(cfg: Config, log=print, score_fn=None) -> str:
     """GRPO with token selection (the docstring's algorithm steps 1-8) -> the output folder.
     score_fn: step_method's (the notebook trains its own score through it)."""
-    cfg = resolved_paths(cfg)  # absolute paths: the saved config reads the same from any folder
     with start_run(cfg, log) as run:  # the run folder (locked), data, model, optimiser, step 0
         model, opt = run.model, run.opt
         mb, chunk = cfg.micro_batch, cfg.stats_chunk  # answers per forward, tokens per head call
@@ -919,8 +910,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             run.log_step(rec)
             if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
                 save_checkpoint(cfg.out, step, run)
-        finish_run(run, cfg, log)
-    return cfg.out
+    return cfg.out  # the with's end saved the final model there
 
 # Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
 
@@ -1041,22 +1031,62 @@ def _answer_line(text: str):
     boxed = _last_boxed(line, cap=300)
     return boxed if boxed is not None else line or None
 
-# The forms of an answer math-verify reads (same_latex's)
-_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
+# The forms of an answer math-verify reads (same_latex's): its value and its unit apart
+_LETTER = re.compile(r"\\(?:text|mbox|mathrm)\{ *([A-Za-z]) *\}")  # \mathrm{i}: the letter i
+_UNIT = re.compile(r"(?:(?<!\\)\\[,;:! ]|\\q?quad|~|\s)*"  # the spacing before a unit goes with it
+                   r"\\(?:text|mbox|mathrm)\{ *([A-Za-z][A-Za-z ]*?) *\}(?:\^\{?([23])\}?)?$")
+_MAGNITUDE = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_UNIT_ALIAS = {"centimeter": "cm", "centimetre": "cm", "millimeter": "mm", "millimetre": "mm",
+               "meter": "m", "metre": "m", "kilometer": "km", "kilometre": "km", "inch": "in",
+               "foot": "ft", "feet": "ft", "hour": "h", "hr": "h", "minute": "min", "second": "s",
+               "sec": "s", "degree": "deg"}
 _POWER_ARG = re.compile(  # \sin^2 t
     r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
 _SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
 
-def normal_answer(s: str) -> str:
-    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
-    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
-    (math-verify 0.9 misreads each of them)."""
+def value_unit(s: str) -> tuple:
+    """A LaTeX answer -> (its value, its unit or ""): no $...$ around it, no trailing . , ; or
+    degree sign, a one-letter \\text{} (\\mathrm{i}, \\mathrm{e}) as the letter; the unit: the words
+    of a trailing \\text{..}, \\mbox{..} or \\mathrm{..} after a value, lower case, with the spacing
+    before it and a power ^2 ^3 after it (a one-letter one stays in the value too). A magnitude
+    word (10\\text{ thousand}) is no unit: it multiplies the value."""
     s = s.strip()
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
             s = s[len(a):-len(b)].strip()
-    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
-    s = _UNIT.sub("", s).rstrip(".,; ")
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; ")).rstrip(".,; ")
+    m = _UNIT.search(s)
+    if not m or m.start() == 0:  # no value before it: all of it is text
+        return _LETTER.sub(r"\1", s), ""
+    value, words, power = _LETTER.sub(r"\1", s[:m.start()]), m[1].lower().split(), m[2] or ""
+    if len(m[1]) == 1:  # a letter: kept in the value, and the unit too
+        return value + " " * value[-1].isalpha() + m[1] + f"^{{{power}}}" * bool(power), m[1].lower() + f"^{power}" * bool(power)
+    if words[0].removesuffix("s") in _MAGNITUDE:  # never dropped: part of the value
+        k = _MAGNITUDE[words.pop(0).removesuffix("s")]
+        n = parse_number(value)
+        top, bottom = (0, 0) if n is None else (n * 10 ** k).as_integer_ratio()
+        value = (f"{value}\\times10^{{{k}}}" if n is None else
+                 str(top) if bottom == 1 else f"\\frac{{{top}}}{{{bottom}}}")
+    return value, " ".join(words) + f"^{power}" * bool(words and power)
+
+def _unit_forms(word: str) -> set:
+    """A unit word's spellings: itself and its singulars (-s, -es), each through _UNIT_ALIAS."""
+    forms = {word, word[:-1] if len(word) > 2 and word.endswith("s") else "",
+             word[:-2] if len(word) > 3 and word.endswith("es") else ""} - {""}
+    return {_UNIT_ALIAS.get(f, f) for f in forms}
+
+def same_unit(a: str, b: str) -> bool:
+    """value_unit's units are one unit: the same words, the last one's spellings (cm,
+    centimeters, centimetre; hour, hrs) shared, the same power."""
+    (a, pa), (b, pb) = a.partition("^")[::2], b.partition("^")[::2]
+    (*a, last_a), (*b, last_b) = a.split() or [""], b.split() or [""]
+    return a == b and pa == pb and bool(_unit_forms(last_a) & _unit_forms(last_b))
+
+def normal_answer(s: str) -> str:
+    """A LaTeX answer's value (value_unit's) as math-verify reads it: no $...$ around it, no
+    trailing . , ; no degree sign, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
+    (math-verify 0.9 misreads each of them)."""
+    s = value_unit(s)[0]
     s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
     return _SPACED_OP.sub(r"\1", s)
 
@@ -1069,8 +1099,12 @@ def bare_answer(s: str) -> str:
     return "".join(s.split())
 
 def same_latex(gold: str, got: str) -> bool:
-    """A LaTeX answer against its gold: math-verify on their normal_answer forms; where
+    """A LaTeX answer against its gold: a unit on both sides (value_unit's) must be the same_unit
+    (on one side only it is not compared); then math-verify on their normal_answer forms, or where
     math-verify cannot read the gold, their bare_answer forms equal."""
+    units = value_unit(gold)[1], value_unit(got)[1]
+    if all(units) and not same_unit(*units):
+        return False
     g = normal_answer(gold)
     if latex_equal(g):
         return latex_equal(g, normal_answer(got))
@@ -1140,56 +1174,8 @@ def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
             return {"nums": nums, "target": int(z[0]), "expr": z[1]}
     raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
 
-# -- math: GSM8K-style word problems, graded by the final number --
-# A template: the question and its worked steps "x op y" over the numbers a, b, c, d (each drawn
-# from 2..12), integer literals and the earlier steps' results s1, s2, ...
-_MATH = [
-    ("{who} buys {a} pens at ${b} each and pays with $150. How many dollars of change are due?", "a*b 150-s1"),
-    ("{who} buys {a} pens at ${b} each and {c} books at ${d} each, and pays with $300. How many "
-     "dollars of change are due?", "a*b c*d s1+s2 300-s3"),
-    ("{who} bakes {a} trays of {b} cookies, eats {c} of them and shares the rest equally among "
-     "{d} friends. How many cookies does each friend get?", "a*b s1-c s2/d"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day. How many toys does it make in {c} days?", "a*b s1*c"),
-    ("{who}'s machine makes {a} toys an hour for {b} hours a day, and {d} toys a day come out "
-     "broken. How many good toys does it make in {c} days?", "a*b s1-d s2*c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c}. How many dollars are left?", "a*b s1-c"),
-    ("{who} saves ${a} a week for {b} weeks, then buys a game for ${c} and a book for ${d}. How "
-     "many dollars are left?", "a*b c+d s1-s2"),
-    ("{who} cycles {a} hours at {b} km/h, then walks {c} hours at {d} km/h. How many km is that "
-     "in total?", "a*b c*d s1+s2"),
-    ("{who} fills {a} bags with {b} marbles and {c} bags with {d} marbles, then gives half of all "
-     "the marbles away. How many marbles are left?", "a*b c*d s1+s2 s3/2"),
-]
-
-def _run_program(program: str, values: dict):
-    """Worked steps 'x op y = z' of a template's program over `values` (which gains s1, s2, ...)."""
-    steps = []
-    for i, step in enumerate(program.split(), 1):
-        x, op, y = re.split(r"([-+*/])", step)
-        x = int(values.get(x, x))
-        y = int(values.get(y, y))
-        z = _OPS[op](Fraction(x), y)
-        if z < 0 or z.denominator != 1:
-            return None
-        values[f"s{i}"] = int(z)
-        steps.append(f"{x} {op} {y} = {int(z)}")
-    return steps
-
-def math_problem(rng: random.Random, n_steps=(2, 4)) -> dict:
-    """A problem from a template with n_steps steps: question, worked steps and integer answer."""
-    fits = [t for t in _MATH if n_steps[0] <= len(t[1].split()) <= n_steps[1]]
-    if not fits:
-        raise ValueError(f"no math template has {n_steps} steps")
-    while True:
-        question, program = rng.choice(fits)
-        values = {k: rng.randint(2, 12) for k in "abcd"}
-        steps = _run_program(program, values)
-        if steps is not None:
-            answer = str(values[f"s{len(steps)}"])
-            text = question.format(who=rng.choice(NAMES), **values)
-            return {"question": text, "answer": answer, "steps": steps}
-
-# The easy variant: one step whose operation only the words tell (the numbers in the step's order).
+# -- math: one-step word problems (GSM8K itself: --data hf:openai/gsm8k:main:train) --
+# One step whose operation only the words tell (the numbers in the step's order).
 _MATH_EASY = [
     ("{who} has {a} apples and buys {b} more. How many apples now?", "+"),
     ("{who} has {a} cards and finds {b} more. How many cards now?", "+"),
@@ -1263,17 +1249,17 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
-_GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; math: 1 step; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
-    "math": lambda r, easy: math_easy_problem(r) if easy else math_problem(r, (2, 4)),
+    "math": lambda r, easy: math_easy_problem(r),  # gen and easy alike
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 
-# ==== Data files [plumbing]: gen, easy, hf, hf:test, hf:ID[:CONFIG][:SPLIT] or a file =============
+# ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG][:SPLIT] or a file =========================
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
-    return "hf" if data.split(":")[0] == "hf" else "file"
+    return "hf" if data.startswith("hf:") else "file"
 
 def _gsm8k_row(question: str, solution) -> dict:
     """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the bare number."""
@@ -1295,11 +1281,10 @@ def _cell(row: dict, key: str):
         row = row.get(k) if isinstance(row, dict) else None
     return row
 
-def _math_layout(row: dict, columns: str, where: str) -> dict:
-    """{question, answer} of a math row: --data-columns' columns, else the first of LAYOUTS it
-    has both of; else ValueError naming `where` and what it lacks."""
-    layouts = [tuple(columns.split(","))] if columns else list(LAYOUTS.values())
-    for q, a in layouts:
+def _math_layout(row: dict, where: str) -> dict:
+    """{question, answer} of a math row in the first of LAYOUTS it has both of; else ValueError
+    naming `where` and what it lacks."""
+    for q, a in LAYOUTS.values():
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
         if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat
             question = question[-1].get("content")
@@ -1309,19 +1294,18 @@ def _math_layout(row: dict, columns: str, where: str) -> dict:
             answer = _last_boxed(answer, tries=1, cap=2000)
         if question is not None and answer is not None:
             return {"question": question, "answer": answer}
-    has_question = any(_cell(row, q) is not None for q, _ in layouts)
+    has_question = any(_cell(row, q) is not None for q, _ in LAYOUTS.values())
     what = "an answer" if has_question else "a question"
-    looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in layouts]
-    raise ValueError(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))}; "
-                     "--data-columns QUESTION,ANSWER names others)")
+    looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in LAYOUTS.values()]
+    raise ValueError(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
 
-def _check_row(row: dict, task: str, columns: str = "", where: str = "a row") -> dict:
+def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     """A row as read -> the row the task trains on, or ValueError naming `where` if it lacks one of
     the task's keys (TASKS). math: a gold given as a GSM8K solution ('... #### N') keeps GSM8K's
     rule; any other is "latex" (the last \\boxed{} is graded), with "answer_line" where the question
     asks for a last line 'Answer: N' (DAPO's)."""
     if task == "math":
-        row = _math_layout(row, columns, where)
+        row = _math_layout(row, where)
     missing = [k for k in TASKS[task]["keys"] if row.get(k) is None]
     if missing:
         raise ValueError(f'{where} has no "{missing[0]}"')
@@ -1335,7 +1319,7 @@ def _check_row(row: dict, task: str, columns: str = "", where: str = "a row") ->
         out["answer_line"] = True
     return out
 
-def _read_set(data: str, task: str, columns: str = "") -> list:
+def _read_set(data: str, task: str) -> list:
     """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] (a hub set or a local dataset folder)
     or of a .jsonl, .json, .csv or .parquet file, read by `datasets`."""
     import datasets
@@ -1344,7 +1328,7 @@ def _read_set(data: str, task: str, columns: str = "") -> list:
     fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if kind == "file" and os.path.splitext(data)[1] not in fmt:
         raise ValueError(f"--data {data}: not a .jsonl, .json, .csv or .parquet file")
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failure: our one line
     try:
         if kind == "hf":
             ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
@@ -1356,29 +1340,16 @@ def _read_set(data: str, task: str, columns: str = "") -> list:
             raise
         hint = "; offline: --data gen or a data file" if kind == "hf" else ""
         raise ValueError(f"{data}: cannot read it ({error_line(e, 300)}){hint}") from None
-    return [_check_row(row, task, columns, f"{data} row {i}") for i, row in enumerate(ds, 1)]
+    return [_check_row(row, task, f"{data} row {i}") for i, row in enumerate(ds, 1)]
 
-def load_rows(task: str, data="gen", n=1000, seed=0, columns="") -> list:
-    """gen/easy: n fresh problems from random.Random(seed). hf, hf:test: the task's own hub set,
-    shuffled by seed. Any other set or file: its rows in order. n <= 0 or None (not gen): all."""
+def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
+    """gen/easy: n fresh problems from random.Random(seed); a hub set or a file: its rows in
+    order (n <= 0 or None: all of them)."""
     get_task(task)
-    kind, spec = data_kind(data), data.split(":")[1:]
-    if kind == "gen":
+    if data_kind(data) == "gen":
         rng = random.Random(seed)
-        rows = [_GEN[task](rng, data == "easy") for _ in range(n)]
-    elif kind == "hf" and (not spec or "/" not in spec[0]):  # the task's own hub set
-        if task == "logic" or spec not in ([], ["train"], ["test"]):
-            raise ValueError(f"--data {data}: logic has no hub data set, and the split must be "
-                             "hf:train or hf:test")
-        split = (spec or ["train"])[0]
-        own = {"countdown": "hf:Jiayi-Pan/Countdown-Tasks-3to4:train",
-               "math": f"hf:openai/gsm8k:main:{split}"}
-        rows = _read_set(own[task], task)
-        if task == "countdown":  # one split: its first 327,680 rows train, the next 1,024 test
-            rows = rows[:327_680] if split == "train" else rows[327_680:328_704]
-        random.Random(seed).shuffle(rows)
-    else:
-        rows = _read_set(data, task, columns)
+        return [_GEN[task](rng, data == "easy") for _ in range(n)]
+    rows = _read_set(data, task)
     return rows[:n] if n and n > 0 else rows
 
 def get_task(name: str) -> dict:
@@ -1400,10 +1371,9 @@ def read_data(cfg: Config) -> Data:
     task = get_task(cfg.task)
     gen = data_kind(cfg.data) == "gen"
     n_held = 0 if cfg.eval_data else cfg.eval_size
-    rows = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed, cfg.data_columns)
+    rows = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed)
     held = rows[:n_held]
-    bench = {name: load_rows(cfg.task, spec, 0, cfg.seed, cfg.data_columns)
-             for name, spec in eval_sets(cfg.eval_data)}
+    bench = {name: load_rows(cfg.task, spec, 0, cfg.seed) for name, spec in eval_sets(cfg.eval_data)}
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
     held = bench or held
     pool = [r for r in rows[n_held:] if task["prompt"](r) not in seen]
@@ -1437,35 +1407,30 @@ def read_data(cfg: Config) -> Data:
 def eval_sets(spec: str) -> list:
     """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
     pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
+    names = [name for name, _ in pairs]
     for name, d in pairs:
-        if not re.fullmatch(r"[\w.-]+", name) or name in ("acc", "len", "sample") or not d:
-            raise ValueError(f"--eval-data {spec}: entries NAME=DATA, NAME of letters, digits, _ . - "
-                             "but acc, len, sample")
-        if data_kind(d) == "gen" or [n for n, _ in pairs].count(name) > 1:
-            raise ValueError(f"--eval-data {name}={d}: each benchmark a data file or set, once")
+        bad_name = not re.fullmatch(r"[\w.-]+", name) or name in ("acc", "len", "sample")
+        if bad_name or names.count(name) > 1 or data_kind(d) == "gen":
+            raise ValueError(f"--eval-data {spec}: NAME=DATA entries, each NAME once (letters, digits, "
+                             "_ . -; not acc, len, sample), each DATA a file or a hub set")
     return pairs
 
 # -- prompts (algorithm step 1): --prompt-style's frame around a task's question (TASKS) --
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
 SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process and "
                  "then answer.")
-# GMTS Framework1's system prompt; Framework2's request, after the question and a space
-QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-BOXED_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS's
 
-# --prompt-style -> (its system line or None, the assistant's prefill, a suffix to the question)
-PROMPT_STYLES = {
-    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX, ""),
-    "qwen-math": (QWEN_MATH_SYSTEM, "", ""),
-    "boxed-suffix": (None, "", " " + BOXED_SUFFIX),
-    "own": (None, "", ""),  # in every style, a row that asks for its answer itself (DAPO's)
+PROMPT_STYLES = {  # --prompt-style -> (its system line or None, the assistant's prefill)
+    "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX),
+    "qwen-math": (QWEN_MATH_SYSTEM, ""),
+    "own": (None, ""),  # in every style, a row that asks for its answer itself (DAPO's)
 }
 
 def render_prompt(tok, question: str, chat: bool, system: bool = True, style: str = "ours") -> str:
     """The text the model continues: the question in the chat template or a plain User/Assistant
     frame, ending inside the assistant's <think> (\\boxed{} styles: an empty turn)."""
-    head, prefix, suffix = PROMPT_STYLES[style]
-    question = question + suffix
+    head, prefix = PROMPT_STYLES[style]
     system = system and head is not None
     if not chat:
         frame = f"User: {question}\nAssistant: {prefix}".rstrip(" ")
@@ -1477,7 +1442,7 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
                   style: str = "ours") -> list:
     """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
-    line. "ours" asks task["prompt"] for the question, the \\boxed{} styles take the row's; a row
+    line. "ours" asks task["prompt"] for the question, qwen-math takes the row's; a row
     that says where its answer goes (DAPO's "Answer:" line) takes style "own": nothing added."""
     prompts = []
     for r in rows:
@@ -1487,12 +1452,10 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
     return prompts
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto" and torch.cuda.is_available():
-        name = "cuda"
-    if name == "auto" and torch.backends.mps.is_available():
-        name = "mps"
-    return torch.device("cpu" if name == "auto" else name)
+def pick_device(name: str = "auto") -> torch.device:  # auto: the accelerator there is (cuda, mps), else cpu
+    if name == "auto":
+        return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    return torch.device(name)
 
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
@@ -1656,7 +1619,7 @@ def evaluate_run(run, cfg: Config) -> dict:
 
 # ==== The run folder [plumbing]: one writer, checkpoints, resume, metrics =========================
 LOCK = ".gmts.lock"  # filelock's file: one process writes a run folder at a time
-RUN_FILES = ("run_config.json", "metrics.jsonl", "metrics.png", "ckpt-*", "final.tmp", "tensorboard",
+RUN_FILES = ("run_config.json*", "metrics.jsonl*", "metrics.png", "ckpt-*", "final.tmp", "tensorboard",
              "wandb", "config.json", "generation_config.json", "*.safetensors*", "tokenizer*",
              "*_tokens*.json", "vocab.json", "merges.txt", "chat_template.*")  # what --overwrite may remove
 
@@ -1688,7 +1651,8 @@ def start_run(cfg: Config, log=print):
     """The Run a step starts from, with cfg.out locked for this process (filelock) until the loop
     ends. A new run: the data, the model, the optimiser, the KL reference, the sampler, then (every
     input loaded, nothing in --out changed before) run_config.json, step 0 and ckpt-000000. A
-    resume: the newest checkpoint's model and state.pt (the step, the optimiser, the rows drawn)."""
+    resume: the newest checkpoint's model and state.pt (the step, the optimiser, the rows drawn).
+    After the loop: metrics.png and the final model in --out itself."""
     from filelock import FileLock, Timeout
     check_out(cfg)
     os.makedirs(cfg.out, exist_ok=True)
@@ -1710,7 +1674,6 @@ def start_run(cfg: Config, log=print):
             model, tok = load_model(ckpt, device)
             state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True)
             data.order["drawn"] = state.get("drawn", 0)
-            log(f"resuming from {ckpt}")
         else:
             model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
         ref = None
@@ -1732,7 +1695,11 @@ def start_run(cfg: Config, log=print):
                   chat=use_chat(tok, cfg.chat_template), fast=fast, start=state["step"] + 1,
                   skipped=state["skipped"], log_step=None)
         open_folder(cfg, run, device, log)
-        yield run
+        yield run  # the loop; then, after its last step:
+        run.log_step(None)  # the step lines and the tracker close
+        plot_metrics(cfg.out)
+        save_final(cfg.out, run.model, run.tok)  # last: its config.json marks the run finished
+        log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
     finally:
         lock.release()
 
@@ -1742,20 +1709,25 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
     the first line, and a new run's step 0 and ckpt-000000."""
     metrics = os.path.join(cfg.out, "metrics.jsonl")
     kept = read_metrics(cfg.out, run.start - 1) if cfg.resume else []  # later steps will rerun
-    if not cfg.resume:
-        for name in os.listdir(cfg.out):
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES):
-                remove(os.path.join(cfg.out, name))
+    for name in os.listdir(cfg.out):  # a new run: an earlier run's files; a resume: half-written ones
+        ours = any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES)
+        path = os.path.join(cfg.out, name)
+        if not ours or (cfg.resume and not name.endswith((".tmp", ".old"))):
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(vars(cfg), indent=1))
     write_file(metrics, "".join(json.dumps(r) + "\n" for r in kept))
-    run.log_step = step_logger(cfg, run.start, log)
+    run.log_step = step_logger(cfg, log)
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU digits depend on it (docs/results.md)
     held = "sets" if isinstance(run.data.held, dict) else "rows"  # --eval-data's, or rows of --data
     log(f"device {device} ({kernels} kernels, {torch.get_num_threads()} threads) | model "
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | "
         f"{len(run.data.held)} held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
-        + (f" | resumed at step {run.start}" if cfg.resume else ""))
+        + (f" | resumed from {os.path.basename(checkpoints(cfg.out)[-1])}" if cfg.resume else ""))
     if not cfg.resume:
         run.log_step(dict(step=0, **evaluate_run(run, cfg)))
         save_checkpoint(cfg.out, 0, run)
@@ -1786,13 +1758,6 @@ def _save_model(tmp: str, model, tok, state=None):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-def finish_run(run: Run, cfg: Config, log=print):
-    """After the last step: close the step lines and the tracker, plot, save the final model."""
-    run.log_step(None)
-    plot_metrics(cfg.out)
-    save_final(cfg.out, run.model, run.tok)  # last: its config.json marks the run finished
-    log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
-
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself via final.tmp, config.json renamed in last: never torn."""
     tmp = os.path.join(out, "final.tmp")
@@ -1800,12 +1765,6 @@ def save_final(out: str, model, tok):
     for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
-
-def remove(path: str):
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
 
 def write_file(path: str, text: str):
     """A small file written whole: a .tmp beside it, then an atomic rename."""
@@ -1817,12 +1776,9 @@ def read_run_config(out: str) -> dict:
     """The saved config of the run in `out`, or ValueError with one line."""
     try:
         with open(os.path.join(out, "run_config.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
+            return dict(json.load(f))
+    except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"--resume {out}: no readable run_config.json there ({type(e).__name__})") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"--resume {out}: run_config.json is not a JSON object")
-    return saved
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
@@ -1886,26 +1842,17 @@ def step_line(rec: dict) -> str:
         fields.append(f"sample: {rec['eval_sample'][:80]!r}")
     return " | ".join(fields)
 
-def step_logger(cfg: Config, start: int, log=print):
-    """log_step(rec): rec appended to OUT/metrics.jsonl, sent to --report-to's tracker, and shown:
-    a tqdm bar on a terminal (evaluations kept above it as lines), else a line a step; None closes."""
-    from tqdm import tqdm
+def step_logger(cfg: Config, log=print):
+    """log_step(rec): rec appended to OUT/metrics.jsonl, sent to --report-to's tracker, and one line
+    to log; log_step(None) closes the tracker."""
     report = open_tracker(cfg)
-    bar = tqdm(total=cfg.steps, initial=start - 1, unit="step", file=sys.stdout, dynamic_ncols=True,
-               disable=log is not print or not sys.stdout.isatty())
 
     def log_step(rec):
         if rec is None:
-            bar.close()
             return report(None)
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         report(rec)
-        if bar.disable:
-            return log(step_line(rec))
-        bar.update(int(rec["step"] > 0))
-        bar.set_postfix_str(step_line(rec).split(" | ", 1)[1], refresh=True)
-        if "eval_acc" in rec:
-            bar.write(step_line(rec))
+        log(step_line(rec))
     return log_step
 
 def open_tracker(cfg: Config):
@@ -1936,8 +1883,7 @@ def open_tracker(cfg: Config):
 
 # ==== The command line [plumbing]: flags, their checks, and the one error handler ===============
 RULES = [  # (fields, test, what their values must be); NaN fails every test
-    (["rho", "top_p"], lambda v: 0 < v <= 1, "in (0, 1]"),
-    (["lr"], lambda v: 0 < v <= 1, "in (0, 1]"),
+    (["rho", "top_p", "lr"], lambda v: 0 < v <= 1, "in (0, 1]"),
     (["temperature"], lambda v: 1e-4 <= v < math.inf, "finite and >= 1e-4"),
     (["max_grad_norm", "adam_eps"], lambda v: 0 < v < math.inf, "finite and > 0"),
     (["clip_low", "clip_high"], lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -1966,8 +1912,6 @@ def check_config(cfg: Config):
         raise ValueError(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
                          "group/batch or --loss-norm selected")
     eval_sets(cfg.eval_data)
-    if cfg.data_columns and (cfg.task != "math" or not re.fullmatch(r"[^,]+,[^,]+", cfg.data_columns)):
-        raise ValueError(f"--data-columns {cfg.data_columns!r}: QUESTION,ANSWER columns of a math data set")
     if cfg.prompt_style != "ours" and cfg.task != "math":
         raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
     if data_kind(cfg.data) == "gen" and cfg.data_order == "epoch":
@@ -2000,28 +1944,10 @@ def parse_args(argv=None) -> Config:
         values.update(given, out=given["resume"])
     else:
         values = dict(PRESETS.get(given.pop("preset", None), {}), **given)
-    return resolved_paths(Config(**values))
+    return Config(**values)
 
 def _bad_flag(message: str):  # argparse's error(): a ValueError, so main's one line says it
     raise ValueError(message)
-
-def resolved_paths(cfg: Config) -> Config:
-    """cfg with its local paths absolute (--model, --data, --eval-data, --out, --resume): the
-    saved config of a run reads the same from any folder."""
-    def absolute(data):
-        parts = data.split(":")
-        if data_kind(data) == "file":
-            return os.path.abspath(data)
-        if data_kind(data) == "hf" and len(parts) > 1 and os.path.isdir(parts[1]):
-            return ":".join(["hf", os.path.abspath(parts[1]), *parts[2:]])
-        return data
-    new = dict(data=absolute(cfg.data), out=os.path.abspath(cfg.out),
-               eval_data=",".join(f"{n}={absolute(d)}" for n, d in eval_sets(cfg.eval_data)))
-    if cfg.model != "tiny" and os.path.isdir(cfg.model):
-        new["model"] = os.path.abspath(cfg.model)
-    if cfg.resume:
-        new["resume"] = os.path.abspath(cfg.resume)
-    return dataclasses.replace(cfg, **new)
 
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens (or set --rollout-rows)"):
     """The one line for a failed CPU or GPU allocation, naming the flags to lower; else None."""

@@ -58,12 +58,12 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      benchmarks the GMTS authors report, as public files (GRADE_SETS: MATH-500 as prm800k's test
      split, AIME 2024, AMC23, Minerva Math and OlympiadBench as Qwen2.5-Math's evaluation data),
      each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
-     --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread,
-     as training grades; parallel: gmts.grade_answers, as evaluation grades, on VERIFY_WORKERS.
-     Alternating, --grade-repeats passes each (medians), each pass on new workers, started before
-     it is timed, no verdict remembered. It reports both times, the slowest grade, whether the
-     verdicts are equal, each set's share of 1.0 and the verdicts that did not come back. Only when
-     named (--sections h): ~24,000 grades a pass, minutes; --quick: 10 rows per set, twice, 1 pass.
+     --grade-samples copies), graded as gmts.evaluate grades: TASKS["math"]["reward"] one answer
+     at a time in the main thread (math-verify's own timeouts), gmts.latex_equal's cache emptied
+     before each pass (avg@k's copies hit it, as in an evaluation; no pass reuses another's
+     verdicts). --grade-repeats passes (median). It reports the time, answers/s, the slowest grade
+     and each set's share of 1.0. Only when named (--sections h): ~24,000 grades a pass, minutes;
+     --quick: 10 rows per set, twice, 1 pass.
   i. gmts_trl.py's rescoring (issue 45): TRL runs of warm/cpu (countdown easy, its reward,
      per-device batch 8, grad-accum 4, G 8, 64 new tokens, rho 0.2, --trl-rescore-steps steps)
      with --select gmts: the share of the run's time in GMTSTrainer.select (the no-grad scoring
@@ -922,16 +922,10 @@ def grade_sets(args) -> dict:
     return sets
 
 
-def fresh_workers():
-    """Every worker new and started, no verdict remembered: caches empty, no start timed."""
-    gmts.stop_verifiers()
-    gmts._VERIFIER["verdicts"].clear()
-    for slot in gmts._VERIFIER["slots"]:
-        slot["proc"] = gmts._start_verifier()
-
-
-def grade_serially(task, texts: list, rows: list, k: int) -> tuple:
-    """(verdicts, the slowest grade in s) of the reward calls one at a time, as training grades."""
+def grade_pass(task, texts: list, rows: list, k: int) -> tuple:
+    """(verdicts, the slowest grade in s) of one pass as gmts.evaluate grades: the reward one answer
+    at a time in this (the main) thread, latex_equal's cache emptied first."""
+    gmts.latex_equal.cache_clear()
     got, slowest = [], 0.0
     for j, text in enumerate(texts):
         t = time.perf_counter()
@@ -941,38 +935,24 @@ def grade_serially(task, texts: list, rows: list, k: int) -> tuple:
 
 
 def sec_grading(args, meter, dev) -> dict:
-    """Section h: avg@k passes of grading over the five benchmarks, serial and parallel alternating
-    (A B, then B A, ...; --grade-repeats each), each on new workers with no verdict remembered."""
+    """Section h: avg@k passes of grading over the five benchmarks in the main thread."""
     sets = grade_sets(args)
     task, k = gmts.TASKS["math"], args.grade_samples
     rows = [r for rs in sets.values() for r in rs]
     texts = [f"So the final answer is $\\boxed{{{r['answer']}}}$." for r in rows for _ in range(k)]
-    passes = {"serial": lambda: grade_serially(task, texts, rows, k),
-              "parallel": lambda: (gmts.grade_answers(task, texts, rows, k), None)}
-    runs = {name: [] for name in passes}
-    got, unknown, slowest = {}, {name: 0 for name in passes}, 0.0
-    for r in range(args.grade_repeats):
-        for name in (passes if r % 2 == 0 else list(passes)[::-1]):
-            fresh_workers()
-            before = gmts._VERIFIER["unknown"]
-            t = time.perf_counter()
-            got[name], slow = passes[name]()
-            runs[name].append(time.perf_counter() - t)
-            unknown[name] += gmts._VERIFIER["unknown"] - before
-            slowest = max(slowest, slow or 0.0)
-    serial_s, parallel_s = (statistics.median(runs[name]) for name in passes)
-    out = dict(samples=k, grades=len(texts), workers=gmts.VERIFY_WORKERS, serial_s=serial_s,
-               parallel_s=parallel_s, speedup=serial_s / parallel_s, slowest_grade_s=slowest,
-               serial_s_runs=[round(x, 1) for x in runs["serial"]],
-               parallel_s_runs=[round(x, 1) for x in runs["parallel"]],
-               same_verdicts=got["serial"] == got["parallel"], unknown_serial=unknown["serial"],
-               unknown_parallel=unknown["parallel"], sets={})
+    runs, slowest = [], 0.0
+    for _ in range(args.grade_repeats):
+        t = time.perf_counter()
+        got, slow = grade_pass(task, texts, rows, k)
+        runs.append(time.perf_counter() - t)
+        slowest = max(slowest, slow)
+    seconds = statistics.median(runs)
+    out = dict(samples=k, grades=len(texts), seconds=seconds, answers_per_s=len(texts) / seconds,
+               slowest_grade_s=slowest, seconds_runs=[round(x, 2) for x in runs], sets={})
     i = 0
     for name, rs in sets.items():
         n = len(rs) * k
-        out["sets"][name] = dict(rows=len(rs), grades=n,
-                                 acc_serial=sum(x == 1.0 for x in got["serial"][i:i + n]) / n,
-                                 acc_parallel=sum(x == 1.0 for x in got["parallel"][i:i + n]) / n)
+        out["sets"][name] = dict(rows=len(rs), grades=n, acc=sum(x == 1.0 for x in got[i:i + n]) / n)
         i += n
     return out
 
@@ -1083,18 +1063,11 @@ def table(R: dict) -> str:
                             + ", ".join(T["metrics_keys_differing_across"])))
     if "grading" in R:
         g = R["grading"]
-        for what in ("serial", "parallel"):
-            workers = 1 if what == "serial" else g["workers"]
-            s = g[what + "_s"]
-            lines.append(f"{'g grading':<12} {f'{what} ({workers} worker(s))':<26} {s * 1e3:10.0f} "
-                         f"{'-':>9}  {g['grades']} grades (avg@{g['samples']}), "
-                         f"{g['grades'] / s:.0f}/s, runs {g[what + '_s_runs']} s, no verdict: "
-                         f"{g['unknown_' + what]}")
-        accs = ", ".join(f"{n} {s['acc_parallel']:.3f} of {s['rows']}"
-                         for n, s in g["sets"].items())
-        lines.append(f"{'g grading':<12} {'speedup parallel/serial':<26} {g['speedup']:10.2f} "
-                     f"{'':>9}  slowest grade {g['slowest_grade_s']:.2f} s; same verdicts: "
-                     f"{g['same_verdicts']}; share of 1.0: {accs}")
+        accs = ", ".join(f"{n} {s['acc']:.3f} of {s['rows']}" for n, s in g["sets"].items())
+        lines.append(f"{'h grading':<12} {'main thread':<26} {g['seconds'] * 1e3:10.0f} {'-':>9}  "
+                     f"{g['grades']} grades (avg@{g['samples']}), {g['answers_per_s']:.0f} "
+                     f"answers/s, runs {g['seconds_runs']} s, slowest grade "
+                     f"{g['slowest_grade_s']:.2f} s; share of 1.0: {accs}")
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
         lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  "
@@ -1205,8 +1178,7 @@ def parse_args(argv=None):
                         "(0: torch's default)")
     p.add_argument("--grade-samples", type=int, default=0,
                    help="section h's answers per row (0: 16, --quick 2)")
-    p.add_argument("--grade-repeats", type=int, default=2,
-                   help="section h's passes of each kind, alternating (medians)")
+    p.add_argument("--grade-repeats", type=int, default=2, help="section h's passes (median)")
     p.add_argument("--grade-data", default="",
                    help="section h's sets as NAME=FILE,... (default: GRADE_SETS in --mirrors)")
     p.add_argument("--mirrors", default="/work/.mirror",

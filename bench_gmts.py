@@ -452,8 +452,8 @@ def sec_tiny_step(args, meter, dev) -> dict:
     model, tok = gmts.build_tiny(96, 3, seed=0)  # warm/cpu's shape, random weights
     model.to(dev).train()
     task = gmts.get_task(cfg.task)
-    prompts = gmts.build_prompts(tok, task, task["load"](cfg.data, cfg.prompts_per_step, 0),
-                                 gmts.use_chat(tok), cfg.short_prompt)
+    rows = gmts.load_rows(cfg.task, cfg.data, cfg.prompts_per_step, 0)
+    prompts = gmts.build_prompts(tok, task, rows, gmts.use_chat(tok), cfg.short_prompt)
 
     def make_batch(seed):
         gmts.set_seed(seed)
@@ -1129,7 +1129,7 @@ def sec_trl_rescore(args, meter, dev) -> dict:
     runs = [trl_rescore_run(3e-4, 1, steps)]
     runs += [trl_rescore_run(lr, 2, steps) for lr in (3e-4, 1e-3)]
     for r in runs:
-        print(f"[g] {r}", file=sys.stderr, flush=True)
+        print(f"[i] {r}", file=sys.stderr, flush=True)
     return dict(runs=runs)
 
 

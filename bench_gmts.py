@@ -37,10 +37,10 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of the same starting model, the
      same B x G prompts and completion length:
      step_ratio_gmts_trl = (new rollout + gmts update) / TRL's median step (steps 2..n).
-  g. the memory plan (issue 42; `plan` below): memory_phases' bytes for each phase of a step (sampling,
-     statistics, update, AdamW's step, evaluation) beside the measured peak of the same call on a
-     random tiny Qwen2 (--plan-hidden, 2 layers, 8 x 8 countdown answers of 96 tokens), and their
-     ratio: the CPU parts of the formula (4-byte activations, the fp32 sampler) checked.
+  g. the memory plan (issue 42; `plan` below): memory_phases' bytes for each phase of a step
+     (sampling, statistics, update, AdamW's step, evaluation) beside the measured peak of the same
+     call on a random tiny Qwen2 (--plan-hidden, 2 layers, 8 x 8 countdown answers of 96 tokens),
+     and their ratio: the CPU parts of the formula (4-byte activations, the fp32 sampler) checked.
   f. threads (issue 31): steps per second of `gmts.py --preset cpu --steps --thread-steps` (5)
      at --threads 1 and --threads 0 (torch's choice: every core), each run a fresh process with
      OMP_NUM_THREADS / MKL_NUM_THREADS taken out of its environment, so that 0 is the machine's
@@ -952,7 +952,8 @@ def sec_grading(args, meter, dev) -> dict:
     i = 0
     for name, rs in sets.items():
         n = len(rs) * k
-        out["sets"][name] = dict(rows=len(rs), grades=n, acc=sum(x == 1.0 for x in got[i:i + n]) / n)
+        acc = sum(x == 1.0 for x in got[i:i + n]) / n
+        out["sets"][name] = dict(rows=len(rs), grades=n, acc=acc)
         i += n
     return out
 

@@ -37,10 +37,10 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of the same starting model, the
      same B x G prompts and completion length:
      step_ratio_gmts_trl = (new rollout + gmts update) / TRL's median step (steps 2..n).
-  g. the memory plan (issue 42): gmts.memory_phases' bytes for each phase of a step (sampling,
-     statistics, update, AdamW's step, evaluation) beside the measured peak of the same call on a
-     random tiny Qwen2 (--plan-hidden, 2 layers, 8 x 8 countdown answers of 96 tokens), and their
-     ratio: the CPU parts of the formula (4-byte activations, the fp32 sampler) checked.
+  g. the memory plan (issue 42; `plan` below): memory_phases' bytes for each phase of a step
+     (sampling, statistics, update, AdamW's step, evaluation) beside the measured peak of the same
+     call on a random tiny Qwen2 (--plan-hidden, 2 layers, 8 x 8 countdown answers of 96 tokens),
+     and their ratio: the CPU parts of the formula (4-byte activations, the fp32 sampler) checked.
   f. threads (issue 31): steps per second of `gmts.py --preset cpu --steps --thread-steps` (5)
      at --threads 1 and --threads 0 (torch's choice: every core), each run a fresh process with
      OMP_NUM_THREADS / MKL_NUM_THREADS taken out of its environment, so that 0 is the machine's
@@ -58,12 +58,12 @@ bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
      benchmarks the GMTS authors report, as public files (GRADE_SETS: MATH-500 as prm800k's test
      split, AIME 2024, AMC23, Minerva Math and OlympiadBench as Qwen2.5-Math's evaluation data),
      each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
-     --grade-samples copies). Serial: TASKS["math"]["reward"] one answer at a time in this thread,
-     as training grades; parallel: gmts.grade_answers, as evaluation grades, on VERIFY_WORKERS.
-     Alternating, --grade-repeats passes each (medians), each pass on new workers, started before
-     it is timed, no verdict remembered. It reports both times, the slowest grade, whether the
-     verdicts are equal, each set's share of 1.0 and the verdicts that did not come back. Only when
-     named (--sections h): ~24,000 grades a pass, minutes; --quick: 10 rows per set, twice, 1 pass.
+     --grade-samples copies), graded as gmts.evaluate grades: TASKS["math"]["reward"] one answer
+     at a time in the main thread (math-verify's own timeouts), gmts.latex_equal's cache emptied
+     before each pass (avg@k's copies hit it, as in an evaluation; no pass reuses another's
+     verdicts). --grade-repeats passes (median). It reports the time, answers/s, the slowest grade
+     and each set's share of 1.0. Only when named (--sections h): ~24,000 grades a pass, minutes;
+     --quick: 10 rows per set, twice, 1 pass.
   i. gmts_trl.py's rescoring (issue 45): TRL runs of warm/cpu (countdown easy, its reward,
      per-device batch 8, grad-accum 4, G 8, 64 new tokens, rho 0.2, --trl-rescore-steps steps)
      with --select gmts: the share of the run's time in GMTSTrainer.select (the no-grad scoring
@@ -90,6 +90,8 @@ Run:  python bench_gmts.py --json bench.json        (CPU, ~8 minutes)
           (threads: the cpu preset at 1 thread and the default)
       python bench_gmts.py --sections h --json grading.json  (five benchmarks' grading)
       python bench_gmts.py --sections i --json rescore.json  (gmts_trl.py's rescoring, ~4 min)
+      python bench_gmts.py plan --preset paper-math [gmts.py's flags]
+          (the memory plan of that run, one line: before renting a GPU; no weights read)
 """
 import os
 
@@ -450,8 +452,8 @@ def sec_tiny_step(args, meter, dev) -> dict:
     model, tok = gmts.build_tiny(96, 3, seed=0)  # warm/cpu's shape, random weights
     model.to(dev).train()
     task = gmts.get_task(cfg.task)
-    prompts = gmts.build_prompts(tok, task, task["load"](cfg.data, cfg.prompts_per_step, 0),
-                                 gmts.use_chat(tok), cfg.short_prompt)
+    rows = gmts.load_rows(cfg.task, cfg.data, cfg.prompts_per_step, 0)
+    prompts = gmts.build_prompts(tok, task, rows, gmts.use_chat(tok), cfg.short_prompt)
 
     def make_batch(seed):
         gmts.set_seed(seed)
@@ -687,7 +689,7 @@ def sec_threads(args, meter, dev) -> dict:
 
 
 def sec_memory_plan(args, meter, dev) -> dict:
-    """g. gmts.memory_phases' phases against measured peaks: a random tiny Qwen2 (build_tiny(
+    """g. memory_phases' phases against measured peaks: a random tiny Qwen2 (build_tiny(
     --plan-hidden, 2 layers)), B x G countdown prompts, each phase run as train() runs it, the peak
     (see Method) beside the plan's bytes for what the call allocates (the update's gradients
     included; the AdamW step measured at step 2, its moments already there)."""
@@ -701,7 +703,7 @@ def sec_memory_plan(args, meter, dev) -> dict:
     rows = gmts.load_rows("countdown", "easy", 64 // G, 0)
     prompts = gmts.build_prompts(tok, task, rows[:B], False, True)
     P = max(len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"])
-    stay, phases = gmts.memory_phases(cfg, model, P, dev)
+    stay, phases = memory_phases(cfg, model, P, dev)
     batch = gmts.rollout(model, tok, prompts, G, T)
     mask = batch["resp_mask"]
     adv = torch.randn(mask.shape[0], device=dev)
@@ -742,6 +744,141 @@ def sec_memory_plan(args, meter, dev) -> dict:
         print(f"  {name:<12} plan {r['plan_mb']:8.2f} MB  measured {peak:>8} MB  "
               f"measured/plan {ratio}")
     return dict(phases=out, P=P, B=B, G=G, T=T, hidden=args.plan_hidden)
+
+
+# ==== The memory plan of a run: `python bench_gmts.py plan [gmts.py's flags]` ====================
+def memory_plan(cfg: gmts.Config, model, prompt_tokens: int, device: torch.device) -> dict:
+    """{part: GiB} of a step's peak: what stays and the largest of memory_phases' phases; {} when
+    the config lacks a size (the plan is unknown)."""
+    stay, phases = memory_phases(cfg, model, prompt_tokens, device)
+    if not stay:
+        return {}
+    plan = dict(stay, **max(phases.values(), key=lambda part: sum(part.values())))
+    return {part: size / 2**30 for part, size in plan.items() if size}
+
+
+def memory_phases(cfg: gmts.Config, model, prompt_tokens: int, device: torch.device) -> tuple:
+    """(stay, {phase: {part: bytes}}) from the config's sizes: what stays and each phase's own.
+    Section g checks the CPU phases against measured peaks."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
+    V = getattr(c, "vocab_size", None)
+    if not all(isinstance(x, int) and x > 0 for x in (d, layers, heads, V)):
+        return {}, {}
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or d // heads
+    d_ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d
+    n = sum(p.numel() for p in model.parameters())
+    act = 2 if device.type == "cuda" else 4  # bytes of an activation: bf16 autocast on CUDA
+    width = prompt_tokens + cfg.max_new_tokens  # P + T
+    kv = 2 * layers * kv_heads * head_dim * act  # K and V of one token
+    cpu = device.type != "cuda"  # CPU attention holds (W, W) scores per head; CUDA's kernels do not
+
+    def forward(w: int) -> int:  # a no-grad forward's widest moment per token, attending to w
+        return act * (2 * d + 3 * d_ff + heads * w * cpu)
+    layer = act * (9 * d + 4 * d_ff + heads * width * cpu)  # kept per token and layer for backward
+    kept = layer * layers + forward(width)  # and backward's own temporaries, one layer at a time
+    if cfg.grad_ckpt:  # every layer's input, and one layer's activations at a time
+        kept = act * d * layers + layer + forward(width)
+    bf16 = cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda")
+    stay = {"weights": 4 * n, "AdamW": 8 * n, "sampler copy": 2 * n * bf16,
+            "KL reference": 4 * n * (cfg.kl_beta > 0)}
+    G, mb = cfg.group_size, cfg.micro_batch
+    rows = gmts.prompts_per_call(cfg, cfg.prompts_per_step) * G  # answers per generate() call
+    k = max(cfg.eval_samples, 1)
+    evals = max((cfg.rollout_rows or 64) // k, 1) * k  # evaluate's rollout
+    chunk = min(cfg.stats_chunk, mb * cfg.max_new_tokens)  # head rows at once: at most the tokens
+    prefill = "prefill" if forward(prompt_tokens) * prompt_tokens > 12 * V else "sampling logits"
+    sampled = max(forward(prompt_tokens) * prompt_tokens, 12 * V)  # decoding: 3 (rows, V) fp32
+    phases = {"sampling": {"KV cache": kv * rows * width, prefill: rows * sampled},
+              "statistics": {"statistics forward": forward(width) * mb * width,
+                             "statistics logits": 16 * chunk * V},
+              "update": {"gradients": 4 * n, "activations": kept * mb * width,
+                         "loss head": 16 * chunk * V},
+              "AdamW step": {"gradients": 4 * n, "AdamW step": 4 * n},  # foreach sqrt(v)
+              "evaluation": {"eval KV cache": kv * evals * width,
+                             "eval " + prefill: evals * sampled}}
+    return stay, phases
+
+
+def memory_line(cfg: gmts.Config, model, prompt_tokens: int, device: torch.device,
+                have: float = None) -> str:
+    """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond
+    it, the first that fits of MEMORY_FIXES and --rollout-rows halved (alone, then with them)."""
+    if have is None and device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if have is None:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    plan = memory_plan(cfg, model, prompt_tokens, device)
+    if not plan:
+        return (f"memory plan: unknown for this architecture ({type(model.config).__name__} "
+                "names no hidden size, layer count, head count or vocabulary size)")
+    line = "memory plan (GiB): " + ", ".join(f"{part} {size:.2f}" for part, size in plan.items())
+    line += f" = {sum(plan.values()):.2f} of {have:.1f} on {device}"
+    if sum(plan.values()) <= have:
+        return line
+    N = cfg.prompts_per_step * cfg.group_size
+    rows = [N >> i for i in range(1, N.bit_length()) if N >> i >= cfg.group_size]
+    fixes = [*MEMORY_FIXES[:2], *({"rollout_rows": r} for r in rows),
+             *(dict(fix, rollout_rows=r) for fix in MEMORY_FIXES[1:] for r in rows)]
+    for fix in fixes:  # the first that fits
+        if sum(memory_plan(dataclasses.replace(cfg, **fix), model, prompt_tokens,
+                           device).values()) <= have:
+            flags = [f"--{k.replace('_', '-')} {v}".replace(" True", "") for k, v in fix.items()]
+            return line + f"; too much: {' '.join(flags)} fits"
+    lower = "--prompts-per-step, --group-size, --eval-samples or --max-new-tokens"
+    return line + f"; too much: lower {lower}"
+
+
+MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
+                {"grad_ckpt": True, "micro_batch": 1, "sampler_dtype": "fp32"})
+
+
+def plan_model(cfg: gmts.Config) -> tuple:
+    """(model, tokenizer) of --model with its weights on the meta device: the sizes and the
+    parameter count, no weight read or allocated. A model that cannot load: ValueError."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    with torch.device("meta"):
+        if cfg.model == "tiny":
+            return gmts.build_tiny(cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
+        path = gmts.resolve_model_name(cfg.model)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)), tok
+        except Exception as e:  # no such folder or hub id, no hub, an architecture it lacks
+            if gmts.memory_fault(e):
+                raise
+            raise ValueError(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
+
+
+def longest_prompt(cfg: gmts.Config, tok, chunk: int = 1024) -> int:
+    """P: the longest prompt in tokens of the run's rows: its held-out (or --eval-data) rows and,
+    for a data file or set, every training row (generated data: the held-out rows alone)."""
+    gen = gmts.data_kind(cfg.data) == "gen"  # epoch order: one draw is the whole training pool
+    data = gmts.read_data(cfg if gen else dataclasses.replace(cfg, data_order="epoch"))
+    held = data.held if isinstance(data.held, dict) else {"held": data.held}
+    rows = [r for rs in held.values() for r in rs] + ([] if gen else data.draw(sys.maxsize))
+    task, chat = gmts.get_task(cfg.task), gmts.use_chat(tok, cfg.chat_template)
+    longest = 0
+    for i in range(0, len(rows), chunk):
+        prompts = gmts.build_prompts(tok, task, rows[i:i + chunk], chat, cfg.short_prompt,
+                                     cfg.prompt_style)
+        ids = tok(prompts, add_special_tokens=False)["input_ids"]
+        longest = max([longest, *map(len, ids)])
+    return longest
+
+
+def plan(argv: list) -> str:
+    """`bench_gmts.py plan [gmts.py's flags]`: the memory plan of that run, printed in one line,
+    before any GPU is rented: the model's sizes from its config, P from the run's data."""
+    cfg = gmts.parse_args(argv)
+    gmts.check_config(cfg)
+    model, tok = plan_model(cfg)
+    line = memory_line(cfg, model, longest_prompt(cfg, tok), gmts.pick_device(cfg.device))
+    print(line, flush=True)
+    return line
 
 
 GRADE_SETS = {  # name -> (a git clone under --mirrors, the file in it): section h's public copies
@@ -785,16 +922,10 @@ def grade_sets(args) -> dict:
     return sets
 
 
-def fresh_workers():
-    """Every worker new and started, no verdict remembered: caches empty, no start timed."""
-    gmts.stop_verifiers()
-    gmts._VERIFIER["verdicts"].clear()
-    for slot in gmts._VERIFIER["slots"]:
-        slot["proc"] = gmts._start_verifier()
-
-
-def grade_serially(task, texts: list, rows: list, k: int) -> tuple:
-    """(verdicts, the slowest grade in s) of the reward calls one at a time, as training grades."""
+def grade_pass(task, texts: list, rows: list, k: int) -> tuple:
+    """(verdicts, the slowest grade in s) of one pass as gmts.evaluate grades: the reward one answer
+    at a time in this (the main) thread, latex_equal's cache emptied first."""
+    gmts.latex_equal.cache_clear()
     got, slowest = [], 0.0
     for j, text in enumerate(texts):
         t = time.perf_counter()
@@ -804,38 +935,25 @@ def grade_serially(task, texts: list, rows: list, k: int) -> tuple:
 
 
 def sec_grading(args, meter, dev) -> dict:
-    """Section h: avg@k passes of grading over the five benchmarks, serial and parallel alternating
-    (A B, then B A, ...; --grade-repeats each), each on new workers with no verdict remembered."""
+    """Section h: avg@k passes of grading over the five benchmarks in the main thread."""
     sets = grade_sets(args)
     task, k = gmts.TASKS["math"], args.grade_samples
     rows = [r for rs in sets.values() for r in rs]
     texts = [f"So the final answer is $\\boxed{{{r['answer']}}}$." for r in rows for _ in range(k)]
-    passes = {"serial": lambda: grade_serially(task, texts, rows, k),
-              "parallel": lambda: (gmts.grade_answers(task, texts, rows, k), None)}
-    runs = {name: [] for name in passes}
-    got, unknown, slowest = {}, {name: 0 for name in passes}, 0.0
-    for r in range(args.grade_repeats):
-        for name in (passes if r % 2 == 0 else list(passes)[::-1]):
-            fresh_workers()
-            before = gmts._VERIFIER["unknown"]
-            t = time.perf_counter()
-            got[name], slow = passes[name]()
-            runs[name].append(time.perf_counter() - t)
-            unknown[name] += gmts._VERIFIER["unknown"] - before
-            slowest = max(slowest, slow or 0.0)
-    serial_s, parallel_s = (statistics.median(runs[name]) for name in passes)
-    out = dict(samples=k, grades=len(texts), workers=gmts.VERIFY_WORKERS, serial_s=serial_s,
-               parallel_s=parallel_s, speedup=serial_s / parallel_s, slowest_grade_s=slowest,
-               serial_s_runs=[round(x, 1) for x in runs["serial"]],
-               parallel_s_runs=[round(x, 1) for x in runs["parallel"]],
-               same_verdicts=got["serial"] == got["parallel"], unknown_serial=unknown["serial"],
-               unknown_parallel=unknown["parallel"], sets={})
+    runs, slowest = [], 0.0
+    for _ in range(args.grade_repeats):
+        t = time.perf_counter()
+        got, slow = grade_pass(task, texts, rows, k)
+        runs.append(time.perf_counter() - t)
+        slowest = max(slowest, slow)
+    seconds = statistics.median(runs)
+    out = dict(samples=k, grades=len(texts), seconds=seconds, answers_per_s=len(texts) / seconds,
+               slowest_grade_s=slowest, seconds_runs=[round(x, 2) for x in runs], sets={})
     i = 0
     for name, rs in sets.items():
         n = len(rs) * k
-        out["sets"][name] = dict(rows=len(rs), grades=n,
-                                 acc_serial=sum(x == 1.0 for x in got["serial"][i:i + n]) / n,
-                                 acc_parallel=sum(x == 1.0 for x in got["parallel"][i:i + n]) / n)
+        acc = sum(x == 1.0 for x in got[i:i + n]) / n
+        out["sets"][name] = dict(rows=len(rs), grades=n, acc=acc)
         i += n
     return out
 
@@ -946,18 +1064,11 @@ def table(R: dict) -> str:
                             + ", ".join(T["metrics_keys_differing_across"])))
     if "grading" in R:
         g = R["grading"]
-        for what in ("serial", "parallel"):
-            workers = 1 if what == "serial" else g["workers"]
-            s = g[what + "_s"]
-            lines.append(f"{'g grading':<12} {f'{what} ({workers} worker(s))':<26} {s * 1e3:10.0f} "
-                         f"{'-':>9}  {g['grades']} grades (avg@{g['samples']}), "
-                         f"{g['grades'] / s:.0f}/s, runs {g[what + '_s_runs']} s, no verdict: "
-                         f"{g['unknown_' + what]}")
-        accs = ", ".join(f"{n} {s['acc_parallel']:.3f} of {s['rows']}"
-                         for n, s in g["sets"].items())
-        lines.append(f"{'g grading':<12} {'speedup parallel/serial':<26} {g['speedup']:10.2f} "
-                     f"{'':>9}  slowest grade {g['slowest_grade_s']:.2f} s; same verdicts: "
-                     f"{g['same_verdicts']}; share of 1.0: {accs}")
+        accs = ", ".join(f"{n} {s['acc']:.3f} of {s['rows']}" for n, s in g["sets"].items())
+        lines.append(f"{'h grading':<12} {'main thread':<26} {g['seconds'] * 1e3:10.0f} {'-':>9}  "
+                     f"{g['grades']} grades (avg@{g['samples']}), {g['answers_per_s']:.0f} "
+                     f"answers/s, runs {g['seconds_runs']} s, slowest grade "
+                     f"{g['slowest_grade_s']:.2f} s; share of 1.0: {accs}")
     lines += ["-" * 78, "targets"]
     for t in R["targets"]:
         lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  "
@@ -1019,12 +1130,15 @@ def sec_trl_rescore(args, meter, dev) -> dict:
     runs = [trl_rescore_run(3e-4, 1, steps)]
     runs += [trl_rescore_run(lr, 2, steps) for lr in (3e-4, 1e-3)]
     for r in runs:
-        print(f"[g] {r}", file=sys.stderr, flush=True)
+        print(f"[i] {r}", file=sys.stderr, flush=True)
     return dict(runs=runs)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="GMTS performance benchmark (see the module docstring)")
+    p = argparse.ArgumentParser(
+        description="GMTS performance benchmark (see the module docstring). "
+                    "`bench_gmts.py plan [gmts.py's flags]` prints the memory plan of that run "
+                    "instead (e.g. plan --preset paper-math).")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tokens", type=int, default=0,
                    help="rows in sections a and b (0: 4096 on CPU, 32768 on CUDA)")
@@ -1065,8 +1179,7 @@ def parse_args(argv=None):
                         "(0: torch's default)")
     p.add_argument("--grade-samples", type=int, default=0,
                    help="section h's answers per row (0: 16, --quick 2)")
-    p.add_argument("--grade-repeats", type=int, default=2,
-                   help="section h's passes of each kind, alternating (medians)")
+    p.add_argument("--grade-repeats", type=int, default=2, help="section h's passes (median)")
     p.add_argument("--grade-data", default="",
                    help="section h's sets as NAME=FILE,... (default: GRADE_SETS in --mirrors)")
     p.add_argument("--mirrors", default="/work/.mirror",
@@ -1092,9 +1205,18 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """`plan [gmts.py's flags]`: the memory plan of that run; else the benchmark. Errors: one line
+    (gmts.run_cli)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return gmts.run_cli("bench_gmts", lambda: plan(argv[1:]))
+    return gmts.run_cli("bench_gmts", lambda: bench(argv))
+
+
+def bench(argv: list) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_gmts: --device cuda but torch sees no CUDA device")
+        raise ValueError("--device cuda but torch sees no CUDA device")
     if args.threads and args.device == "cpu":
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)

@@ -50,9 +50,9 @@ def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
 @pytest.mark.parametrize("data", ["gen", "easy"])
 def test_references_score_one_and_generators_are_deterministic(task, data):
     t = gmts.get_task(task)
-    rows = t["load"](data, 200, 1)
-    assert rows == t["load"](data, 200, 1)
-    assert rows != t["load"](data, 200, 2)
+    rows = gmts.load_rows(task, data, 200, 1)
+    assert rows == gmts.load_rows(task, data, 200, 1)
+    assert rows != gmts.load_rows(task, data, 200, 2)
     for row in rows:
         ref = lab.REFERENCES[task](row)
         assert "**" not in ref and ref.count("</think>") == 1 and "<think>" not in ref
@@ -330,7 +330,7 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
             shutil.rmtree(run)
     fixed = lab.best_fixed_guess_acc("logic", gmts.read_data(gmts.Config(task="logic", data="easy", seed=1,
                                                                          eval_size=16)).held)
-    lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
+    lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png"), "--overwrite"])
     assert f"(mean over seeds): {fixed:.3f}" in capsys.readouterr().out and fixed > 0
     row = lambda first: next(x for x in out.splitlines() if x.startswith(f"| {first} |")).split("|")  # noqa: E731
     assert row("all")[4].strip() == "0.600 +- 0.082" and row("all")[5].strip() == "0.058"  # 0.1 / sqrt(3)

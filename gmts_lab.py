@@ -419,18 +419,47 @@ def ci95(v: list) -> tuple:
     half = T975.get(len(v) - 1, 1.960) * _se(v)
     return mean - half, mean + half
 
+def read_json(path: str):
+    """A JSON file's value; ValueError (one line) naming the file if it cannot be read as one."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({type(e).__name__})") from None
+
+def number(value, where: str):
+    """value if it is a real number (not a bool), else ValueError (one line) saying where it was."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {value!r} is not a number")
+    return value
+
+# the fields of a run's run_config.json that report and decoy read
+READ = ("steps", "task", "data", "seed", "eval_size", "short_prompt", "chat_template",
+        "max_new_tokens")
+
+def run_config(path: str) -> dict:
+    """A run's run_config.json; ValueError (one line) unless it is an object with READ's fields
+    (steps at least) of the types gmts.Config gives them."""
+    file = os.path.join(path, "run_config.json")
+    saved = read_json(file)
+    if not (isinstance(saved, dict) and "steps" in saved and all(
+            type(saved[k]) is type(getattr(gmts.Config, k)) for k in READ if k in saved)):
+        raise ValueError(f"{file}: not a gmts run's config ({', '.join(READ)} of their types)")
+    return saved
+
 def finished_runs(folder: str) -> dict:
     """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder
     (METHOD-sSEED folders whose last eval_acc is at the run's last step). A run still going or
-    stopped early is left out."""
+    stopped early is left out; a malformed one is a ValueError (one line)."""
     runs = collections.defaultdict(dict)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         method, _, seed = name.rpartition("-s")
         path = os.path.join(folder, name)
         has_config = os.path.isfile(os.path.join(path, "run_config.json"))
         if is_arm(method) and seed.isdigit() and has_config:
-            steps = gmts.read_run_config(path).get("steps")
-            curve = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(path) if "eval_acc" in r]
+            steps = run_config(path)["steps"]
+            curve = [(r["step"], number(r["eval_acc"], f"{path} step {r['step']} eval_acc"))
+                     for r in gmts.read_metrics(path) if "eval_acc" in r]
             if curve and curve[-1][0] == steps:
                 runs[method][int(seed)] = curve
     return dict(runs)
@@ -443,7 +472,8 @@ def final_truncated(folder: str, runs: dict) -> dict:
         for seed in by_seed:
             recs = [r for r in gmts.read_metrics(os.path.join(folder, f"{m}-s{seed}"))
                     if "truncated_frac" in r]
-            out[m][seed] = recs[-1]["truncated_frac"] if recs else math.nan
+            where = os.path.join(folder, f"{m}-s{seed}", "metrics.jsonl truncated_frac")
+            out[m][seed] = number(recs[-1]["truncated_frac"], where) if recs else math.nan
     return out
 
 def report_tables(runs: dict, truncated: dict = None) -> str:
@@ -489,7 +519,7 @@ def fixed_guess_line(folder: str, runs: dict) -> float:
     accs = []
     for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
         m = next(m for m, by_seed in runs.items() if seed in by_seed)
-        saved = gmts.read_run_config(os.path.join(folder, f"{m}-s{seed}"))
+        saved = run_config(os.path.join(folder, f"{m}-s{seed}"))
         cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size")
                              if k in saved})
         if cfg.data != "easy":
@@ -875,14 +905,22 @@ def retention_table(res: dict) -> str:
 
 def read_retention(folder: str) -> dict:
     """retention_curve's result from OUT/retention.json
-    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}."""
+    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}; ValueError (one line) unless
+    every rho holds the same arms (METHOD[@SCOPE]), each the same lists of numbers, cos and ratio
+    among them."""
     path = os.path.join(folder, "retention.json")
+    res = read_json(path)
     try:
-        with open(path) as f:
-            res = {float(r): v for r, v in json.load(f).items()}
-    except (OSError, ValueError, AttributeError) as e:
+        res = {float(r): {m: {k: [number(x, path) for x in v] for k, v in stats.items()}
+                          for m, stats in by_arm.items()} for r, by_arm in res.items()}
+    except (AttributeError, TypeError, ValueError):  # not {rho: {arm: {key: [number, ...]}}}
+        res = {}
+    arms = {tuple(by_arm) for by_arm in res.values()}
+    keys = {frozenset(stats) for by_arm in res.values() for stats in by_arm.values()}
+    if len(arms) != 1 or len(keys) != 1 or not {"cos", "ratio"} <= set(*keys) or not all(
+            map(is_arm, *arms)):
         raise ValueError(f"{path}: not a retention curve of analyze --rhos "
-                         f"({type(e).__name__})") from None
+                         "({rho: {arm: {cos: [...], ratio: [...]}}} alike for every rho)")
     return dict(sorted(res.items()))
 
 def retention(panels: dict, png: str, log=print) -> dict:
@@ -1095,10 +1133,8 @@ def decoy_main(cfg: gmts.Config):
     """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json),
     else the flags'."""
     if os.path.isfile(os.path.join(cfg.model, "run_config.json")):
-        saved = gmts.read_run_config(cfg.model)
-        cfg = dataclasses.replace(cfg, **{
-            k: saved[k] for k in ("task", "data", "seed", "eval_size", "short_prompt",
-                                  "chat_template", "max_new_tokens") if k in saved})
+        saved = run_config(cfg.model)
+        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in READ[1:] if k in saved})
         try:  # a hand-edited run_config.json can hold any value
             gmts.check_config(cfg)
         except ValueError as e:

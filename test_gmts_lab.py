@@ -639,3 +639,92 @@ def test_analyze_refuses_an_interval_method(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "keeps an interval" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "a").exists()
+
+
+# ---- the command line: malformed inputs, what each command writes, Ctrl-C ---------------------------------------
+
+def _one_line_exit(capsys, argv, code=2):
+    """lab.main(argv) ends with `code` and exactly one stderr line 'gmts_lab: error: ...', no traceback -> that line."""
+    with pytest.raises(SystemExit) as e:
+        lab.main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert e.value.code == code and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("gmts_lab: error: "), err
+    return lines[0]
+
+
+CURVE = {"cos": [0.5, 0.6], "ratio": [0.4, 0.5], "low": [0.1, 0.2]}
+MALFORMED_CURVES = [("{}", {}), ("a list", [1, 2]), ("no cos", {"0.1": {"gmts": {"ratio": [0.4]}}}),
+                    ("no arms", {"0.1": {}}), ("a rho that is no number", {"x": {"gmts": CURVE}}),
+                    ("a null in cos", {"0.1": {"gmts": dict(CURVE, cos=[None])}}),
+                    ("an arm of one rho only", {"0.1": {"gmts": CURVE}, "0.2": {"all": CURVE}}),
+                    ("an arm that is no method", {"0.1": {"best": CURVE}}),
+                    ("a key of one arm only", {"0.1": {"gmts": CURVE, "all": dict(ratio=[1.0], cos=[1.0])}})]
+
+
+@pytest.mark.parametrize("curve", [c for _, c in MALFORMED_CURVES], ids=[i for i, _ in MALFORMED_CURVES])
+def test_retention_refuses_a_malformed_curve_in_one_line(tmp_path, capsys, curve):
+    """retention over a retention.json that is not {rho: {arm: {cos: [...], ratio: [...], ...}}} alike for every rho:
+    exit 2, one line naming the file (each case was a traceback, or a line about --methods, before). The well-formed
+    curve beside them draws."""
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "retention.json").write_text(json.dumps({"0.1": {"gmts": CURVE, "all": CURVE}}))
+    lab.main(["retention", f"a={tmp_path / 'ok'}", "--png", str(tmp_path / "ok.png")])
+    assert (tmp_path / "ok.png").stat().st_size > 0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "retention.json").write_text(json.dumps(curve))
+    line = _one_line_exit(capsys, ["retention", f"a={tmp_path / 'bad'}", "--png", str(tmp_path / "r.png")])
+    assert f"{tmp_path / 'bad' / 'retention.json'}: not a retention curve" in line
+    assert not (tmp_path / "r.png").exists()
+
+
+def _compare_run(folder, config, metrics, name="all-s0"):
+    """A hand-made compare run folder: run_config.json (an object, or raw text) and metrics.jsonl."""
+    run = folder / name
+    run.mkdir(parents=True)
+    (run / "run_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    return run
+
+
+FINISHED = [{"step": 0, "eval_acc": 0.3}, {"step": 2, "eval_acc": 0.5, "truncated_frac": 0.25}]
+MALFORMED_RUNS = [  # (id, run_config.json, metrics.jsonl records, what the line says)
+    ("run_config.json {}", {}, FINISHED, "run_config.json: not a gmts run's config"),
+    ("run_config.json a list", [], FINISHED, "run_config.json: not a gmts run's config"),
+    ("run_config.json not JSON", "{", FINISHED, "run_config.json: not readable as JSON"),
+    ("steps a string", {"steps": "2"}, FINISHED, "run_config.json: not a gmts run's config"),
+    ("eval_size a string", {"steps": 2, "data": "easy", "eval_size": "x"}, FINISHED, "not a gmts run's config"),
+    ("eval_acc null", {"steps": 2}, [FINISHED[0], dict(FINISHED[1], eval_acc=None)], "eval_acc: None is not a"),
+    ("truncated_frac null", {"steps": 2}, [FINISHED[0], dict(FINISHED[1], truncated_frac=None)],
+     "truncated_frac: None is not a number"),
+    ("the folder missing", None, None, "no finished compare runs"),
+    ("the arm folder gone (a dangling link)", "link", None, "no finished compare runs"),
+]
+
+
+@pytest.mark.parametrize("config, metrics, needle", [c[1:] for c in MALFORMED_RUNS], ids=[c[0] for c in MALFORMED_RUNS])
+def test_report_refuses_malformed_runs_in_one_line(tmp_path, capsys, config, metrics, needle):
+    """report over a compare folder whose run has a malformed run_config.json or a non-number where a number is
+    read, or over a folder or arm that is not there: exit 2, one line naming what is wrong, no figure (on the code
+    before, {} left the run out in silence, null was a traceback). The same run well-formed is reported."""
+    _compare_run(tmp_path / "ok", {"steps": 2}, FINISHED)
+    lab.main(["report", f"a={tmp_path / 'ok'}", "--png", str(tmp_path / "ok.png")])
+    assert "| all | 1 | 0.300 | 0.500 +- 0.000 | nan | s0 0.500 (trunc 0.25) |" in capsys.readouterr().out
+    if config == "link":
+        (tmp_path / "cmp").mkdir()
+        os.symlink(tmp_path / "nowhere", tmp_path / "cmp" / "all-s0")
+    elif config is not None:
+        _compare_run(tmp_path / "cmp", config, metrics)
+    line = _one_line_exit(capsys, ["report", f"a={tmp_path / 'cmp'}", "--png", str(tmp_path / "r.png")])
+    assert needle in line and str(tmp_path / "cmp") in line, line
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_decoy_refuses_a_run_config_of_the_wrong_types_in_one_line(tmp_path, capsys):
+    """decoy --model RUN reads RUN's run_config.json: eval_size "4" is refused in one line naming the file (on the
+    code before, a TypeError's traceback from the range checks)."""
+    model = shutil.copytree(gmts.WARM_CPU, tmp_path / "run")
+    (model / "run_config.json").write_text(json.dumps({"steps": 1, "eval_size": "4"}))
+    line = _one_line_exit(capsys, ["decoy", "--model", str(model)])
+    assert f"{model / 'run_config.json'}: not a gmts run's config" in line

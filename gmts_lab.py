@@ -18,6 +18,9 @@ gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never impo
 
 Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos,
 --arms) goes to gmts.parse_args: --preset, --model, --out, --seed, --no-filter-groups, --steps ...
+Each command checks what it writes before any work: a file it would replace (compare.md,
+compare.png, analysis.json, retention.json, a --png) only with --overwrite, never the --model
+folder; warm rewrites a model folder's files only; compare's runs are gmts runs, under its rules.
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by
            supervision to answer easy countdown problems with RANDOM well-formed answers (the
@@ -348,9 +351,6 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
         raise ValueError("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
     if not 1 <= seeds <= 1000:
         raise ValueError(f"--seeds must be in [1, 1000], got {seeds}")
-    if cfg.seed + seeds > 2**32:  # the runs' seeds must be ones a run (and its --resume) takes
-        raise ValueError(f"--seed {cfg.seed} and --seeds {seeds} give seeds past 2**32 - 1, "
-                         "the largest a run takes")
     if len(set(methods)) < len(methods):  # two runs would write one folder
         raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
     if workers < 0:
@@ -363,7 +363,8 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     workers = min(workers, len(runs))  # no idle processes
     threads = max(1, torch.get_num_threads() // workers)
     threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
-    for c in runs:  # each arm is a gmts run: gmts.train's own rule, checked before any worker starts
+    for c in runs:  # each arm is a gmts run: its seed and folder by gmts.py's rules, first
+        gmts.check_config(c)
         gmts.check_out(c)
     check_writes(cfg.out, ("compare.md", "compare.png"), cfg.overwrite, cfg.model)
     log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
@@ -981,15 +982,13 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
                "tokenizer_config.json", "chat_template.jinja")
 
 def check_writes(out: str, names=(), overwrite=False, model="", only=()):
-    """Before any work, ValueError (one line) unless the files `names` can go into the folder `out`
-    replacing nothing this command did not write: out is, or can be made, a folder this process
-    writes, and is not the --model folder nor holds it; a name there is not a folder, and is
-    replaced only with --overwrite (it may be anyone's); with `only`, out holds nothing else (warm
-    rewrites a model folder, never a run's or the user's)."""
-    real = os.path.realpath(out)
+    """Before any work, ValueError (one line) unless this command may write the files `names` into
+    the folder `out`: out is, or can be made, a folder this process writes, not the --model folder
+    nor one holding it; no name is a folder there, none is replaced without --overwrite (it may be
+    anyone's); with `only`, out holds nothing else (warm rewrites a model folder, never a run)."""
+    real, there = os.path.realpath(out), os.path.abspath(out)
     if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise ValueError(f"--out {out} is or holds the --model folder {model}: it would be replaced")
-    there = os.path.abspath(out)
+        raise ValueError(f"--out {out} is or holds the --model folder {model}")
     while not os.path.isdir(there):  # the nearest folder that exists: the rest is made in it
         if os.path.lexists(there):
             raise ValueError(f"{there} is not a folder: {out} cannot be made")
@@ -999,12 +998,12 @@ def check_writes(out: str, names=(), overwrite=False, model="", only=()):
     except OSError as e:
         raise ValueError(f"{out}: {there} cannot be written ({e.strerror})") from None
     for n in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        if n in names and os.path.isdir(os.path.join(out, n)):
-            raise ValueError(f"{os.path.join(out, n)} is a folder; this command writes a file there")
-        if n in names and not overwrite:
-            raise ValueError(f"{os.path.join(out, n)} exists: pass --overwrite to replace it")
+        path = os.path.join(out, n)
+        if n in names and (os.path.isdir(path) or not overwrite):
+            raise ValueError(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
+                                                 ": pass --overwrite to replace it"))
         if only and n not in only and not n.startswith("."):
-            raise ValueError(f"--out {out} holds {n}, which warm does not write; choose another --out")
+            raise ValueError(f"--out {out} holds {n}, which warm does not write")
 
 def check_png(png: str, command: str, overwrite: bool):
     """ValueError (one line) unless --png names a .png file (savefig would write PNG + ".png") that

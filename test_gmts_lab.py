@@ -728,3 +728,95 @@ def test_decoy_refuses_a_run_config_of_the_wrong_types_in_one_line(tmp_path, cap
     (model / "run_config.json").write_text(json.dumps({"steps": 1, "eval_size": "4"}))
     line = _one_line_exit(capsys, ["decoy", "--model", str(model)])
     assert f"{model / 'run_config.json'}: not a gmts run's config" in line
+
+
+class Began(Exception):
+    """Raised by the patched expensive work: the command got past its output checks."""
+
+
+def _work_begins(*a, **k):
+    raise Began
+
+
+def _outputs(tmp):
+    """What the output cases meet under tmp: a file f, a user's old.png, an analyze --out with its analysis.json, a
+    retention.json that is a folder, a compare --out with compare.md, an arm folder of the user's, a model folder m,
+    a gmts run folder, a copy of a committed warm start (with its dot-file)."""
+    (tmp / "f").write_text("the user's file\n")
+    (tmp / "old.png").write_bytes(b"the user's picture")
+    for d in ("ana", "rd/retention.json", "cmp", "cmp2/all-s0", "run"):
+        (tmp / d).mkdir(parents=True)
+    (tmp / "ana" / "analysis.json").write_text("{}")
+    (tmp / "cmp" / "compare.md").write_text("| the user's table |\n")
+    (tmp / "cmp2" / "all-s0" / "notes.txt").write_text("the user's notes\n")
+    (tmp / "run" / "run_config.json").write_text(json.dumps({"steps": 1}))
+    (tmp / "run" / "config.json").write_text("{}")
+    shutil.copytree(gmts.WARM_CPU, tmp / "m")
+    shutil.copytree(gmts.WARM_CPU, tmp / "w")
+
+
+SMOKE_CMP = ["compare", "--preset", "smoke", "--methods", "all", "--seeds", "1"]
+OUTPUTS = [  # (id, argv, the refusal's words; None: the command may write there, and its work begins)
+    ("scatter --png in a file's place", ["scatter", "--png", "{tmp}/f/x.png"], "f is not a folder"),
+    ("scatter --png over a user's file", ["scatter", "--png", "{tmp}/old.png"], "exists: pass --overwrite"),
+    ("scatter --png in a folder no one writes", ["scatter", "--png", "/proc/gmts_lab.png"], "cannot be written"),
+    ("scatter --png over it with --overwrite", ["scatter", "--png", "{tmp}/old.png", "--overwrite"], None),
+    ("scatter --png in folders to make", ["scatter", "--png", "{tmp}/new/deeper/s.png"], None),
+    ("report --png over a user's file", ["report", "a={tmp}", "--png", "{tmp}/old.png"], "exists: pass --overwrite"),
+    ("retention --png in a file's place", ["retention", "a={tmp}", "--png", "{tmp}/f/r.png"], "f is not a folder"),
+    ("analyze over analysis.json", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana"], "exists: pass --overwrite"),
+    ("analyze over it with --overwrite", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana", "--overwrite"], None),
+    ("analyze --rhos where retention.json is a folder",
+     ["analyze", "--preset", "smoke", "--rhos", "0.1", "--out", "{tmp}/rd", "--overwrite"], "exists as a folder"),
+    ("analyze --out a file", ["analyze", "--preset", "smoke", "--out", "{tmp}/f"], "f is not a folder"),
+    ("analyze --out the --model folder", ["analyze", "--preset", "smoke", "--model", "{tmp}/m", "--out", "{tmp}/m"],
+     "is or holds the --model folder"),
+    ("analyze --out holding --model", ["analyze", "--preset", "smoke", "--model", "{tmp}/m", "--out", "{tmp}"],
+     "is or holds the --model folder"),
+    ("compare over compare.md", [*SMOKE_CMP, "--out", "{tmp}/cmp"], "compare.md exists: pass --overwrite"),
+    ("compare over it with --overwrite", [*SMOKE_CMP, "--out", "{tmp}/cmp", "--overwrite"], None),
+    ("compare --out the --model folder", [*SMOKE_CMP, "--model", "{tmp}/m", "--out", "{tmp}/m"], "--model folder"),
+    ("compare, an arm folder of the user's (gmts.py's rule)", [*SMOKE_CMP, "--out", "{tmp}/cmp2"],
+     "all-s0 holds files that are not a gmts run"),
+    ("warm --out a gmts run", ["warm", "--out", "{tmp}/run"], "holds run_config.json, which warm does not write"),
+    ("warm --out a file", ["warm", "--out", "{tmp}/f"], "f is not a folder"),
+    ("warm --out a warm start it rewrites", ["warm", "--out", "{tmp}/w"], None),
+    ("warm --out a new folder", ["warm", "--out", "{tmp}/new/w"], None),
+]
+
+
+@pytest.mark.parametrize("argv, needle", [c[1:] for c in OUTPUTS], ids=[c[0] for c in OUTPUTS])
+def test_each_command_checks_what_it_writes_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
+    """Each command that writes checks its files before any model loads, any worker starts, any run is read: a file
+    it would replace needs --overwrite (a folder in a file's place never goes), the folder must be one it can make
+    and write, never the --model folder or one holding it; warm rewrites a warm start's model files and nothing else.
+    A refusal is one line, exit 2, and leaves every file as it was; where it may write, the work begins (here: the
+    patched work raises Began). On the code before, scatter found a missing or unwritable folder only at savefig."""
+    import multiprocessing
+    _outputs(tmp_path)
+    for obj, name in ((gmts, "load_model"), (lab, "sft_warmup"), (multiprocessing, "get_context"),
+                      (lab, "finished_runs"), (lab, "read_retention")):
+        monkeypatch.setattr(obj, name, _work_begins)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    if needle is None:
+        with pytest.raises(Began):
+            lab.main(argv)
+        return
+    line = _one_line_exit(capsys, argv)
+    assert needle in line, line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_scatter_makes_the_folder_of_its_png(tmp_path, monkeypatch):
+    """scatter --png NEW/DEEPER/s.png: the folders are made and the figure written (on the code before, savefig failed
+    on the missing folder after every warm start's batch was scored). The batches are stand-ins: this is about the
+    file, test_scatter_points_... about the points."""
+    monkeypatch.setattr(lab, "sample_parts", lambda *a, **k: [(None, None, None)])
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(lab, "scatter_points", lambda *a: dict(H=torch.rand(30, generator=g),
+                                                               gmts=torch.rand(30, generator=g),
+                                                               grad=torch.rand(30, generator=g),
+                                                               abs_adv=torch.rand(30, generator=g)))
+    lab.main(["scatter", "--png", str(tmp_path / "new" / "deeper" / "s.png")])
+    assert (tmp_path / "new" / "deeper" / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,7 +2,7 @@
 
 test_warm_start_rebuilds_bit_identical retrains the committed warm starts (countdown, math, logic: 3-10 minutes each on
 one thread), so it runs only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest
-take seconds.
+take seconds, but test_compare_workers_stop_with_the_parent (a second process: 15-40 s).
 """
 import os
 
@@ -820,3 +820,74 @@ def test_scatter_makes_the_folder_of_its_png(tmp_path, monkeypatch):
                                                                abs_adv=torch.rand(30, generator=g)))
     lab.main(["scatter", "--png", str(tmp_path / "new" / "deeper" / "s.png")])
     assert (tmp_path / "new" / "deeper" / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decoy_checks_no_output(tmp_path, monkeypatch, capsys):
+    """decoy writes nothing, so it checks no --out: it runs from a working folder it may not write, with the output
+    rule made to refuse everything, prints its table and leaves the folder empty (a read-only working folder refused
+    it on 09cce72)."""
+    def refuse(*a, **k):
+        raise ValueError("decoy checked an output")
+    monkeypatch.setattr(lab, "check_writes", refuse)
+    os.makedirs(tmp_path / "ro")
+    os.chmod(tmp_path / "ro", 0o555)
+    monkeypatch.chdir(tmp_path / "ro")
+    ev = lab.main(["decoy", "--model", gmts.WARM_CPU, "--eval-size", "2", "--max-new-tokens", "4"])
+    assert "| model | held-out greedy acc" in capsys.readouterr().out and set(ev) >= {"real_acc", "decoy_acc"}
+    assert os.listdir(tmp_path / "ro") == []
+
+
+def test_analyze_rolls_out_the_prompt_style_asked(tmp_path, monkeypatch, capsys):
+    """analyze --prompt-style qwen-math rolls out qwen-math prompts (e3741a4: ours, in silence); the Ctrl-C raised at
+    the rollout is one line, exit 130."""
+    seen = []
+
+    def rollout(model, tok, prompts, *a, **k):
+        seen.extend(prompts)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gmts, "rollout", rollout)
+    line = _one_line_exit(capsys, ["analyze", "--model", "tiny", "--task", "math", "--data", "easy", "--prompt-style",
+                                   "qwen-math", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+                                   "--out", str(tmp_path / "a")], code=130)
+    assert line == "gmts_lab: error: interrupted"
+    assert seen and all(gmts.QWEN_MATH_SYSTEM in p for p in seen), seen[:1]
+
+
+def test_compare_starts_no_more_workers_than_runs(tmp_path, monkeypatch, capsys):
+    """--workers 8 for one run: one process, and the line says so (on 47c0a22: 8 processes, 7 of them idle)."""
+    import multiprocessing
+    asked = []
+
+    class Context:
+        def Pool(self, n, *a, **k):
+            asked.append(n)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(multiprocessing, "get_context", lambda kind: Context())
+    with pytest.raises(SystemExit) as e:
+        lab.main([*SMOKE_CMP, "--workers", "8", "--out", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert asked == [1] and "in 1 process(es)" in out and (e.value.code, err) == (130, "gmts_lab: error: interrupted\n")
+
+
+def test_compare_workers_stop_with_the_parent(tmp_path):
+    """SIGINT to compare's parent alone (a second process; 15-40 s): exactly the line 'gmts_lab: error: interrupted',
+    exit 130, and no worker goes on training (the workers ignore SIGINT; the pool ends them)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    argv = [sys.executable, os.path.join(HERE, "gmts_lab.py"), "compare", "--preset", "smoke", "--steps", "500",
+            "--eval-every", "0", "--methods", "all,gmts", "--seeds", "1", "--workers", "2", "--out", str(tmp_path / "c")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    t0 = time.time()
+    while not (tmp_path / "c" / "gmts-s0" / "ckpt-000000").exists() and time.time() - t0 < 240:
+        time.sleep(0.5)
+    children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    assert children
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err == "gmts_lab: error: interrupted\n", err
+    time.sleep(1)
+    alive = [c for c in children if os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+    assert not alive

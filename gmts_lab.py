@@ -65,6 +65,7 @@ folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
 import argparse
 import collections
 import dataclasses
+import fnmatch
 import itertools
 import json
 import math
@@ -982,15 +983,15 @@ def analysis_table(res: dict, arms=ANALYZED) -> str:
 
 OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare",
              "batches": "analyze", "rhos": "analyze", "arms": "analyze"}
-# what warm writes (save_pretrained of build_tiny's model and tokenizer): the files it may rewrite
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "chat_template.jinja")
+# what warm writes (save_pretrained of a model and its tokenizer): the files it may rewrite
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "tokenizer*",
+               "*_tokens*.json", "chat_template.*")
 
 def check_writes(out: str, names=(), overwrite=False, model="", only=()):
     """Before any work, ValueError (one line) unless this command may write the files `names` into
     the folder `out`: out is, or can be made, a folder this process writes, not the --model folder
     nor one holding it; no name is a folder there, none is replaced without --overwrite (it may be
-    anyone's); with `only`, out holds nothing else (warm rewrites a model folder, never a run)."""
+    anyone's); with `only` (patterns), out holds nothing else (warm rewrites a model, not a run)."""
     real, there = os.path.realpath(out), os.path.abspath(out)
     if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
         raise ValueError(f"--out {out} is or holds the --model folder {model}")
@@ -998,7 +999,7 @@ def check_writes(out: str, names=(), overwrite=False, model="", only=()):
         if os.path.lexists(there):
             raise ValueError(f"{there} is not a folder: {out} cannot be made")
         there = os.path.dirname(there)
-    try:  # a real write: root passes os.access even on a read-only mount
+    try:  # a real write: os.access says yes to root, even where nothing can be written (/proc)
         tempfile.TemporaryFile(dir=there).close()
     except OSError as e:
         raise ValueError(f"{out}: {there} cannot be written ({e.strerror})") from None
@@ -1007,7 +1008,8 @@ def check_writes(out: str, names=(), overwrite=False, model="", only=()):
         if n in names and (os.path.isdir(path) or not overwrite):
             raise ValueError(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
                                                  ": pass --overwrite to replace it"))
-        if only and n not in only and not n.startswith("."):
+        warms = any(fnmatch.fnmatchcase(n, pattern) for pattern in only)
+        if only and not warms and not n.startswith("."):
             raise ValueError(f"--out {out} holds {n}, which warm does not write")
 
 def check_png(png: str, command: str, overwrite: bool):

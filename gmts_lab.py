@@ -1012,13 +1012,6 @@ def check_writes(out: str, names=(), overwrite=False, model="", only=()):
         if only and not warms and not n.startswith("."):
             raise ValueError(f"--out {out} holds {n}, which warm does not write")
 
-def check_png(png: str, command: str, overwrite: bool):
-    """ValueError (one line) unless --png names a .png file (savefig would write PNG + ".png") that
-    check_writes lets this command write."""
-    if os.path.isdir(png) or not png.endswith(".png"):
-        raise ValueError(f"--png {png!r} must name a .png file, e.g. docs/{command}.png")
-    check_writes(os.path.dirname(png) or ".", (os.path.basename(png),), overwrite)
-
 def save_figure(fig, png: str, dpi: int = 90):
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=dpi)
@@ -1115,7 +1108,8 @@ def warm_main(rest: list):
           f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
 
 def figure_main(command: str, rest: list):
-    """report, retention, scatter: a figure at --png (checked first), tables on stdout."""
+    """report, retention, scatter: a figure at --png (checked first: check_writes), tables on
+    stdout."""
     r = argparse.ArgumentParser(prog=f"gmts_lab.py {command}", allow_abbrev=False)
     r.error = _refuse
     if command != "scatter":
@@ -1124,15 +1118,15 @@ def figure_main(command: str, rest: list):
     r.add_argument("--png", required=True, help="the figure")
     r.add_argument("--overwrite", action="store_true", help="replace an existing --png file")
     a = r.parse_args(rest)
+    given = vars(a).get("panels", [])
+    panels = dict(x.split("=", 1) for x in given if "=" in x)
+    if len(panels) < len(given):  # a title given twice would draw one panel
+        raise ValueError(f"{command} takes TITLE=FOLDER arguments, each a title of its own")
+    if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write PNG + ".png"
+        raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{command}.png")
+    check_writes(os.path.dirname(a.png) or ".", (os.path.basename(a.png),), a.overwrite)
     if command == "scatter":
-        check_png(a.png, command, a.overwrite)
         return scatter(a.png)
-    if not all("=" in x for x in a.panels):
-        raise ValueError(f"{command} takes TITLE=FOLDER arguments, e.g. math=out/math")
-    panels = dict(x.split("=", 1) for x in a.panels)
-    if len(panels) < len(a.panels):  # a title given twice would draw one panel
-        raise ValueError(f"{command}: each TITLE=FOLDER needs a title of its own")
-    check_png(a.png, command, a.overwrite)
     return (report if command == "report" else retention)(panels, a.png)
 
 def decoy_main(cfg: gmts.Config):

@@ -342,7 +342,8 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     assert row("gmts - gmts@batch")[3].strip() == "+0.000 +- 0.058"  # the two scopes: 0.1, -0.1, 0; SE 0.1 / sqrt(3)
     assert row("gmts@batch - entropy")[6].strip() == "+0.100, +0.100, +0.000"
     assert "(trunc nan)" in row("all")[6]  # these hand-made runs log no truncated_frac
-    for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs")):
+    for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs"),
+                        ([f"a={tmp_path}", f"a={tmp_path}"], "a title of its own")):  # one panel drawn twice
         with pytest.raises(SystemExit) as e:
             lab.main(["report", *bad, "--png", str(tmp_path / "x.png")])
         assert e.value.code == 2 and needle in capsys.readouterr().err

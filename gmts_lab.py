@@ -1150,10 +1150,10 @@ def decoy_main(cfg: gmts.Config):
     ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                     cfg.max_new_tokens)
     print(f"| model | held-out greedy acc | same, other targets shown | read from the target | "
-             f"well-formed |\n|---|---|---|---|---|\n"
-             f"| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
-             f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | "
-             f"{ev['real_valid']:.3f} |")
+          f"well-formed |\n|---|---|---|---|---|\n"
+          f"| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
+          f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | "
+          f"{ev['real_valid']:.3f} |")
     return ev
 
 

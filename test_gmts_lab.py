@@ -14,9 +14,14 @@ import collections
 import importlib.util
 import json
 import math
+import multiprocessing
 import random
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -793,7 +798,6 @@ def test_each_command_checks_what_it_writes_before_any_work(tmp_path, capsys, mo
     and write, never the --model folder or one holding it; warm rewrites a warm start's model files and nothing else.
     A refusal is one line, exit 2, and leaves every file as it was; where it may write, the work begins (here: the
     patched work raises Began). On the code before, scatter found a missing or unwritable folder only at savefig."""
-    import multiprocessing
     _outputs(tmp_path)
     for obj, name in ((gmts, "load_model"), (lab, "sft_warmup"), (multiprocessing, "get_context"),
                       (lab, "finished_runs"), (lab, "read_retention")):
@@ -856,7 +860,6 @@ def test_analyze_rolls_out_the_prompt_style_asked(tmp_path, monkeypatch, capsys)
 
 def test_compare_starts_no_more_workers_than_runs(tmp_path, monkeypatch, capsys):
     """--workers 8 for one run: one process, and the line says so (on 47c0a22: 8 processes, 7 of them idle)."""
-    import multiprocessing
     asked = []
 
     class Context:
@@ -873,10 +876,6 @@ def test_compare_starts_no_more_workers_than_runs(tmp_path, monkeypatch, capsys)
 def test_compare_workers_stop_with_the_parent(tmp_path):
     """SIGINT to compare's parent alone (a second process; 15-40 s): exactly the line 'gmts_lab: error: interrupted',
     exit 130, and no worker goes on training (the workers ignore SIGINT; the pool ends them)."""
-    import signal
-    import subprocess
-    import sys
-    import time
     argv = [sys.executable, os.path.join(HERE, "gmts_lab.py"), "compare", "--preset", "smoke", "--steps", "500",
             "--eval-every", "0", "--methods", "all,gmts", "--seeds", "1", "--workers", "2", "--out", str(tmp_path / "c")]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,

@@ -18,6 +18,9 @@ gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never impo
 
 Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos,
 --arms) goes to gmts.parse_args: --preset, --model, --out, --seed, --no-filter-groups, --steps ...
+Each command checks what it writes before any work: a file it would replace (compare.md,
+compare.png, analysis.json, retention.json, a --png) only with --overwrite, never the --model
+folder; warm rewrites a model folder's files only; compare's runs are gmts runs, under its rules.
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by
            supervision to answer easy countdown problems with RANDOM well-formed answers (the
@@ -62,6 +65,7 @@ Every flag that is not one of the lab's own (--methods, --seeds, --workers, --ba
 import argparse
 import collections
 import dataclasses
+import fnmatch
 import itertools
 import json
 import math
@@ -70,15 +74,12 @@ import os
 import random
 import re
 import signal
-
-if __name__ == "__main__":  # a stop signal while torch imports (seconds): one line, not a traceback
-    def _stopped_while_starting(*_):
-        os.write(2, b"gmts: error: interrupted while starting\n")
-        os._exit(130)
-    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_sig, _stopped_while_starting)
+import tempfile
+import threading
+import typing
 
 import torch
+from tqdm import tqdm
 
 import gmts
 
@@ -299,22 +300,26 @@ def plot_runs(runs: dict, png: str):
                    ylabel=key + (f" (mean of {len(outs)} seeds)" if len(outs) > 1 else ""))
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=90)
+    save_figure(fig, png)
 
 def _train_quietly(job: tuple) -> str:
-    """One run of compare, in a worker process."""
+    """One run of compare, in a worker process. tqdm's bar lock (gmts.train's step_logger) is a
+    thread lock here: its default, a multiprocessing one, stays registered when the pool kills the
+    worker (Ctrl-C), and the resource tracker then warns of it on stderr."""
     cfg, threads = job
     torch.set_num_threads(threads)
+    tqdm.set_lock(threading.RLock())
     return gmts.train(cfg, log=lambda *a: None)
+
+SCOPES = typing.get_args(gmts.Config.__annotations__["scope"])  # gmts.py's --scope values
 
 def parse_arm(arm: str, flag: str = "--methods") -> tuple:
     """An arm is a --select method, or METHOD@SCOPE with a --scope (gmts@batch: this project's
     whole-batch GMTS) -> (method, scope or None); ValueError (one line) otherwise."""
     method, _, scope = arm.partition("@")
-    if method not in gmts.CHOICES["select"] or (scope and scope not in gmts.CHOICES["scope"]):
+    if method not in gmts.METHODS or (scope and scope not in SCOPES):
         raise ValueError(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
-                         f"{', '.join(gmts.CHOICES['select'])}; "
-                         f"scopes: {', '.join(gmts.CHOICES['scope'])})")
+                         f"{', '.join(gmts.METHODS)}; scopes: {', '.join(SCOPES)})")
     return method, scope or None
 
 def is_arm(name: str) -> bool:
@@ -338,7 +343,7 @@ def arm_style(arm: str) -> dict:
     """Plot style: a colour per method, a solid line for the group scope, dashed for the batch."""
     method = parse_arm(arm)[0]
     per_group = arm_group_size(arm, gmts.Config())
-    return dict(color=f"C{gmts.CHOICES['select'].index(method)}",
+    return dict(color=f"C{list(gmts.METHODS).index(method)}",
                 linestyle="-" if per_group else "--")
 
 def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=print) -> dict:
@@ -352,9 +357,6 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
         raise ValueError("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
     if not 1 <= seeds <= 1000:
         raise ValueError(f"--seeds must be in [1, 1000], got {seeds}")
-    if cfg.seed + seeds > 2**32:  # the runs' seeds must be ones a run (and its --resume) takes
-        raise ValueError(f"--seed {cfg.seed} and --seeds {seeds} give seeds past 2**32 - 1, "
-                         "the largest a run takes")
     if len(set(methods)) < len(methods):  # two runs would write one folder
         raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
     if workers < 0:
@@ -367,11 +369,10 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     workers = min(workers, len(runs))  # no idle processes
     threads = max(1, torch.get_num_threads() // workers)
     threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
-    for c in runs:
-        gmts.check_out(c.out, "gmts", c.model, cfg.overwrite)
-    gmts.check_out(cfg.out, "compare", cfg.model, cfg.overwrite,
-                   more=tuple(os.path.basename(c.out) for c in runs))
-    gmts.claim_out(cfg.out, "compare")
+    for c in runs:  # each arm is a gmts run: its seed and folder by gmts.py's rules, first
+        gmts.check_config(c)
+        gmts.check_out(c)
+    check_writes(cfg.out, ("compare.md", "compare.png"), cfg.overwrite, cfg.model)
     log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
         f"{threads} thread(s) each, all from {cfg.model}")
     evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
@@ -402,8 +403,7 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
                      f"{p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
                      f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | "
                      + ", ".join(f"{b:.3f}" for _, b in v) + " |")
-    with open(os.path.join(cfg.out, "compare.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    gmts.write_file(os.path.join(cfg.out, "compare.md"), "\n".join(lines) + "\n")
     plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods},
               os.path.join(cfg.out, "compare.png"))
     log("\n".join(lines))
@@ -426,18 +426,47 @@ def ci95(v: list) -> tuple:
     half = T975.get(len(v) - 1, 1.960) * _se(v)
     return mean - half, mean + half
 
+def read_json(path: str):
+    """A JSON file's value; ValueError (one line) naming the file if it cannot be read as one."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({type(e).__name__})") from None
+
+def number(value, where: str):
+    """value if it is a real number (not a bool), else ValueError (one line) saying where it was."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {value!r} is not a number")
+    return value
+
+# the fields of a run's run_config.json that report and decoy read
+READ = ("steps", "task", "data", "seed", "eval_size", "short_prompt", "chat_template",
+        "max_new_tokens")
+
+def run_config(path: str) -> dict:
+    """A run's run_config.json; ValueError (one line) unless it is an object with READ's fields
+    (steps at least) of the types gmts.Config gives them."""
+    file = os.path.join(path, "run_config.json")
+    saved = read_json(file)
+    if not (isinstance(saved, dict) and "steps" in saved and all(
+            type(saved[k]) is type(getattr(gmts.Config, k)) for k in READ if k in saved)):
+        raise ValueError(f"{file}: not a gmts run's config ({', '.join(READ)} of their types)")
+    return saved
+
 def finished_runs(folder: str) -> dict:
     """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder
     (METHOD-sSEED folders whose last eval_acc is at the run's last step). A run still going or
-    stopped early is left out."""
+    stopped early is left out; a malformed one is a ValueError (one line)."""
     runs = collections.defaultdict(dict)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         method, _, seed = name.rpartition("-s")
         path = os.path.join(folder, name)
         has_config = os.path.isfile(os.path.join(path, "run_config.json"))
         if is_arm(method) and seed.isdigit() and has_config:
-            steps = gmts.read_run_config(path).get("steps")
-            curve = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(path) if "eval_acc" in r]
+            steps = run_config(path)["steps"]
+            curve = [(r["step"], number(r["eval_acc"], f"{path} step {r['step']} eval_acc"))
+                     for r in gmts.read_metrics(path) if "eval_acc" in r]
             if curve and curve[-1][0] == steps:
                 runs[method][int(seed)] = curve
     return dict(runs)
@@ -450,7 +479,8 @@ def final_truncated(folder: str, runs: dict) -> dict:
         for seed in by_seed:
             recs = [r for r in gmts.read_metrics(os.path.join(folder, f"{m}-s{seed}"))
                     if "truncated_frac" in r]
-            out[m][seed] = recs[-1]["truncated_frac"] if recs else math.nan
+            where = os.path.join(folder, f"{m}-s{seed}", "metrics.jsonl truncated_frac")
+            out[m][seed] = number(recs[-1]["truncated_frac"], where) if recs else math.nan
     return out
 
 def report_tables(runs: dict, truncated: dict = None) -> str:
@@ -496,7 +526,7 @@ def fixed_guess_line(folder: str, runs: dict) -> float:
     accs = []
     for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
         m = next(m for m, by_seed in runs.items() if seed in by_seed)
-        saved = gmts.read_run_config(os.path.join(folder, f"{m}-s{seed}"))
+        saved = run_config(os.path.join(folder, f"{m}-s{seed}"))
         cfg = gmts.Config(**{k: saved[k] for k in ("task", "data", "seed", "eval_size")
                              if k in saved})
         if cfg.data != "easy":
@@ -540,8 +570,7 @@ def report(panels: dict, png: str, log=print) -> dict:
             f"best fixed content on the held-out rows (mean over seeds): {fixed:.3f}\n")
         plot_curves(ax, r, title, fixed)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
-    fig.savefig(png, dpi=90)
+    save_figure(fig, png)
     return runs
 
 
@@ -765,17 +794,16 @@ def scatter(png: str, tasks=("countdown", "math", "logic"), log=print) -> dict:
             ax.set_ylabel(name)
             ax.set_title(f"{task}: H against {name}", fontsize=9)
         fig.colorbar(dots, ax=row.tolist(), label="|A| of the answer")
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png, dpi=110)
     log("\n".join(lines))
     return res
 
-def _analysis_start(cfg: gmts.Config, batches: int, more: tuple = ()) -> tuple:
-    """What analyze and retention_curve share: OUT claimed, the model loaded
+def _analysis_start(cfg: gmts.Config, batches: int, writes: str) -> tuple:
+    """What analyze and retention_curve share: OUT/`writes` checked, then the model loaded
     -> (model, tok, task, draw, chat)."""
     if batches < 1:
         raise ValueError(f"--batches must be >= 1, got {batches}")
-    gmts.check_out(cfg.out, "analyze", cfg.model, cfg.overwrite, more=more)
-    gmts.claim_out(cfg.out, "analyze")
+    check_writes(cfg.out, (writes,), cfg.overwrite, cfg.model)
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
     task = gmts.get_task(cfg.task)  # sample_parts builds its prompts in --prompt-style
@@ -793,7 +821,7 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
     |g_S|/|g_all| (mean +- std over batches) on the raw batch (filter off) and on its
     dynamic-sampling version (filter on: informative groups only, more drawn as in train), and the
     ranking study of its method on the raw batch. OUT/analysis.json."""
-    model, tok, task, draw, chat = _analysis_start(cfg, batches)
+    model, tok, task, draw, chat = _analysis_start(cfg, batches, "analysis.json")
     acc = collections.defaultdict(list)
     for b in range(batches):
         gmts.set_seed(cfg.seed * 1_000_003 + b)
@@ -820,8 +848,7 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
     res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
     log(analysis_table(res, arms))
     os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "analysis.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    gmts.write_file(os.path.join(cfg.out, "analysis.json"), json.dumps(res, indent=1))
     return res
 
 def parse_rhos(text: str) -> list:
@@ -840,7 +867,7 @@ def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=
     (gradient_retention) per rho and arm
     -> {rho: {arm: {"cos": [...], "ratio": [...], "low": [...]}}}, one value per batch. Prints the
     tables and writes OUT/retention.json."""
-    model, tok, task, draw, chat = _analysis_start(cfg, batches, more=("retention.json",))
+    model, tok, task, draw, chat = _analysis_start(cfg, batches, "retention.json")
     one = dataclasses.replace(cfg, max_resample=1)  # the raw batch only
     res = {r: {m: {"cos": [], "ratio": [], "low": []} for m in arms} for r in rhos}
     for b in range(batches):
@@ -885,14 +912,22 @@ def retention_table(res: dict) -> str:
 
 def read_retention(folder: str) -> dict:
     """retention_curve's result from OUT/retention.json
-    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}."""
+    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}; ValueError (one line) unless
+    every rho holds the same arms (METHOD[@SCOPE]), each the same lists of numbers, cos and ratio
+    among them."""
     path = os.path.join(folder, "retention.json")
+    res = read_json(path)
     try:
-        with open(path) as f:
-            res = {float(r): v for r, v in json.load(f).items()}
-    except (OSError, ValueError, AttributeError) as e:
+        res = {float(r): {m: {k: [number(x, path) for x in v] for k, v in stats.items()}
+                          for m, stats in by_arm.items()} for r, by_arm in res.items()}
+    except (AttributeError, TypeError, ValueError):  # not {rho: {arm: {key: [number, ...]}}}
+        res = {}
+    arms = {tuple(by_arm) for by_arm in res.values()}
+    keys = {frozenset(stats) for by_arm in res.values() for stats in by_arm.values()}
+    if len(arms) != 1 or len(keys) != 1 or not {"cos", "ratio"} <= set(*keys) or not all(
+            map(is_arm, *arms)):
         raise ValueError(f"{path}: not a retention curve of analyze --rhos "
-                         f"({type(e).__name__})") from None
+                         "({rho: {arm: {cos: [...], ratio: [...]}}} alike for every rho)")
     return dict(sorted(res.items()))
 
 def retention(panels: dict, png: str, log=print) -> dict:
@@ -914,8 +949,7 @@ def retention(panels: dict, png: str, log=print) -> dict:
         ax.set(title=title, xlabel="rho (share of tokens kept)", ylabel="cos(g_S, g_all)")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
-    fig.savefig(png, dpi=90)
+    save_figure(fig, png)
     return curves
 
 def _mean(v: list) -> tuple:
@@ -944,20 +978,58 @@ def analysis_table(res: dict, arms=ANALYZED) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# CLI [plumbing]
+# CLI [plumbing]: gmts.run_cli is the one error handler; each command checks what it writes first
 # --------------------------------------------------------------------------------------------------
 
 OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare",
              "batches": "analyze", "rhos": "analyze", "arms": "analyze"}
+# what warm writes (save_pretrained of a model and its tokenizer): the files it may rewrite
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "tokenizer*",
+               "*_tokens*.json", "chat_template.*")
+
+def check_writes(out: str, names=(), overwrite=False, model="", only=()):
+    """Before any work, ValueError (one line) unless this command may write the files `names` into
+    the folder `out`: out is, or can be made, a folder this process writes, not the --model folder
+    nor one holding it; no name is a folder there, none is replaced without --overwrite (it may be
+    anyone's); with `only` (patterns), out holds nothing else (warm rewrites a model, not a run)."""
+    real, there = os.path.realpath(out), os.path.abspath(out)
+    if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
+        raise ValueError(f"--out {out} is or holds the --model folder {model}")
+    while not os.path.isdir(there):  # the nearest folder that exists: the rest is made in it
+        if os.path.lexists(there):
+            raise ValueError(f"{there} is not a folder: {out} cannot be made")
+        there = os.path.dirname(there)
+    try:  # a real write: os.access says yes to root, even where nothing can be written (/proc)
+        tempfile.TemporaryFile(dir=there).close()
+    except OSError as e:
+        raise ValueError(f"{out}: {there} cannot be written ({e.strerror})") from None
+    for n in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        path = os.path.join(out, n)
+        if n in names and (os.path.isdir(path) or not overwrite):
+            raise ValueError(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
+                                                 ": pass --overwrite to replace it"))
+        warms = any(fnmatch.fnmatchcase(n, pattern) for pattern in only)
+        if only and not warms and not n.startswith("."):
+            raise ValueError(f"--out {out} holds {n}, which warm does not write")
+
+def save_figure(fig, png: str, dpi: int = 90):
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=dpi)
+
+def _refuse(message: str):  # argparse's error(): a ValueError, so run_cli's one line says it
+    raise ValueError(message)
 
 def main(argv=None):
+    return gmts.run_cli("gmts_lab", lambda: _main(argv))
+
+def _main(argv):
     # allow_abbrev=False: else --seed would be read as an abbreviation of --seeds
     p = argparse.ArgumentParser(prog="gmts_lab.py",
                                 description="The experiments around gmts.py (see the module "
                                             "docstring); flags not listed here go to "
                                             "gmts.py's parser.",
                                 allow_abbrev=False)
-    p.error = gmts.die
+    p.error = _refuse
     p.add_argument("command",
                    choices=["warm", "compare", "analyze", "decoy", "report", "retention",
                             "scatter"])
@@ -975,115 +1047,96 @@ def main(argv=None):
                    help="analyze: comma list of METHOD or METHOD@SCOPE (gmts@batch: the "
                         "whole-batch variant); a method alone ranks at --scope "
                         "(auto: its default)")
-    # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (compare's workers stop too)
-    with gmts.handling_signals():
-        lab, rest = p.parse_known_args(argv)
-        # a flag another command reads would be ignored in silence
-        for flag, command in OWN_FLAGS.items():
-            if getattr(lab, flag) != p.get_default(flag) and lab.command != command:
-                p.error(f"--{flag} is {command}'s flag; {lab.command} does not read it")
-        return _main(lab, rest)
+    lab, rest = p.parse_known_args(argv)
+    # a flag another command reads would be ignored in silence
+    for flag, command in OWN_FLAGS.items():
+        if getattr(lab, flag) != p.get_default(flag) and lab.command != command:
+            p.error(f"--{flag} is {command}'s flag; {lab.command} does not read it")
+    if lab.command == "warm":
+        return warm_main(rest)
+    if lab.command in ("report", "retention", "scatter"):
+        return figure_main(lab.command, rest)
+    cfg = gmts.parse_args(rest)
+    gmts.check_config(cfg)
+    if lab.command == "compare":
+        methods = [m.strip() for m in lab.methods.split(",") if m.strip()]
+        return compare(cfg, methods, lab.seeds, lab.workers)
+    if lab.command == "decoy":
+        return decoy_main(cfg)
+    arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
+    # none: one line, as a malformed arm; the one-rho table scores ANALYZED only
+    for arm in arms or [","]:
+        method = parse_arm(arm, "--arms")[0]
+        if method not in ANALYZED and not lab.rhos:
+            raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
+                             f"({', '.join(ANALYZED)}; with --rhos: any top-rho method)")
+        if gmts.METHODS[method].band:  # its kept share is set by its interval, not by rho
+            raise ValueError(f"--arms: {arm} keeps an interval, not a top rho: "
+                             "analyze ranks top-rho methods only")
+    if lab.rhos:
+        return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), arms=arms)
+    return analyze(cfg, lab.batches, arms=arms)
 
-def _main(lab, rest):
-    try:
-        if lab.command == "warm":
-            w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
-            w.error = gmts.die
-            w.add_argument("--task", default="countdown", choices=sorted(WARM),
-                           help="the warm start to build")
-            w.add_argument("--out", default=None,
-                           help="folder for the model and tokenizer "
-                                "(default: warm/cpu, warm/math or warm/logic)")
-            a = w.parse_args(rest)
-            out = a.out or WARM[a.task]["out"]
-            # an empty folder, or a warm start this command made
-            gmts.check_out(out, "warm", overwrite=True)
-            gmts.claim_out(out, "warm")
-            model, tok = warm_start(out, a.task)
-            cfg = warm_config(a.task)
-            rows = gmts.read_data(cfg).held
-            chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, "
-                      f"the best fixed content {best_fixed_guess_acc(a.task, rows):.3f}")
-            if a.task == "countdown":
-                ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template),
-                                cfg.short_prompt, cfg.max_new_tokens)
-                gmts.say(f"saved {out} | held-out (the preset's, seed 0): "
-                         f"acc {ev['real_acc']:.3f} ({chance}), "
-                         f"well-formed {ev['real_valid']:.3f}; "
-                         f"another problem's target shown: acc {ev['decoy_acc']:.3f}")
-                return
-            t = gmts.get_task(a.task)
-            texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template),
-                                 cfg.short_prompt, cfg.max_new_tokens)
-            acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
-            gmts.say(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): "
-                     f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
-            return
-        if lab.command == "scatter":
-            r = argparse.ArgumentParser(prog="gmts_lab.py scatter", allow_abbrev=False)
-            r.error = gmts.die
-            r.add_argument("--png", required=True, help="the figure: a row per warm start")
-            a = r.parse_args(rest)
-            check_png(a.png, "scatter")
-            scatter(a.png, log=gmts.say)
-            return
-        if lab.command in ("report", "retention"):
-            what = "a compare --out" if lab.command == "report" else "an analyze --rhos --out"
-            r = argparse.ArgumentParser(prog=f"gmts_lab.py {lab.command}", allow_abbrev=False)
-            r.error = gmts.die
-            r.add_argument("panels", nargs="+", help=f"TITLE=FOLDER: {what} folder per panel")
-            r.add_argument("--png", required=True, help="the figure: one panel per folder")
-            a = r.parse_args(rest)
-            if not all("=" in x for x in a.panels):
-                raise ValueError(f"{lab.command} takes TITLE=FOLDER arguments, e.g. math=out/math")
-            check_png(a.png, lab.command)
-            panels = dict(x.split("=", 1) for x in a.panels)
-            if len(panels) < len(a.panels):  # a title given twice would draw one panel
-                raise ValueError(f"{lab.command}: each TITLE=FOLDER needs a title of its own")
-            return (report if lab.command == "report" else retention)(panels, a.png, log=gmts.say)
-        cfg = gmts.parse_args(rest)
-        gmts.check_config(cfg, writes=lab.command != "decoy")  # decoy writes nothing
-        if lab.command == "compare":
-            methods = [m.strip() for m in lab.methods.split(",") if m.strip()]
-            # say: a closed stdout (| head -1) stops the printing, not the grid
-            return compare(cfg, methods, lab.seeds, lab.workers, log=gmts.say)
-        arms = [a.strip() for a in lab.arms.split(",") if a.strip()]
-        # none: one line, as a malformed arm; the one-rho table scores ANALYZED only
-        for arm in arms or [","]:
-            method = parse_arm(arm, "--arms")[0]
-            if method not in ANALYZED and not lab.rhos:
-                raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
-                                 f"({', '.join(ANALYZED)}; with --rhos: any top-rho method)")
-            if gmts.METHODS[method].band:  # its kept share is set by its interval, not by rho
-                raise ValueError(f"--arms: {arm} keeps an interval, not a top rho: "
-                                 "analyze ranks top-rho methods only")
-        if lab.command == "analyze" and lab.rhos:
-            return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), log=gmts.say, arms=arms)
-        return (analyze(cfg, lab.batches, log=gmts.say, arms=arms) if lab.command == "analyze"
-                else decoy_main(cfg))
-    except KeyboardInterrupt:
-        gmts.die("interrupted", 130)
-    except Exception as e:
-        # memory; bad input; a model that cannot be loaded, a full disk, nothing to analyse
-        gmts.fail(e)
-    finally:
-        gmts.release_all()
+def warm_main(rest: list):
+    w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
+    w.error = _refuse
+    w.add_argument("--task", default="countdown", choices=sorted(WARM),
+                   help="the warm start to build")
+    w.add_argument("--out", default=None,
+                   help="folder for the model and tokenizer "
+                        "(default: warm/cpu, warm/math or warm/logic)")
+    a = w.parse_args(rest)
+    out = a.out or WARM[a.task]["out"]
+    check_writes(out, only=MODEL_FILES)  # new, empty, or a model folder whose files it rewrites
+    model, tok = warm_start(out, a.task)
+    cfg = warm_config(a.task)
+    rows = gmts.read_data(cfg).held
+    chance = (f"random content gets {random_content_acc(a.task, rows):.3f}, "
+              f"the best fixed content {best_fixed_guess_acc(a.task, rows):.3f}")
+    if a.task == "countdown":
+        ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template),
+                        cfg.short_prompt, cfg.max_new_tokens)
+        print(f"saved {out} | held-out (the preset's, seed 0): "
+              f"acc {ev['real_acc']:.3f} ({chance}), well-formed {ev['real_valid']:.3f}; "
+              f"another problem's target shown: acc {ev['decoy_acc']:.3f}")
+        return
+    t = gmts.get_task(a.task)
+    texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template),
+                         cfg.short_prompt, cfg.max_new_tokens)
+    acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
+    print(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): "
+          f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
 
-def check_png(png: str, command: str):
-    """ValueError (one line) unless --png names a .png file (savefig would write PNG + ".png")."""
-    if os.path.isdir(png) or not png.endswith(".png"):
-        raise ValueError(f"--png {png!r} must name a .png file, e.g. docs/{command}.png")
+def figure_main(command: str, rest: list):
+    """report, retention, scatter: a figure at --png (checked first: check_writes), tables on
+    stdout."""
+    r = argparse.ArgumentParser(prog=f"gmts_lab.py {command}", allow_abbrev=False)
+    r.error = _refuse
+    if command != "scatter":
+        what = "a compare --out" if command == "report" else "an analyze --rhos --out"
+        r.add_argument("panels", nargs="+", help=f"TITLE=FOLDER: {what} folder per panel")
+    r.add_argument("--png", required=True, help="the figure")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing --png file")
+    a = r.parse_args(rest)
+    given = vars(a).get("panels", [])
+    panels = dict(x.split("=", 1) for x in given if "=" in x)
+    if len(panels) < len(given):  # a title given twice would draw one panel
+        raise ValueError(f"{command} takes TITLE=FOLDER arguments, each a title of its own")
+    if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write PNG + ".png"
+        raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{command}.png")
+    check_writes(os.path.dirname(a.png) or ".", (os.path.basename(a.png),), a.overwrite)
+    if command == "scatter":
+        return scatter(a.png)
+    return (report if command == "report" else retention)(panels, a.png)
 
 def decoy_main(cfg: gmts.Config):
     """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json),
     else the flags'."""
     if os.path.isfile(os.path.join(cfg.model, "run_config.json")):
-        saved = gmts.read_run_config(cfg.model)
-        cfg = dataclasses.replace(cfg, **{
-            k: saved[k] for k in ("task", "data", "seed", "eval_size", "short_prompt",
-                                  "chat_template", "max_new_tokens") if k in saved})
+        saved = run_config(cfg.model)
+        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in READ[1:] if k in saved})
         try:  # a hand-edited run_config.json can hold any value
-            gmts.check_config(cfg, writes=False)
+            gmts.check_config(cfg)
         except ValueError as e:
             raise ValueError(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
     if cfg.task != "countdown":
@@ -1096,15 +1149,13 @@ def decoy_main(cfg: gmts.Config):
     rows = gmts.read_data(cfg).held
     ev = decoy_eval(model, tok, rows, gmts.use_chat(tok, cfg.chat_template), cfg.short_prompt,
                     cfg.max_new_tokens)
-    gmts.say(f"| model | held-out greedy acc | same, other targets shown | read from the target | "
-             f"well-formed |\n|---|---|---|---|---|\n"
-             f"| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
-             f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | "
-             f"{ev['real_valid']:.3f} |")
+    print(f"| model | held-out greedy acc | same, other targets shown | read from the target | "
+          f"well-formed |\n|---|---|---|---|---|\n"
+          f"| {cfg.model} (seed {cfg.seed}, {len(rows)} problems) | {ev['real_acc']:.3f} | "
+          f"{ev['decoy_acc']:.3f} | {ev['real_acc'] - ev['decoy_acc']:.3f} | "
+          f"{ev['real_valid']:.3f} |")
     return ev
 
 
 if __name__ == "__main__":
-    # torch has imported: handling_signals takes over, and the teardown after it ignores them
-    gmts.ignore_stops()
     main()

@@ -2,7 +2,7 @@
 
 test_warm_start_rebuilds_bit_identical retrains the committed warm starts (countdown, math, logic: 3-10 minutes each on
 one thread), so it runs only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest
-take seconds.
+take seconds, but test_compare_workers_stop_with_the_parent (a second process: 15-40 s).
 """
 import os
 
@@ -14,9 +14,14 @@ import collections
 import importlib.util
 import json
 import math
+import multiprocessing
 import random
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -50,9 +55,9 @@ def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
 @pytest.mark.parametrize("data", ["gen", "easy"])
 def test_references_score_one_and_generators_are_deterministic(task, data):
     t = gmts.get_task(task)
-    rows = t["load"](data, 200, 1)
-    assert rows == t["load"](data, 200, 1)
-    assert rows != t["load"](data, 200, 2)
+    rows = gmts.load_rows(task, data, 200, 1)
+    assert rows == gmts.load_rows(task, data, 200, 1)
+    assert rows != gmts.load_rows(task, data, 200, 2)
     for row in rows:
         ref = lab.REFERENCES[task](row)
         assert "**" not in ref and ref.count("</think>") == 1 and "<think>" not in ref
@@ -330,7 +335,7 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
             shutil.rmtree(run)
     fixed = lab.best_fixed_guess_acc("logic", gmts.read_data(gmts.Config(task="logic", data="easy", seed=1,
                                                                          eval_size=16)).held)
-    lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png")])
+    lab.main(["report", f"math={tmp_path / 'cmp'}", "--png", str(tmp_path / "d" / "r.png"), "--overwrite"])
     assert f"(mean over seeds): {fixed:.3f}" in capsys.readouterr().out and fixed > 0
     row = lambda first: next(x for x in out.splitlines() if x.startswith(f"| {first} |")).split("|")  # noqa: E731
     assert row("all")[4].strip() == "0.600 +- 0.082" and row("all")[5].strip() == "0.058"  # 0.1 / sqrt(3)
@@ -342,7 +347,8 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
     assert row("gmts - gmts@batch")[3].strip() == "+0.000 +- 0.058"  # the two scopes: 0.1, -0.1, 0; SE 0.1 / sqrt(3)
     assert row("gmts@batch - entropy")[6].strip() == "+0.100, +0.100, +0.000"
     assert "(trunc nan)" in row("all")[6]  # these hand-made runs log no truncated_frac
-    for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs")):
+    for bad, needle in ((["math"], "TITLE=FOLDER"), ([f"x={tmp_path}"], "no finished compare runs"),
+                        ([f"a={tmp_path}", f"a={tmp_path}"], "a title of its own")):  # one panel drawn twice
         with pytest.raises(SystemExit) as e:
             lab.main(["report", *bad, "--png", str(tmp_path / "x.png")])
         assert e.value.code == 2 and needle in capsys.readouterr().err
@@ -639,3 +645,249 @@ def test_analyze_refuses_an_interval_method(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "keeps an interval" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "a").exists()
+
+
+# ---- the command line: malformed inputs, what each command writes, Ctrl-C ---------------------------------------
+
+def _one_line_exit(capsys, argv, code=2):
+    """lab.main(argv) ends with `code` and exactly one stderr line 'gmts_lab: error: ...', no traceback -> that line."""
+    with pytest.raises(SystemExit) as e:
+        lab.main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert e.value.code == code and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("gmts_lab: error: "), err
+    return lines[0]
+
+
+CURVE = {"cos": [0.5, 0.6], "ratio": [0.4, 0.5], "low": [0.1, 0.2]}
+MALFORMED_CURVES = [("{}", {}), ("a list", [1, 2]), ("no cos", {"0.1": {"gmts": {"ratio": [0.4]}}}),
+                    ("no arms", {"0.1": {}}), ("a rho that is no number", {"x": {"gmts": CURVE}}),
+                    ("a null in cos", {"0.1": {"gmts": dict(CURVE, cos=[None])}}),
+                    ("an arm of one rho only", {"0.1": {"gmts": CURVE}, "0.2": {"all": CURVE}}),
+                    ("an arm that is no method", {"0.1": {"best": CURVE}}),
+                    ("a key of one arm only", {"0.1": {"gmts": CURVE, "all": dict(ratio=[1.0], cos=[1.0])}})]
+
+
+@pytest.mark.parametrize("curve", [c for _, c in MALFORMED_CURVES], ids=[i for i, _ in MALFORMED_CURVES])
+def test_retention_refuses_a_malformed_curve_in_one_line(tmp_path, capsys, curve):
+    """retention over a retention.json that is not {rho: {arm: {cos: [...], ratio: [...], ...}}} alike for every rho:
+    exit 2, one line naming the file (each case was a traceback, or a line about --methods, before). The well-formed
+    curve beside them draws."""
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "retention.json").write_text(json.dumps({"0.1": {"gmts": CURVE, "all": CURVE}}))
+    lab.main(["retention", f"a={tmp_path / 'ok'}", "--png", str(tmp_path / "ok.png")])
+    assert (tmp_path / "ok.png").stat().st_size > 0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "retention.json").write_text(json.dumps(curve))
+    line = _one_line_exit(capsys, ["retention", f"a={tmp_path / 'bad'}", "--png", str(tmp_path / "r.png")])
+    assert f"{tmp_path / 'bad' / 'retention.json'}: not a retention curve" in line
+    assert not (tmp_path / "r.png").exists()
+
+
+def _compare_run(folder, config, metrics, name="all-s0"):
+    """A hand-made compare run folder: run_config.json (an object, or raw text) and metrics.jsonl."""
+    run = folder / name
+    run.mkdir(parents=True)
+    (run / "run_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    return run
+
+
+FINISHED = [{"step": 0, "eval_acc": 0.3}, {"step": 2, "eval_acc": 0.5, "truncated_frac": 0.25}]
+MALFORMED_RUNS = [  # (id, run_config.json, metrics.jsonl records, what the line says)
+    ("run_config.json {}", {}, FINISHED, "run_config.json: not a gmts run's config"),
+    ("run_config.json a list", [], FINISHED, "run_config.json: not a gmts run's config"),
+    ("run_config.json not JSON", "{", FINISHED, "run_config.json: not readable as JSON"),
+    ("steps a string", {"steps": "2"}, FINISHED, "run_config.json: not a gmts run's config"),
+    ("eval_size a string", {"steps": 2, "data": "easy", "eval_size": "x"}, FINISHED, "not a gmts run's config"),
+    ("eval_acc null", {"steps": 2}, [FINISHED[0], dict(FINISHED[1], eval_acc=None)], "eval_acc: None is not a"),
+    ("truncated_frac null", {"steps": 2}, [FINISHED[0], dict(FINISHED[1], truncated_frac=None)],
+     "truncated_frac: None is not a number"),
+    ("the folder missing", None, None, "no finished compare runs"),
+    ("the arm folder gone (a dangling link)", "link", None, "no finished compare runs"),
+]
+
+
+@pytest.mark.parametrize("config, metrics, needle", [c[1:] for c in MALFORMED_RUNS], ids=[c[0] for c in MALFORMED_RUNS])
+def test_report_refuses_malformed_runs_in_one_line(tmp_path, capsys, config, metrics, needle):
+    """report over a compare folder whose run has a malformed run_config.json or a non-number where a number is
+    read, or over a folder or arm that is not there: exit 2, one line naming what is wrong, no figure (on the code
+    before, {} left the run out in silence, null was a traceback). The same run well-formed is reported."""
+    _compare_run(tmp_path / "ok", {"steps": 2}, FINISHED)
+    lab.main(["report", f"a={tmp_path / 'ok'}", "--png", str(tmp_path / "ok.png")])
+    assert "| all | 1 | 0.300 | 0.500 +- 0.000 | nan | s0 0.500 (trunc 0.25) |" in capsys.readouterr().out
+    if config == "link":
+        (tmp_path / "cmp").mkdir()
+        os.symlink(tmp_path / "nowhere", tmp_path / "cmp" / "all-s0")
+    elif config is not None:
+        _compare_run(tmp_path / "cmp", config, metrics)
+    line = _one_line_exit(capsys, ["report", f"a={tmp_path / 'cmp'}", "--png", str(tmp_path / "r.png")])
+    assert needle in line and str(tmp_path / "cmp") in line, line
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_decoy_refuses_a_run_config_of_the_wrong_types_in_one_line(tmp_path, capsys):
+    """decoy --model RUN reads RUN's run_config.json: eval_size "4" is refused in one line naming the file (on the
+    code before, a TypeError's traceback from the range checks)."""
+    model = shutil.copytree(gmts.WARM_CPU, tmp_path / "run")
+    (model / "run_config.json").write_text(json.dumps({"steps": 1, "eval_size": "4"}))
+    line = _one_line_exit(capsys, ["decoy", "--model", str(model)])
+    assert f"{model / 'run_config.json'}: not a gmts run's config" in line
+
+
+class Began(Exception):
+    """Raised by the patched expensive work: the command got past its output checks."""
+
+
+def _work_begins(*a, **k):
+    raise Began
+
+
+def _outputs(tmp):
+    """What the output cases meet under tmp: a file f, a user's old.png, an analyze --out with its analysis.json, a
+    retention.json that is a folder, a compare --out with compare.md, an arm folder of the user's, a model folder m,
+    a gmts run folder, a copy of a committed warm start (with its dot-file)."""
+    (tmp / "f").write_text("the user's file\n")
+    (tmp / "old.png").write_bytes(b"the user's picture")
+    for d in ("ana", "rd/retention.json", "cmp", "cmp2/all-s0", "run"):
+        (tmp / d).mkdir(parents=True)
+    (tmp / "ana" / "analysis.json").write_text("{}")
+    (tmp / "cmp" / "compare.md").write_text("| the user's table |\n")
+    (tmp / "cmp2" / "all-s0" / "notes.txt").write_text("the user's notes\n")
+    (tmp / "run" / "run_config.json").write_text(json.dumps({"steps": 1}))
+    (tmp / "run" / "config.json").write_text("{}")
+    shutil.copytree(gmts.WARM_CPU, tmp / "m")
+    shutil.copytree(gmts.WARM_CPU, tmp / "w")
+
+
+SMOKE_CMP = ["compare", "--preset", "smoke", "--methods", "all", "--seeds", "1"]
+OUTPUTS = [  # (id, argv, the refusal's words; None: the command may write there, and its work begins)
+    ("scatter --png in a file's place", ["scatter", "--png", "{tmp}/f/x.png"], "f is not a folder"),
+    ("scatter --png over a user's file", ["scatter", "--png", "{tmp}/old.png"], "exists: pass --overwrite"),
+    ("scatter --png in a folder no one writes", ["scatter", "--png", "/proc/gmts_lab.png"], "cannot be written"),
+    ("scatter --png over it with --overwrite", ["scatter", "--png", "{tmp}/old.png", "--overwrite"], None),
+    ("scatter --png in folders to make", ["scatter", "--png", "{tmp}/new/deeper/s.png"], None),
+    ("report --png over a user's file", ["report", "a={tmp}", "--png", "{tmp}/old.png"], "exists: pass --overwrite"),
+    ("retention --png in a file's place", ["retention", "a={tmp}", "--png", "{tmp}/f/r.png"], "f is not a folder"),
+    ("analyze over analysis.json", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana"], "exists: pass --overwrite"),
+    ("analyze over it with --overwrite", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana", "--overwrite"], None),
+    ("analyze --rhos where retention.json is a folder",
+     ["analyze", "--preset", "smoke", "--rhos", "0.1", "--out", "{tmp}/rd", "--overwrite"], "exists as a folder"),
+    ("analyze --out a file", ["analyze", "--preset", "smoke", "--out", "{tmp}/f"], "f is not a folder"),
+    ("analyze --out the --model folder", ["analyze", "--preset", "smoke", "--model", "{tmp}/m", "--out", "{tmp}/m"],
+     "is or holds the --model folder"),
+    ("analyze --out holding --model", ["analyze", "--preset", "smoke", "--model", "{tmp}/m", "--out", "{tmp}"],
+     "is or holds the --model folder"),
+    ("compare over compare.md", [*SMOKE_CMP, "--out", "{tmp}/cmp"], "compare.md exists: pass --overwrite"),
+    ("compare over it with --overwrite", [*SMOKE_CMP, "--out", "{tmp}/cmp", "--overwrite"], None),
+    ("compare --out the --model folder", [*SMOKE_CMP, "--model", "{tmp}/m", "--out", "{tmp}/m"], "--model folder"),
+    ("compare, an arm folder of the user's (gmts.py's rule)", [*SMOKE_CMP, "--out", "{tmp}/cmp2"],
+     "all-s0 holds files that are not a gmts run"),
+    ("warm --out a gmts run", ["warm", "--out", "{tmp}/run"], "holds run_config.json, which warm does not write"),
+    ("warm --out a file", ["warm", "--out", "{tmp}/f"], "f is not a folder"),
+    ("warm --out a warm start it rewrites", ["warm", "--out", "{tmp}/w"], None),
+    ("warm --out a new folder", ["warm", "--out", "{tmp}/new/w"], None),
+]
+
+
+@pytest.mark.parametrize("argv, needle", [c[1:] for c in OUTPUTS], ids=[c[0] for c in OUTPUTS])
+def test_each_command_checks_what_it_writes_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
+    """Each command that writes checks its files before any model loads, any worker starts, any run is read: a file
+    it would replace needs --overwrite (a folder in a file's place never goes), the folder must be one it can make
+    and write, never the --model folder or one holding it; warm rewrites a warm start's model files and nothing else.
+    A refusal is one line, exit 2, and leaves every file as it was; where it may write, the work begins (here: the
+    patched work raises Began). On the code before, scatter found a missing or unwritable folder only at savefig."""
+    _outputs(tmp_path)
+    for obj, name in ((gmts, "load_model"), (lab, "sft_warmup"), (multiprocessing, "get_context"),
+                      (lab, "finished_runs"), (lab, "read_retention")):
+        monkeypatch.setattr(obj, name, _work_begins)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    if needle is None:
+        with pytest.raises(Began):
+            lab.main(argv)
+        return
+    line = _one_line_exit(capsys, argv)
+    assert needle in line, line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_scatter_makes_the_folder_of_its_png(tmp_path, monkeypatch):
+    """scatter --png NEW/DEEPER/s.png: the folders are made and the figure written (on the code before, savefig failed
+    on the missing folder after every warm start's batch was scored). The batches are stand-ins: this is about the
+    file, test_scatter_points_... about the points."""
+    monkeypatch.setattr(lab, "sample_parts", lambda *a, **k: [(None, None, None)])
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(lab, "scatter_points", lambda *a: dict(H=torch.rand(30, generator=g),
+                                                               gmts=torch.rand(30, generator=g),
+                                                               grad=torch.rand(30, generator=g),
+                                                               abs_adv=torch.rand(30, generator=g)))
+    lab.main(["scatter", "--png", str(tmp_path / "new" / "deeper" / "s.png")])
+    assert (tmp_path / "new" / "deeper" / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decoy_checks_no_output(tmp_path, monkeypatch, capsys):
+    """decoy writes nothing, so it checks no --out: it runs from a working folder it may not write, with the output
+    rule made to refuse everything, prints its table and leaves the folder empty (a read-only working folder refused
+    it on 09cce72)."""
+    def refuse(*a, **k):
+        raise ValueError("decoy checked an output")
+    monkeypatch.setattr(lab, "check_writes", refuse)
+    os.makedirs(tmp_path / "ro")
+    os.chmod(tmp_path / "ro", 0o555)
+    monkeypatch.chdir(tmp_path / "ro")
+    ev = lab.main(["decoy", "--model", gmts.WARM_CPU, "--eval-size", "2", "--max-new-tokens", "4"])
+    assert "| model | held-out greedy acc" in capsys.readouterr().out and set(ev) >= {"real_acc", "decoy_acc"}
+    assert os.listdir(tmp_path / "ro") == []
+
+
+def test_analyze_rolls_out_the_prompt_style_asked(tmp_path, monkeypatch, capsys):
+    """analyze --prompt-style qwen-math rolls out qwen-math prompts (e3741a4: ours, in silence); the Ctrl-C raised at
+    the rollout is one line, exit 130."""
+    seen = []
+
+    def rollout(model, tok, prompts, *a, **k):
+        seen.extend(prompts)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gmts, "rollout", rollout)
+    line = _one_line_exit(capsys, ["analyze", "--model", "tiny", "--task", "math", "--data", "easy", "--prompt-style",
+                                   "qwen-math", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+                                   "--out", str(tmp_path / "a")], code=130)
+    assert line == "gmts_lab: error: interrupted"
+    assert seen and all(gmts.QWEN_MATH_SYSTEM in p for p in seen), seen[:1]
+
+
+def test_compare_starts_no_more_workers_than_runs(tmp_path, monkeypatch, capsys):
+    """--workers 8 for one run: one process, and the line says so (on 47c0a22: 8 processes, 7 of them idle)."""
+    asked = []
+
+    class Context:
+        def Pool(self, n, *a, **k):
+            asked.append(n)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(multiprocessing, "get_context", lambda kind: Context())
+    with pytest.raises(SystemExit) as e:
+        lab.main([*SMOKE_CMP, "--workers", "8", "--out", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert asked == [1] and "in 1 process(es)" in out and (e.value.code, err) == (130, "gmts_lab: error: interrupted\n")
+
+
+def test_compare_workers_stop_with_the_parent(tmp_path):
+    """SIGINT to compare's parent alone (a second process; 15-40 s): exactly the line 'gmts_lab: error: interrupted',
+    exit 130, and no worker goes on training (the workers ignore SIGINT; the pool ends them)."""
+    argv = [sys.executable, os.path.join(HERE, "gmts_lab.py"), "compare", "--preset", "smoke", "--steps", "500",
+            "--eval-every", "0", "--methods", "all,gmts", "--seeds", "1", "--workers", "2", "--out", str(tmp_path / "c")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    t0 = time.time()
+    while not (tmp_path / "c" / "gmts-s0" / "ckpt-000000").exists() and time.time() - t0 < 240:
+        time.sleep(0.5)
+    children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    assert children
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err == "gmts_lab: error: interrupted\n", err
+    time.sleep(1)
+    alive = [c for c in children if os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+    assert not alive

@@ -72,14 +72,6 @@ Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                 
           --use-vllm
 """
 import os
-import signal
-
-if __name__ == "__main__":  # a stop signal while torch and TRL import (seconds): one line
-    def _stopped_while_starting(*_):
-        os.write(2, b"gmts_trl: error: interrupted while starting\n")
-        os._exit(130)
-    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_sig, _stopped_while_starting)
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
@@ -92,6 +84,7 @@ import re
 import sys
 import tempfile
 import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 
@@ -104,7 +97,8 @@ import gmts
 TESTED_TRL = ("1.16.0",)
 # all, random, entropy, gmts, gradnorm (gmts.METHODS); not rsi, whose interval rule (a band
 # method) only gmts.py runs: selection here is select_tokens' top token_rho
-SELECT = [m for m in gmts.CHOICES["select"] if not gmts.METHODS[m].band]
+SELECT = [m for m in gmts.METHODS if not gmts.METHODS[m].band]
+SCOPES = typing.get_args(gmts.Config.__annotations__["scope"])  # auto, group, batch
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 
@@ -152,9 +146,8 @@ class GMTSConfig(GRPOConfig):
         if self.token_selection not in SELECT:
             raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
                              f"{', '.join(SELECT)}")
-        if self.token_scope not in gmts.CHOICES["scope"]:
-            raise ValueError(f"token_scope {self.token_scope!r} is not one of: "
-                             f"{', '.join(gmts.CHOICES['scope'])}")
+        if self.token_scope not in SCOPES:
+            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(SCOPES)}")
         if not 0.0 < self.token_rho <= 1.0:
             raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
@@ -166,8 +159,8 @@ class GMTSConfig(GRPOConfig):
 
 
 def check_trl():
-    """RuntimeError if a hook this file overrides is gone or changed; a warning on an untested TRL
-    version."""
+    """gmts.RunError (a RuntimeError; the CLI: one line, exit 1) if a hook this file overrides is
+    gone or changed; a warning on an untested TRL version."""
     want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
             "_compute_loss": ["self", "model", "inputs"],
             "_prepare_inputs": ["self", "generation_batch"],
@@ -177,9 +170,9 @@ def check_trl():
     for name, params in want.items():
         fn = getattr(GRPOTrainer, name, None)
         if fn is None or (params and list(inspect.signature(fn).parameters) != params):
-            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; "
-                               f"gmts_trl.py needs the hooks of trl 1.16 (tested: "
-                               f"{', '.join(TESTED_TRL)})")
+            raise gmts.RunError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; "
+                                f"gmts_trl.py needs the hooks of trl 1.16 (tested: "
+                                f"{', '.join(TESTED_TRL)})")
     if trl.__version__ not in TESTED_TRL:
         warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, "
                       f"not {trl.__version__}")
@@ -453,8 +446,12 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
     """Rows -> datasets.Dataset with 'prompt' (gmts.build_prompts: a plain string ending inside <think>, which TRL
     tokenizes as is) and 'row' (the row as JSON, for make_reward)."""
     import datasets
+    import jinja2
 
-    prompts = gmts.checked_prompts(tok, gmts.get_task(task), rows, chat, short)  # a failing template: ValueError
+    try:
+        prompts = gmts.build_prompts(tok, gmts.get_task(task), rows, chat, short)
+    except jinja2.TemplateError as e:  # the model's own template refuses these prompts (e.g. a system role)
+        raise ValueError(f"the model's chat template fails on the prompts ({gmts.error_line(e, 300)})") from None
     return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(prompts, rows)])
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -520,7 +517,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
     a("--select", default="gmts", choices=SELECT, help="token selection method")
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
-    a("--scope", default="auto", choices=gmts.CHOICES["scope"], help="group, batch or auto (group for gmts)")
+    a("--scope", default="auto", choices=SCOPES, help="group, batch or auto (group for gmts)")
     a("--steps", type=int, default=200, help="optimizer steps")
     a("--out", default="out/trl", help="output folder (checkpoints every 50 steps, the final model)")
     a("--overwrite", action="store_true", help="write into an --out that already holds a run")

@@ -6,6 +6,9 @@ gloo processes) is checked against gmts.select_tokens over the generation batch 
 the scores against gmts.token_stats and gmts.omega computed apart; omega against the autograd
 gradient of TRL's own _compute_loss for every loss type; and through TRL's real loss that every
 unselected token gets exactly zero gradient (with a control that fails when nothing is masked).
+The CLI: every bad input and fault ends in one stderr line with gmts.run_cli's exit code, naming
+TRL's newest checkpoint where one is kept; --out's own rule (only a gmts_trl run is replaced, with
+--overwrite and only its files; one writing process, also under torchrun).
 """
 import os
 
@@ -562,6 +565,21 @@ def one_error_line(capsys) -> str:
     return err[len("gmts_trl: error: "):-1]
 
 
+@pytest.fixture
+def no_bars(monkeypatch):
+    """No progress bar on stderr (the Trainer's tqdm; its log lines go to stdout instead): a test that trains
+    reads stderr line by line."""
+    import transformers.trainer
+    monkeypatch.setattr(transformers.trainer, "DEFAULT_PROGRESS_CALLBACK", transformers.trainer.PrinterCallback)
+
+
+def locked_elsewhere(lock: str) -> bool:
+    """Whether another process finds `lock` (a filelock file) held."""
+    probe = "import filelock, sys\ntry:\n    filelock.FileLock(sys.argv[1], timeout=0).acquire()\n" \
+            "except filelock.Timeout:\n    sys.exit(3)\n"
+    return subprocess.run([sys.executable, "-c", probe, lock]).returncode == 3
+
+
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory):
     """Bad data files, model folders and output folders, built once."""
@@ -625,6 +643,108 @@ def test_cli_bad_input_one_line(capsys, tmp_path, bad, argv, code, msg):
     line = one_error_line(capsys)
     assert e.value.code == code and msg in line, line
     assert files_under(bad) == before and not os.path.exists(tmp_path / "run")
+
+
+def after_training(error):
+    """GMTSTrainer.train that trains (TRL saves checkpoint-1 at the last step), then raises error: a stop or a fault
+    late in train()."""
+    real = GMTSTrainer.train
+
+    def train(self, *a, **k):
+        real(self, *a, **k)
+        raise error
+    return train
+
+
+def raising(error):
+    def boom(*a, **k):
+        raise error
+    return boom
+
+
+OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+LOWER = "lower --per-device-batch-size or --max-completion-length"
+TRAIN = "gmts_trl:GMTSTrainer.train"
+FAULTS = [  # (id, argv, the patched "module:attribute", its stand-in, exit code, the whole line after 'error: ')
+    ("Ctrl-C in train after a checkpoint", [], TRAIN, after_training(KeyboardInterrupt), 130,
+     "interrupted; {out} keeps checkpoint-1"),
+    ("Ctrl-C in train before a checkpoint", [], TRAIN, raising(KeyboardInterrupt), 130,
+     "interrupted; {out} holds no checkpoint of TRL's yet"),
+    ("OOM in train", [], TRAIN, raising(OOM), 1, f"out of GPU memory: {LOWER}; {{out}} holds no checkpoint of TRL's yet"),
+    ("MemoryError in train", [], TRAIN, raising(MemoryError), 1,
+     f"out of CPU memory: {LOWER}, or use a smaller model; {{out}} holds no checkpoint of TRL's yet"),
+    ("full disk after a checkpoint", [], TRAIN, after_training(OSError(28, "No space left on device")), 1,
+     "[Errno 28] No space left on device; {out} keeps checkpoint-1"),
+    ("OOM while the weights load", ["--model", "{d}/good"], "trl.trainer.utils:create_model_from_path", raising(OOM),
+     1, f"out of GPU memory: {LOWER}; {{out}} holds no checkpoint of TRL's yet"),
+    ("a TRL whose hook changed", [], "gmts_trl:GRPOTrainer._prepare_inputs", lambda self, batch, extra: batch, 1,
+     f"trl {gmts_trl.trl.__version__}: GRPOTrainer._prepare_inputs is missing or changed; gmts_trl.py needs the "
+     f"hooks of trl 1.16 (tested: {', '.join(gmts_trl.TESTED_TRL)}); {{out}} holds no checkpoint of TRL's yet"),
+]
+
+
+@pytest.mark.parametrize("argv, where, value, code, line", [c[1:] for c in FAULTS], ids=[c[0] for c in FAULTS])
+def test_cli_fault_one_line_naming_what_is_kept(capsys, monkeypatch, no_bars, tmp_path, bad, argv, where, value, code, line):
+    """A stop (Ctrl-C: 130) or a fault (memory, naming the flags that take less; a full disk; an unsupported TRL: 1)
+    ends the run with exactly this one line, which names TRL's newest checkpoint if there is one; the final model
+    is not saved."""
+    module, attr = where.split(":")
+    owner, _, name = attr.rpartition(".")
+    target = importlib.import_module(module)
+    monkeypatch.setattr(getattr(target, owner) if owner else target, name, value)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(FAST + ["--out", str(out)] + [a.format(d=bad) for a in argv])
+    assert one_error_line(capsys) == line.format(out=out) and e.value.code == code
+    assert not os.path.exists(out / "model.safetensors")
+
+
+def test_cli_a_second_writer_is_refused(capsys, monkeypatch, no_bars, tmp_path):
+    """Another live process holds --out's lock: one line, exit 2, the folder as it was. Once it is gone the same
+    command runs (the control: it was the lock that refused it), holding the lock itself while TRL trains and
+    letting it go at the end."""
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = str(out / gmts_trl.LOCK)
+    code = "import filelock, sys, time\nheld = filelock.FileLock(sys.argv[1])\nheld.acquire()\n" \
+           "print('held', flush=True)\ntime.sleep(120)\n"
+    holder = subprocess.Popen([sys.executable, "-c", code, lock], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as e:
+            gmts_trl.main(FAST + ["--out", str(out)])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert one_error_line(capsys) == f"--out {out}: another process writes there now" and e.value.code == 2
+    assert os.listdir(out) == [gmts_trl.LOCK]
+    seen, train = [], GMTSTrainer.train
+    monkeypatch.setattr(GMTSTrainer, "train", lambda self: seen.append(locked_elsewhere(lock)) or train(self))
+    gmts_trl.main(FAST + ["--out", str(out)])
+    assert seen == [True] and not locked_elsewhere(lock)
+    assert os.path.exists(out / "model.safetensors")
+
+
+def test_cli_overwrite_replaces_only_a_runs_files(capsys, no_bars, tmp_path):
+    """A folder holding a gmts_trl run and a user's files: without --overwrite refused as it is; with it, the earlier
+    run's names go (a stale checkpoint, another tokenizer's vocab.json), the user's stay, and the new run is saved."""
+    out = tmp_path / "run"
+    gmts_trl.main(FAST + ["--out", str(out)])
+    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and os.path.exists(out / "model.safetensors")
+    os.rename(out / "checkpoint-1", out / "checkpoint-7")  # an earlier run's last checkpoint
+    (out / "vocab.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "data.jsonl").write_text("mine")
+    before = files_under(out)
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(FAST + ["--out", str(out)])
+    assert e.value.code == 2 and "holds a gmts_trl run: replace it with --overwrite" in one_error_line(capsys)
+    assert files_under(out) == before
+    gmts_trl.main(FAST + ["--out", str(out), "--overwrite"])
+    after = files_under(out)
+    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and "vocab.json" not in after
+    assert after["notes.txt"] == b"mine" and after[os.path.join("mine", "data.jsonl")] == b"mine"
 
 
 def test_cli_out_rule(tmp_path, bad):

@@ -72,39 +72,35 @@ Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                 
           --use-vllm
 """
 import os
-import signal
-
-if __name__ == "__main__":  # a stop signal while torch and TRL import (seconds): one line
-    def _stopped_while_starting(*_):
-        os.write(2, b"gmts_trl: error: interrupted while starting\n")
-        os._exit(130)
-    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_sig, _stopped_while_starting)
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import argparse
+import contextlib
+import fnmatch
 import functools
 import inspect
 import json
 import math
 import re
-import sys
-import tempfile
 import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 
+import filelock
 import torch
 import trl
 from trl import GRPOConfig, GRPOTrainer
+from trl.import_utils import is_vllm_available
 
 import gmts
 
 TESTED_TRL = ("1.16.0",)
 # all, random, entropy, gmts, gradnorm (gmts.METHODS); not rsi, whose interval rule (a band
 # method) only gmts.py runs: selection here is select_tokens' top token_rho
-SELECT = [m for m in gmts.CHOICES["select"] if not gmts.METHODS[m].band]
+SELECT = [m for m in gmts.METHODS if not gmts.METHODS[m].band]
+SCOPES = typing.get_args(gmts.Config.__annotations__["scope"])  # auto, group, batch
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip losses
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 
@@ -152,9 +148,8 @@ class GMTSConfig(GRPOConfig):
         if self.token_selection not in SELECT:
             raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
                              f"{', '.join(SELECT)}")
-        if self.token_scope not in gmts.CHOICES["scope"]:
-            raise ValueError(f"token_scope {self.token_scope!r} is not one of: "
-                             f"{', '.join(gmts.CHOICES['scope'])}")
+        if self.token_scope not in SCOPES:
+            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(SCOPES)}")
         if not 0.0 < self.token_rho <= 1.0:
             raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
@@ -166,8 +161,8 @@ class GMTSConfig(GRPOConfig):
 
 
 def check_trl():
-    """RuntimeError if a hook this file overrides is gone or changed; a warning on an untested TRL
-    version."""
+    """gmts.RunError (a RuntimeError; the CLI: one line, exit 1) if a hook this file overrides is
+    gone or changed; a warning on an untested TRL version."""
     want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
             "_compute_loss": ["self", "model", "inputs"],
             "_prepare_inputs": ["self", "generation_batch"],
@@ -177,9 +172,9 @@ def check_trl():
     for name, params in want.items():
         fn = getattr(GRPOTrainer, name, None)
         if fn is None or (params and list(inspect.signature(fn).parameters) != params):
-            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; "
-                               f"gmts_trl.py needs the hooks of trl 1.16 (tested: "
-                               f"{', '.join(TESTED_TRL)})")
+            raise gmts.RunError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; "
+                                f"gmts_trl.py needs the hooks of trl 1.16 (tested: "
+                                f"{', '.join(TESTED_TRL)})")
     if trl.__version__ not in TESTED_TRL:
         warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, "
                       f"not {trl.__version__}")
@@ -453,9 +448,66 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
     """Rows -> datasets.Dataset with 'prompt' (gmts.build_prompts: a plain string ending inside <think>, which TRL
     tokenizes as is) and 'row' (the row as JSON, for make_reward)."""
     import datasets
+    import jinja2
 
-    prompts = gmts.checked_prompts(tok, gmts.get_task(task), rows, chat, short)  # a failing template: ValueError
+    try:
+        prompts = gmts.build_prompts(tok, gmts.get_task(task), rows, chat, short)
+    except jinja2.TemplateError as e:  # the model's own template refuses these prompts (e.g. a system role)
+        raise ValueError(f"the model's chat template fails on the prompts ({gmts.error_line(e, 300)})") from None
     return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(prompts, rows)])
+
+# ---------------------------------------------------------------------------------------------------------------
+# The output folder [plumbing]: this file's own rule (gmts.py's run folders are gmts.py's)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+LOCK = ".gmts_trl.lock"  # filelock's file: one process writes an --out at a time
+RUN_FILES = ("checkpoint-*", "README.md", "training_args.bin", "config.json", "generation_config.json",
+             "*.safetensors*", "tokenizer*", "chat_template.*", "*_tokens*.json", "vocab.json",
+             "merges.txt")  # what TRL's Trainer writes into output_dir: all --overwrite may remove
+
+
+def checkpoints(out: str) -> list:
+    """TRL's complete checkpoint-N folders in out (trainer_state.json, saved last), oldest first."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    done = [n for n in names if re.fullmatch(r"checkpoint-\d+", n) and
+            os.path.isfile(os.path.join(out, n, "trainer_state.json"))]
+    return sorted(done, key=lambda n: int(n.split("-")[1]))
+
+
+def check_out(out: str, model: str, overwrite: bool):
+    """ValueError unless a run may write in out: not a file, not (nor holding) the --model folder; new, empty, or
+    holding a gmts_trl run (a TRL checkpoint), which only --overwrite replaces."""
+    real = os.path.realpath(out)
+    if not out or os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} must name a folder")
+    if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
+        raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
+    if os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not checkpoints(out):
+        raise ValueError(f"--out {out} holds files that are not a gmts_trl run; choose another --out")
+    if checkpoints(out) and not overwrite:
+        raise ValueError(f"--out {out} holds a gmts_trl run: replace it with --overwrite, or choose another --out")
+
+
+def claim_out(out: str, model: str, overwrite: bool):
+    """out locked for this process (filelock) -> the held lock (a context manager); checked again under the lock (a
+    run may have ended there meanwhile), and with --overwrite cleared of the names a run writes, nothing else."""
+    os.makedirs(out, exist_ok=True)
+    try:
+        held = filelock.FileLock(os.path.join(out, LOCK), timeout=0).acquire()
+    except filelock.Timeout:
+        raise ValueError(f"--out {out}: another process writes there now") from None
+    check_out(out, model, overwrite)
+    for name in os.listdir(out) if overwrite else []:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES):
+            gmts.remove(os.path.join(out, name))
+    return held
+
+
+def kept(out: str) -> str:
+    """What a run stopped early leaves in out, for run_cli's line."""
+    done = checkpoints(out)
+    return f"; {out} keeps {done[-1]}" if done else f"; {out} holds no checkpoint of TRL's yet"
 
 # ---------------------------------------------------------------------------------------------------------------
 # CLI [plumbing]
@@ -466,53 +518,15 @@ ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL then goes 
 LOWER = "--per-device-batch-size or --max-completion-length"  # the flags that take less memory
 
 
-def die(msg, code: int = 2):
-    """Bad input: one line on stderr (gmts.error_line of msg, a message or an exception) and a non-zero exit (2:
-    input, 1: a model that cannot be loaded, memory), no traceback."""
-    print(f"gmts_trl: error: {gmts.error_line(msg)}", file=sys.stderr)
-    sys.exit(code)
-
-
-def fail(e: Exception, code: int, keeps: str):
-    """die for an exception: memory first (exit 1, then `keeps`: what the run keeps), else its one line and `code`."""
-    why = gmts.memory_fault(e, LOWER)
-    die(why + keeps if why else e, 1 if why else code)
-
-
-def kept(out: str) -> str:
-    """What a run stopped early leaves in `out`: TRL's newest checkpoint-N folder, if any."""
-    found = [n for n in os.listdir(out) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(out) else []
-    if not found:
-        return f"{out} holds no checkpoint-N folder of TRL's yet"
-    return f"{out} keeps {max(found, key=lambda n: int(n.split('-')[1]))}"
-
-
-def check_out(out: str, overwrite: bool = False, model: str = ""):
-    """ValueError unless --out is (or can be made) a writable folder holding no earlier run (unless overwrite), and
-    gmts.check_out allows it: no file there that this run writes unless from an earlier gmts_trl.py run, no other
-    live writer, not the --model folder nor in warm/."""
-    if not out.strip():
-        raise ValueError("--out must not be empty")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} is an existing file, not a folder")
-    parent = os.path.abspath(out)
-    while not os.path.exists(parent):  # the nearest folder that exists: it must be a folder we can write in
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=parent):  # a real write (os.access says yes to root on a read-only mount)
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write in {parent} ({e.strerror or gmts.error_line(e, 200)})") from None
-    gmts.check_out(out, "trl", model, overwrite)  # its own earlier run needs --overwrite; any other output refused
+def bad_flag(message: str):  # argparse's error(): a ValueError, so run_cli's one line says it (exit 2)
+    raise ValueError(message)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Flags -> Namespace; every range is checked here, before any work (one line and exit 2 otherwise)."""
+    """Flags -> Namespace; every range and the output folder are checked here, before any work."""
     p = argparse.ArgumentParser(prog="gmts_trl.py",
                                 description="GRPO + GMTS token selection on TRL (see the docstring).")
-    p.error = die  # one line and exit 2, no usage dump
+    p.error = bad_flag
     a = p.add_argument
     a("--model", default="tiny", help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
     a("--task", default="countdown", choices=sorted(gmts.TASKS))
@@ -520,10 +534,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
     a("--select", default="gmts", choices=SELECT, help="token selection method")
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
-    a("--scope", default="auto", choices=gmts.CHOICES["scope"], help="group, batch or auto (group for gmts)")
+    a("--scope", default="auto", choices=SCOPES, help="group, batch or auto (group for gmts)")
     a("--steps", type=int, default=200, help="optimizer steps")
     a("--out", default="out/trl", help="output folder (checkpoints every 50 steps, the final model)")
-    a("--overwrite", action="store_true", help="write into an --out that already holds a run")
+    a("--overwrite", action="store_true", help="replace the gmts_trl run in --out (only the files a run writes)")
     a("--num-generations", type=int, default=8, help="G, answers per prompt")
     a("--per-device-batch-size", type=int, default=8, help="answers per process per micro-batch (the selection pool)")
     a("--grad-accum", type=int, default=8, help="micro-batches per optimizer step")
@@ -541,48 +555,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                            ("max-completion-length", args.max_completion_length >= 1, ">= 1"),
                            ("seed", 0 <= args.seed < 2**32, "in [0, 2**32)")]:  # numpy's seed range (TRL seeds it)
         if not ok:
-            die(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
-    try:
-        check_out(args.out, args.overwrite, args.model)
-    except ValueError as e:
-        die(str(e))
+            raise ValueError(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
+    if args.use_vllm and not is_vllm_available():  # else TRL's ImportError, a traceback
+        raise ValueError("--use-vllm: vLLM is not installed (pip install vllm)")
+    check_out(args.out, args.model, args.overwrite)
     return args
 
 
-def load_hub_model(path: str, cfg: GMTSConfig):
-    """A local folder or hub id -> (tokenizer, max positions or None, a loader for the model), as TRL would load it
-    from the name (fp32; no device_map when distributed). OSError with one line if any part cannot be loaded."""
-    from transformers import AutoConfig, AutoTokenizer
+def load_model(path: str, cfg: GMTSConfig) -> tuple:
+    """A local folder or hub id -> (model, tokenizer), loaded as TRL loads a model named by its path (fp32; no
+    device_map when distributed). ValueError (bad input) if it cannot load."""
+    from transformers import AutoTokenizer
     from trl.trainer.utils import create_model_from_path
 
-    def why(e: Exception) -> Exception:
-        if gmts.memory_fault(e):  # not the model's fault: raised as it is
-            return e
-        hint = "" if os.path.isdir(path) else "; try --model tiny for an offline run"
-        return OSError(f"cannot load model '{path}': {gmts.error_line(e, 200).rstrip('.')}{hint}")
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        gmts.check_tokenizer(tok)
-        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-    except Exception as e:  # OSError, ValueError, a damaged json, ...: whatever it is, the folder is unusable
-        raise why(e) from None
     kw = {"trust_remote_code": cfg.trust_remote_code}
     if cfg.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
         kw["device_map"] = None
-
-    def load():
-        try:
-            return create_model_from_path(path, **kw)
-        except Exception as e:  # no weights, truncated safetensors, an unknown architecture
-            raise why(e) from None
-
-    return tok, positions, load
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        return create_model_from_path(path, **kw), tok
+    except Exception as e:  # no such folder or hub id, no hub, missing or damaged files, an unknown architecture
+        if gmts.memory_fault(e):
+            raise
+        raise ValueError(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
 
 
 def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
-    """Flags -> a GMTSTrainer. ValueError: bad input (data, lengths, TRL's own checks); OSError: a model that cannot
-    be loaded. Cheap checks first: the config, the data, the tokenizer and positions, then the weights."""
+    """Flags -> a GMTSTrainer. ValueError: bad input (data, the model, TRL's own checks). Cheap checks first: the
+    config, the data, then the model."""
     cuda = torch.cuda.is_available()
     with warnings.catch_warnings():  # TRL's default gradient_checkpointing=True trips a transformers deprecation
         warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
@@ -597,54 +597,36 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
             use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
             save_strategy="steps", save_steps=50)
     per_step = cfg.generation_batch_size // cfg.num_generations  # prompts per optimizer step, all processes
-    task = gmts.get_task(args.task)
-    rows = task["load"](args.data, min(max(2000, args.steps * per_step), ROWS_CAP), args.seed)
-    distinct = len({task["prompt"](r) for r in rows})
+    rows = gmts.load_rows(args.task, args.data, min(max(2000, args.steps * per_step), ROWS_CAP), args.seed)
+    distinct = len({gmts.get_task(args.task)["prompt"](r) for r in rows})
     if distinct < per_step:  # TRL's sampler drops an incomplete batch: it would train 0 steps and exit 0
         raise ValueError(f"--data {args.data}: {distinct} distinct problem(s), but one step takes {per_step} "
                          "(--per-device-batch-size x --grad-accum x processes / --num-generations)")
     if args.model == "tiny":
         model, tok = gmts.build_tiny(seed=args.seed)
-        positions, load = model.config.max_position_embeddings, lambda: model
     else:
-        tok, positions, load = load_hub_model(gmts.resolve_model_name(args.model), cfg)
+        model, tok = load_model(gmts.resolve_model_name(args.model), cfg)
     data = make_dataset(tok, args.task, rows, gmts.use_chat(tok), args.short_prompt)
-    if positions:  # the longest prompts by characters, in tokens (tokenizing every row costs seconds)
-        longest = max(len(ids) for ids in tok(sorted(data["prompt"], key=len)[-16:])["input_ids"])
-        if longest + args.max_completion_length > positions:
-            raise ValueError(f"--max-completion-length {args.max_completion_length} plus the longest prompt "
-                             f"({longest} tokens) is more than the model's {positions} positions")
-    return GMTSTrainer(model=load(), reward_funcs=make_reward(args.task), args=cfg, train_dataset=data,
+    return GMTSTrainer(model=model, reward_funcs=make_reward(args.task), args=cfg, train_dataset=data,
                        processing_class=tok)
 
 
 def main(argv=None):
-    with gmts.handling_signals():  # SIGINT, SIGTERM, SIGHUP: one line, exit 130
-        _main(argv)
+    args = None
 
-
-def _main(argv):
-    try:
+    def command():
+        nonlocal args
         args = parse_args(argv)
-        trainer = build_trainer(args)
-        gmts.claim_out(args.out, "trl")  # this process is the folder's one writer until it ends
-    except KeyboardInterrupt:
-        die("interrupted before training; nothing was written", 130)
-    except (ValueError, OSError, RuntimeError, ImportError, MemoryError) as e:
-        # ValueError (exit 2): flags TRL rejects (a batch not divisible by G), data files, lengths, a chat template
-        # that fails; else (1): memory, a model that can't be loaded, an unsupported TRL, no vLLM
-        fail(e, 2 if isinstance(e, ValueError) else 1, "; nothing was written")
-    try:
-        trainer.train()
-        if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
-            die(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of batches; nothing saved", 1)
-        trainer.save_model(args.out)
-    except KeyboardInterrupt:
-        die(f"interrupted; {kept(args.out)}", 130)
-    except (OSError, RuntimeError, ValueError, MemoryError) as e:  # memory, a full disk, a tokenizer failing at once
-        fail(e, 1, f"; {kept(args.out)}")
-    finally:
-        gmts.release_all()
+        trainer = build_trainer(args)  # every input loaded before anything is written in --out
+        writes = trainer.args.should_save  # the one process that writes (accelerate launch starts one per GPU)
+        with claim_out(args.out, args.model, args.overwrite) if writes else contextlib.nullcontext():
+            trainer.train()
+            if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
+                raise gmts.RunError(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of "
+                                    "batches; the final model was not saved")
+            trainer.save_model(args.out)
+
+    gmts.run_cli("gmts_trl", command, kept=lambda: kept(args.out) if args else "", lower=LOWER)
 
 
 if __name__ == "__main__":

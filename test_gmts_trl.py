@@ -6,6 +6,9 @@ gloo processes) is checked against gmts.select_tokens over the generation batch 
 the scores against gmts.token_stats and gmts.omega computed apart; omega against the autograd
 gradient of TRL's own _compute_loss for every loss type; and through TRL's real loss that every
 unselected token gets exactly zero gradient (with a control that fails when nothing is masked).
+The CLI: every bad input and fault ends in one stderr line with gmts.run_cli's exit code, naming
+TRL's newest checkpoint where one is kept; --out's own rule (only a gmts_trl run is replaced, with
+--overwrite and only its files; one writing process, also under torchrun).
 """
 import os
 
@@ -436,19 +439,22 @@ def two_process_worker(out: str):
     torch.save(calls, os.path.join(out, f"rank{tr.accelerator.process_index}.pt"))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_two_gloo_processes_select_over_whole_groups(tmp_path):
     """Two real processes (torchrun, gloo, CPU): the union of their kept masks is
     gmts.select_tokens(group_size=G) over the generation batch of both, a group split between
     them included."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "worker.py"
     script.write_text(f"import sys\nsys.path.insert(0, {HERE!r})\nimport test_gmts_trl\n"
                       "test_gmts_trl.two_process_worker(sys.argv[1])\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", str(port), str(script), str(tmp_path)],
+                        "--master_port", str(free_port()), str(script), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
@@ -540,25 +546,63 @@ FAST = ["--short-prompt", "--steps", "1", "--num-generations", "2", "--per-devic
         "--max-completion-length", "8"]  # a case whose check is missing trains 1 tiny step and fails, not 200
 
 
+def files_under(folder) -> dict:
+    """Every file under folder (relative path -> bytes) and every folder (-> None)."""
+    out = {}
+    for here, dirs, names in os.walk(folder):
+        for n in dirs:
+            out[os.path.relpath(os.path.join(here, n), folder)] = None
+        for n in names:
+            with open(os.path.join(here, n), "rb") as f:
+                out[os.path.relpath(os.path.join(here, n), folder)] = f.read()
+    return out
+
+
+def one_error_line(capsys) -> str:
+    """stderr, which must be exactly one line 'gmts_trl: error: ...' and no traceback: that line's text after it."""
+    err = capsys.readouterr().err
+    assert err.startswith("gmts_trl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err[len("gmts_trl: error: "):-1]
+
+
+@pytest.fixture
+def no_bars(monkeypatch):
+    """No progress bar on stderr (the Trainer's tqdm; its log lines go to stdout instead): a test that trains
+    reads stderr line by line."""
+    import transformers.trainer
+    monkeypatch.setattr(transformers.trainer, "DEFAULT_PROGRESS_CALLBACK", transformers.trainer.PrinterCallback)
+
+
+def locked_elsewhere(lock: str) -> bool:
+    """Whether another process finds `lock` (a filelock file) held."""
+    probe = "import filelock, sys\ntry:\n    filelock.FileLock(sys.argv[1], timeout=0).acquire()\n" \
+            "except filelock.Timeout:\n    sys.exit(3)\n"
+    return subprocess.run([sys.executable, "-c", probe, lock]).returncode == 3
+
+
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory):
     """Bad data files, model folders and output folders, built once."""
     d = tmp_path_factory.mktemp("bad")
     row = json.dumps({"nums": [1, 2, 3], "target": 6})
-    files = {"one.jsonl": row + "\n", "dup.jsonl": (row + "\n") * 20, "bad.jsonl": "not json\n", "empty.jsonl": "",
-             "schema.jsonl": json.dumps({"nums": [1, 2]}) + "\n", "afile": "x"}
+    files = {"one.jsonl": row + "\n", "dup.jsonl": (row + "\n") * 20, "empty.jsonl": "",
+             "schema.jsonl": json.dumps({"nums": [1, 2]}) + "\n", "afile": "x",
+             "user/README.md": "mine", "user/checkpoint-2/precious.bin": "mine",  # named like TRL's, not TRL's
+             "hasrun/checkpoint-3/trainer_state.json": "{}", "hasrun/model.safetensors": ""}  # an earlier run
     for name, text in files.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(text)
-    (d / "hasrun").mkdir()
-    (d / "hasrun" / "model.safetensors").write_bytes(b"")
-    (d / "hasrun" / ".gmts-run").write_text('{"kind": "trl"}\n')  # an earlier gmts_trl.py run's marker
     model, tok = gmts.build_tiny(hidden=16, layers=1)
-    model.save_pretrained(d / "cfgonly")  # then only config.json (and generation_config.json) stays
-    os.remove(d / "cfgonly" / "model.safetensors")
-    model.save_pretrained(d / "trunc")
-    tok.save_pretrained(d / "trunc")
+    for name in ("good", "cfgonly", "trunc", "template"):
+        model.save_pretrained(d / name)
+        tok.save_pretrained(d / name)
+    for n in os.listdir(d / "cfgonly"):  # then only config.json (and generation_config.json) stays
+        if n != "config.json" and n != "generation_config.json":
+            os.remove(d / "cfgonly" / n)
     weights = (d / "trunc" / "model.safetensors").read_bytes()
     (d / "trunc" / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    tok.chat_template = "{{ raise_exception('System role not supported') }}"
+    tok.save_pretrained(d / "template")
     return d
 
 
@@ -568,31 +612,153 @@ BAD_INPUTS = [  # (argv, exit code, part of the message); {d}: the `bad` folder
     (["--steps", "0"], 2, "--steps must be >= 1"), (["--steps", "x"], 2, "invalid int value"),
     (["--num-generations", "1"], 2, "--num-generations"), (["--per-device-batch-size", "0"], 2, "--per-device"),
     (["--grad-accum", "0"], 2, "--grad-accum"), (["--max-completion-length", "0"], 2, "--max-completion-length"),
-    (["--max-completion-length", "5000"], 2, "the model's 4096 positions"), (["--seed", "-1"], 2, "--seed"),
-    (["--seed", str(2**32)], 2, "--seed"), (["--task", "chess"], 2, "--task"),
+    (["--seed", "-1"], 2, "--seed"), (["--seed", str(2**32)], 2, "--seed"), (["--task", "chess"], 2, "--task"),
     (["--select", "bogus"], 2, "--select"), (["--select", "rsi"], 2, "--select"),  # rsi: gmts.py only
-    (["--loss-type", "ppo"], 2, "--loss-type"),
-    (["--per-device-batch-size", "3"], 2, "divisible"),
-    (["--data", "{d}/missing.jsonl"], 2, "cannot read"), (["--data", "{d}/bad.jsonl"], 2, "invalid JSON"),
-    (["--data", "{d}/empty.jsonl"], 2, "no rows"), (["--data", "{d}/schema.jsonl"], 2, 'missing key "target"'),
+    (["--loss-type", "ppo"], 2, "--loss-type"), (["--per-device-batch-size", "3"], 2, "divisible"),
+    (["--use-vllm"], 2, "vLLM is not installed"),
+    (["--data", "{d}/missing.jsonl"], 2, "cannot read"), (["--data", "{d}/empty.jsonl"], 2, "cannot read"),
+    (["--data", "{d}/schema.jsonl"], 2, 'has no "target"'),
     (["--data", "{d}/one.jsonl", "--per-device-batch-size", "4"], 2, "1 distinct problem(s), but one step takes 2"),
     (["--data", "{d}/dup.jsonl", "--per-device-batch-size", "4"], 2, "1 distinct problem(s)"),
-    (["--out", "{d}/afile"], 2, "is an existing file"), (["--out", "{d}/afile/sub"], 2, "is a file, not a folder"),
-    (["--out", ""], 2, "--out must not be empty"), (["--out", "{d}/hasrun"], 2, "holds a run"),
-    (["--model", "{d}/cfgonly"], 1, "cannot load model"), (["--model", "{d}/trunc"], 1, "cannot load model"),
+    (["--out", "{d}/afile"], 2, "must name a folder"), (["--out", ""], 2, "must name a folder"),
+    (["--out", "{d}/afile/sub"], 1, "Not a directory"),
+    (["--out", "{d}/hasrun"], 2, "holds a gmts_trl run: replace it with --overwrite"),
+    (["--out", "{d}/user"], 2, "holds files that are not a gmts_trl run"),
+    (["--model", "{d}/good", "--out", "{d}/good"], 2, "is or holds the --model folder"),
+    (["--model", "{d}/good", "--out", "{d}"], 2, "is or holds the --model folder"),
+    (["--model", "{d}/cfgonly"], 2, "cannot load model"), (["--model", "{d}/trunc"], 2, "cannot load model"),
+    (["--model", "{d}/template"], 2, "chat template fails on the prompts (System role not supported)"),
 ]
 
 
 @pytest.mark.parametrize("argv, code, msg", BAD_INPUTS, ids=[" ".join(c[0]).replace("{d}/", "") for c in BAD_INPUTS])
 def test_cli_bad_input_one_line(capsys, tmp_path, bad, argv, code, msg):
-    """Each bad input: exactly one stderr line 'gmts_trl: error: ...', no traceback, the exit code (2: input, 1: a
-    model that cannot be loaded), before any training."""
+    """Each bad input: exactly one stderr line 'gmts_trl: error: ...', no traceback, the exit code (2: input; 1: a
+    folder that cannot be made), before any training, and every file that was there as it was."""
+    if "--use-vllm" in argv and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed")
+    before = files_under(bad)
     with pytest.raises(SystemExit) as e:
         gmts_trl.main(FAST + ["--out", str(tmp_path / "run")] + [a.format(d=bad) for a in argv])
-    err = capsys.readouterr().err
-    assert e.value.code == code, err
-    assert err.startswith("gmts_trl: error: ") and err.count("\n") == 1 and "Traceback" not in err
-    assert msg in err
+    line = one_error_line(capsys)
+    assert e.value.code == code and msg in line, line
+    assert files_under(bad) == before and not os.path.exists(tmp_path / "run")
+
+
+def after_training(error):
+    """GMTSTrainer.train that trains (TRL saves checkpoint-1 at the last step), then raises error: a stop or a fault
+    late in train()."""
+    real = GMTSTrainer.train
+
+    def train(self, *a, **k):
+        real(self, *a, **k)
+        raise error
+    return train
+
+
+def raising(error):
+    def boom(*a, **k):
+        raise error
+    return boom
+
+
+OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+LOWER = "lower --per-device-batch-size or --max-completion-length"
+TRAIN = "gmts_trl:GMTSTrainer.train"
+FAULTS = [  # (id, argv, the patched "module:attribute", its stand-in, exit code, the whole line after 'error: ')
+    ("Ctrl-C in train after a checkpoint", [], TRAIN, after_training(KeyboardInterrupt), 130,
+     "interrupted; {out} keeps checkpoint-1"),
+    ("Ctrl-C in train before a checkpoint", [], TRAIN, raising(KeyboardInterrupt), 130,
+     "interrupted; {out} holds no checkpoint of TRL's yet"),
+    ("OOM in train", [], TRAIN, raising(OOM), 1, f"out of GPU memory: {LOWER}; {{out}} holds no checkpoint of TRL's yet"),
+    ("MemoryError in train", [], TRAIN, raising(MemoryError), 1,
+     f"out of CPU memory: {LOWER}, or use a smaller model; {{out}} holds no checkpoint of TRL's yet"),
+    ("full disk after a checkpoint", [], TRAIN, after_training(OSError(28, "No space left on device")), 1,
+     "[Errno 28] No space left on device; {out} keeps checkpoint-1"),
+    ("OOM while the weights load", ["--model", "{d}/good"], "trl.trainer.utils:create_model_from_path", raising(OOM),
+     1, f"out of GPU memory: {LOWER}; {{out}} holds no checkpoint of TRL's yet"),
+    ("a TRL whose hook changed", [], "gmts_trl:GRPOTrainer._prepare_inputs", lambda self, batch, extra: batch, 1,
+     f"trl {gmts_trl.trl.__version__}: GRPOTrainer._prepare_inputs is missing or changed; gmts_trl.py needs the "
+     f"hooks of trl 1.16 (tested: {', '.join(gmts_trl.TESTED_TRL)}); {{out}} holds no checkpoint of TRL's yet"),
+]
+
+
+@pytest.mark.parametrize("argv, where, value, code, line", [c[1:] for c in FAULTS], ids=[c[0] for c in FAULTS])
+def test_cli_fault_one_line_naming_what_is_kept(capsys, monkeypatch, no_bars, tmp_path, bad, argv, where, value, code, line):
+    """A stop (Ctrl-C: 130) or a fault (memory, naming the flags that take less; a full disk; an unsupported TRL: 1)
+    ends the run with exactly this one line, which names TRL's newest checkpoint if there is one; the final model
+    is not saved."""
+    module, attr = where.split(":")
+    owner, _, name = attr.rpartition(".")
+    target = importlib.import_module(module)
+    monkeypatch.setattr(getattr(target, owner) if owner else target, name, value)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(FAST + ["--out", str(out)] + [a.format(d=bad) for a in argv])
+    assert one_error_line(capsys) == line.format(out=out) and e.value.code == code
+    assert not os.path.exists(out / "model.safetensors")
+
+
+def test_cli_a_second_writer_is_refused(capsys, monkeypatch, no_bars, tmp_path):
+    """Another live process holds --out's lock: one line, exit 2, the folder as it was. Once it is gone the same
+    command runs (the control: it was the lock that refused it), holding the lock itself while TRL trains and
+    letting it go at the end."""
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = str(out / gmts_trl.LOCK)
+    code = "import filelock, sys, time\nheld = filelock.FileLock(sys.argv[1])\nheld.acquire()\n" \
+           "print('held', flush=True)\ntime.sleep(120)\n"
+    holder = subprocess.Popen([sys.executable, "-c", code, lock], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as e:
+            gmts_trl.main(FAST + ["--out", str(out)])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert one_error_line(capsys) == f"--out {out}: another process writes there now" and e.value.code == 2
+    assert os.listdir(out) == [gmts_trl.LOCK]
+    seen, train = [], GMTSTrainer.train
+    monkeypatch.setattr(GMTSTrainer, "train", lambda self: seen.append(locked_elsewhere(lock)) or train(self))
+    gmts_trl.main(FAST + ["--out", str(out)])
+    assert seen == [True] and not locked_elsewhere(lock)
+    assert os.path.exists(out / "model.safetensors")
+
+
+def test_cli_overwrite_replaces_only_a_runs_files(capsys, no_bars, tmp_path):
+    """A folder holding a gmts_trl run and a user's files: without --overwrite refused as it is; with it, the earlier
+    run's names go (a stale checkpoint, another tokenizer's vocab.json), the user's stay, and the new run is saved."""
+    out = tmp_path / "run"
+    gmts_trl.main(FAST + ["--out", str(out)])
+    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and os.path.exists(out / "model.safetensors")
+    os.rename(out / "checkpoint-1", out / "checkpoint-7")  # an earlier run's last checkpoint
+    (out / "vocab.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "data.jsonl").write_text("mine")
+    before = files_under(out)
+    with pytest.raises(SystemExit) as e:
+        gmts_trl.main(FAST + ["--out", str(out)])
+    assert e.value.code == 2 and "holds a gmts_trl run: replace it with --overwrite" in one_error_line(capsys)
+    assert files_under(out) == before
+    gmts_trl.main(FAST + ["--out", str(out), "--overwrite"])
+    after = files_under(out)
+    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and "vocab.json" not in after
+    assert after["notes.txt"] == b"mine" and after[os.path.join("mine", "data.jsonl")] == b"mine"
+
+
+def test_cli_out_rule(tmp_path, bad):
+    """A run is recognised by TRL's complete checkpoints (trainer_state.json, written last), newest by number; a
+    new folder is not made by the check."""
+    gmts_trl.check_out(str(bad / "hasrun"), "tiny", overwrite=True)  # the deliberate case
+    gmts_trl.check_out(str(tmp_path / "new" / "deeper"), "tiny", overwrite=False)
+    assert not os.path.exists(tmp_path / "new")
+    for n in (9, 10, 11):
+        os.makedirs(tmp_path / f"checkpoint-{n}")
+        if n < 11:  # checkpoint-11: half written
+            (tmp_path / f"checkpoint-{n}" / "trainer_state.json").write_text("{}")
+    assert gmts_trl.checkpoints(str(tmp_path)) == ["checkpoint-9", "checkpoint-10"]
+    assert gmts_trl.kept(str(tmp_path)) == f"; {tmp_path} keeps checkpoint-10"
 
 
 def test_cli_one_row_file_is_an_error_not_zero_steps(capsys, tmp_path, bad):
@@ -600,8 +766,7 @@ def test_cli_one_row_file_is_an_error_not_zero_steps(capsys, tmp_path, bad):
     8 prompts per step it is an error; with 1 prompt per step the same file trains its step."""
     with pytest.raises(SystemExit) as e:
         gmts_trl.main(["--data", str(bad / "one.jsonl"), "--out", str(tmp_path / "a"), "--steps", "1"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "1 distinct problem(s), but one step takes 8" in err
+    assert e.value.code == 2 and "1 distinct problem(s), but one step takes 8" in one_error_line(capsys)
     gmts_trl.main(FAST + ["--data", str(bad / "one.jsonl"), "--out", str(tmp_path / "b")])
     assert os.path.exists(tmp_path / "b" / "model.safetensors")
 
@@ -611,15 +776,8 @@ def test_cli_fewer_steps_than_asked_is_an_error(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(GMTSTrainer, "train", lambda self: None)
     with pytest.raises(SystemExit) as e:
         gmts_trl.main(FAST + ["--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1 and "trained 0 of 1 steps" in err
+    assert e.value.code == 1 and "trained 0 of 1 steps" in one_error_line(capsys)
     assert not os.path.exists(tmp_path / "run" / "model.safetensors")
-
-
-def test_cli_out_checks(tmp_path, bad):
-    gmts_trl.check_out(str(bad / "hasrun"), overwrite=True)  # the deliberate case
-    gmts_trl.check_out(str(tmp_path / "new" / "deeper"))  # created later, by TRL; nothing is made now
-    assert not os.path.exists(tmp_path / "new")
 
 
 def test_cli_huge_steps_builds_at_once(tmp_path):
@@ -631,27 +789,22 @@ def test_cli_huge_steps_builds_at_once(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_cli_model_folder_one_line_exit_1(bad):
+def test_cli_two_processes_write_one_run(tmp_path):
+    """accelerate launch (torchrun) starts one CLI process per device: only the one that saves takes --out's lock,
+    so two gloo processes train and save one run (when each took it, the second refused the first)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), os.path.join(HERE, "gmts_trl.py"), *FAST, "--out", str(out)],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and os.path.exists(out / "model.safetensors")
+
+
+def test_cli_real_command_line_one_line(bad):
     """The real command line, for an error raised after TRL's config is built: one stderr line (no traceback, no
-    import or deprecation noise), exit status 1."""
+    import or deprecation noise), exit status 2."""
     r = subprocess.run([sys.executable, os.path.join(HERE, "gmts_trl.py"), "--model", str(bad / "cfgonly"),
                         "--steps", "1", "--out", str(bad / "cli-run")], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("gmts_trl: error: cannot load model")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
-def test_cli_use_vllm_without_vllm_one_line_exit_1(capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        gmts_trl.main(["--use-vllm", "--steps", "1", "--num-generations", "2", "--per-device-batch-size", "2",
-                       "--grad-accum", "1", "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and "vLLM is not available" in err and err.count("\n") == 1
-
-
-def test_cli_runs_tiny_and_saves(tmp_path):
-    out = str(tmp_path / "run")
-    gmts_trl.main(["--model", "tiny", "--short-prompt", "--steps", "1", "--num-generations", "2",
-                   "--per-device-batch-size", "2", "--grad-accum", "1", "--max-completion-length", "8", "--out", out])
-    assert os.path.exists(os.path.join(out, "model.safetensors"))

@@ -468,13 +468,17 @@ def math_reward(completion: str, answer: str, latex: bool = False, fallback: boo
     """Binary: 1.0 iff the final answer equals the reference exactly (as fractions); no format
     bonus. latex (every row but GSM8K's): the last \\boxed{} (answer_line: the last 'Answer:'
     line), by math-verify on normal_answer's forms unless both are numbers; fallback (a gold
-    math-verify cannot read): bare_answer's forms equal (these three: supporting code)."""
+    math-verify cannot read): bare_answer's forms equal; a unit on both sides (value_unit's) must
+    be the same_unit, on one side it is not compared (these four: supporting code)."""
     gold = parse_number(str(answer))
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
     if got is None or (gold is None and not latex):
         return 0.0
     if gold is not None and (not latex or parse_number(got) is not None):
         return float(parse_number(got) == gold)
+    units = value_unit(str(answer))[1], value_unit(got)[1]
+    if all(units) and not same_unit(*units):
+        return 0.0
     if fallback:
         return float(bare_answer(str(answer)) == bare_answer(got))
     return 1.0 if latex_equal(normal_answer(str(answer)), normal_answer(got)) else 0.0
@@ -1463,21 +1467,71 @@ def check_grades(key: str, graded: int, what: str, cfg) -> dict:
     return {key: unknown}
 
 # -- the forms of an answer math-verify reads (math_reward's); a gold none can match (_broken) --
-_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 7\text{ h}
+_LETTER = re.compile(r"\\(?:text|mbox|mathrm)\{ *([A-Za-z]) *\}")  # \mathrm{i}: the letter i
+_UNIT = re.compile(  # 7\text{ hours}, 5\mathrm{cm}^2
+    r"\\(?:text|mbox|mathrm)\{ *([A-Za-z][A-Za-z ]*)\}(?:\^\{?([23])\}?)?")
+_GAPS = ("\\,", "\\;", "\\:", "\\!", "\\quad", "\\qquad", "~")  # spacing before a unit (and "\ ")
+_MAGNITUDE = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_UNIT_ALIAS = {"centimeter": "cm", "centimetre": "cm", "millimeter": "mm", "millimetre": "mm",
+               "meter": "m", "metre": "m", "kilometer": "km", "kilometre": "km", "inch": "in",
+               "foot": "ft", "feet": "ft", "hour": "h", "hr": "h", "minute": "min", "second": "s",
+               "sec": "s", "degree": "deg"}
 _POWER_ARG = re.compile(  # \sin^2 t
     r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
 _SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
 
-def normal_answer(s: str) -> str:
-    """A LaTeX answer as math-verify reads it: no $...$ around it, no trailing . , ; no degree
-    sign, no \\text{unit} after a value, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
-    (math-verify 0.9 misreads each of them)."""
+def _unit_forms(word: str) -> set:
+    """A unit word's spellings: itself and its singulars (-s, -es), each through _UNIT_ALIAS."""
+    forms = {word, word[:-1] if len(word) > 2 and word.endswith("s") else "",
+             word[:-2] if len(word) > 3 and word.endswith("es") else ""} - {""}
+    return {_UNIT_ALIAS.get(f, f) for f in forms}
+
+def same_unit(a: str, b: str) -> bool:
+    """value_unit's units are one unit: the same words, the last one's spellings (cm,
+    centimeters, centimetre; hour, hrs) shared, the same power."""
+    (a, pa), (b, pb) = a.partition("^")[::2], b.partition("^")[::2]
+    (*a, last_a), (*b, last_b) = a.split() or [""], b.split() or [""]
+    return a == b and pa == pb and bool(_unit_forms(last_a) & _unit_forms(last_b))
+
+def value_unit(s: str) -> tuple:
+    """A LaTeX answer -> (its value, its unit: the lower-case words of a trailing \\text{..},
+    \\mbox{..} or \\mathrm{..} after a value, with a power ^2 ^3 after them, or ""). Spacing before
+    the unit (5\\,\\text{cm}) goes with it; a magnitude word (10\\text{ thousand}) multiplies the
+    value; a one-letter \\text{} (\\mathrm{i}, \\mathrm{e}, \\text{ m}) is the letter, in the value
+    (at the end also the unit)."""
     s = s.strip()
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
             s = s[len(a):-len(b)].strip()
-    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; "))
-    s = _UNIT.sub("", s).rstrip(".,; ")
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; ")).rstrip(".,; ")
+    i = max(s.rfind("\\text{"), s.rfind("\\mbox{"), s.rfind("\\mathrm{"))
+    m = _UNIT.fullmatch(s, i) if i > 0 else None
+    value, cut = _LETTER.sub(r"\1", s[:i]) if m else "", True
+    while cut:  # the spacing before the unit, from the right
+        value = value.rstrip()
+        if value.endswith("\\") and not value.endswith("\\\\"):  # "\ " (its space just went)
+            value = value[:-1]
+        gap = next((g for g in _GAPS if value.endswith(g)), "")
+        value, cut = value[:len(value) - len(gap)], gap != ""
+    if not value or not (value[-1] in "0123456789})]%" or value[-1].isalpha()):
+        return _LETTER.sub(r"\1", s).rstrip(".,; "), ""  # no value before it: all of it is text
+    words, power = m[1].lower().split(), f"^{m[2]}" if m[2] else ""
+    if len(m[1].strip()) == 1:  # a letter: never dropped from the value
+        letter = m[1].strip() + (f"^{{{m[2]}}}" if m[2] else "")
+        return value + " " * value[-1].isalpha() + letter, words[0] + power
+    if words[0].removesuffix("s") in _MAGNITUDE:  # never dropped: part of the value
+        k = _MAGNITUDE[words.pop(0).removesuffix("s")]
+        n = parse_number(value)
+        top, bottom = (0, 0) if n is None else (n * 10 ** k).as_integer_ratio()
+        value = (f"{value}\\times10^{{{k}}}" if n is None else
+                 str(top) if bottom == 1 else f"\\frac{{{top}}}{{{bottom}}}")
+    return value, " ".join(words) + power * bool(words)
+
+def normal_answer(s: str) -> str:
+    """A LaTeX answer's value (value_unit's) as math-verify reads it: no $...$ around it, no
+    trailing . , ; no degree sign, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
+    (math-verify 0.9 misreads each of them)."""
+    s = value_unit(s)[0]
     s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
     return _SPACED_OP.sub(r"\1", s)
 

@@ -40,9 +40,11 @@ What is selected, over which rows (trl 1.16.0):
 omega is -dloss/dlogp_t of the loss TRL runs (gmts.py's derivation step 1), from TRL's own inputs
 (advantages, old_per_token_logps, importance_sampling_ratio, ref_per_token_logps), per loss type:
   PPO-clip (grpo, bnpo, dr_grpo, dapo, luspo): r A where the clip leaves the gradient alive
-  (gmts.omega with TRL's epsilon_low / epsilon_high), 0 also where r > delta (TRL's two-sided
-  clip); cispo: min(r, epsilon_high) A; sapo: 4 s (1 - s) r A, s = sigmoid(tau (r - 1)), tau
-  by the sign of A; vespo: phi A, phi TRL's own get_gamma_weights (no gradient through it).
+  (gmts.omega with TRL's epsilon_low / epsilon_high), 0 also where TRL's two-sided clip
+  min(r, delta) leaves the loss flat: r > delta for A > 0, r > max(delta, 1 + epsilon_high) for
+  A < 0 (up to 1 + epsilon_high its min takes the live clip(r) A = r A branch); cispo:
+  min(r, epsilon_high) A; sapo: 4 s (1 - s) r A, s = sigmoid(tau (r - 1)), tau by the sign of A;
+  vespo: phi A, phi TRL's own get_gamma_weights (no gradient through it).
   r = exp(logp - old logp) per token (1 without old log-probs). Then times the vLLM importance
   ratio where TRL applies it (not vespo), plus with beta > 0 the k3 KL term's
   beta (pi_ref / pi_theta - 1), with use_bias_correction_kl (TRL's default) beta r (pi_ref /
@@ -374,8 +376,11 @@ class GMTSTrainer(GRPOTrainer):
         ratio = log_ratio.exp()
         if self.loss_type in CLIPPED_LOSSES:
             om = gmts.omega(adv[:, 0], ratio, self.epsilon_low, self.epsilon_high)
-            if self.args.delta is not None:  # TRL's two-sided clip: min(r, delta), flat above delta
-                om = torch.where(ratio > self.args.delta, torch.zeros_like(om), om)
+            delta = self.args.delta
+            if delta is not None:  # -min(min(r, delta) A, clip(r) A): flat where min(r, delta) wins
+                flat = ((adv > 0) & (ratio > delta)) | (
+                    (adv < 0) & (ratio > max(delta, 1 + self.epsilon_high)))
+                om = torch.where(flat, torch.zeros_like(om), om)
             return om
         if self.loss_type == "cispo":  # -min(r, eps_high).detach() A logp
             return ratio.clamp(max=self.epsilon_high) * adv

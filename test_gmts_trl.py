@@ -315,10 +315,65 @@ def test_omega_is_minus_the_gradient_of_trls_loss(loss_trainer, monkeypatch, los
         assert torch.equal(ratio, torch.ones_like(ratio))
     elif loss_type in gmts_trl.CLIPPED_LOSSES:
         assert gmts.clip_active(adv[:, None], ratio, tr.epsilon_low, tr.epsilon_high)[live].any()
-        if "delta" in option:  # tokens the delta clip alone zeroes
-            assert (live & (ratio > 1.25) & (adv < 0)[:, None]).any()
+        if "delta" in option:  # tokens the delta clip alone zeroes (A < 0 above 1 + eps_high)
+            assert (live & (ratio > 1 + tr.epsilon_high) & (adv < 0)[:, None]).any()
     elif loss_type == "cispo":
         assert (ratio > tr.epsilon_high)[live].any() and (ratio < tr.epsilon_high)[live].any()
+
+
+RATIOS = [0.5, 0.85, 1.0, 1.05, 1.15, 1.2, 1.27, 1.3, 1.5, 1.9, 2.1, 3.0]  # none on a boundary
+
+
+@pytest.mark.parametrize("loss_type", gmts_trl.CLIPPED_LOSSES)
+@pytest.mark.parametrize("delta", [1.1, 1.25, 2.0, None])
+def test_omega_under_delta_is_minus_the_gradient_of_trls_loss(loss_trainer, monkeypatch,
+                                                                loss_type, delta):
+    """TRL's two-sided clip -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A) on
+    ratios laid out on purpose across every region: for A < 0 and delta < r <= 1 + epsilon_high
+    the min takes the clip(r) A = r A branch, whose gradient is alive (omega r A, not 0); only
+    r > max(delta, 1 + epsilon_high) is flat for A < 0, and r > delta for A > 0. omega against
+    autograd of TRL's own _compute_loss, every token kept."""
+    import trl
+    tr = loss_trainer
+    for name, value in [("loss_type", loss_type), ("beta", 0.0), ("use_vllm", False),
+                        ("vllm_importance_sampling_correction", False), ("epsilon_high", 0.28),
+                        ("current_gradient_accumulation_steps", 1)]:
+        monkeypatch.setattr(tr, name, value, raising=False)
+    monkeypatch.setattr(tr.args, "delta", delta)
+    ent, logp, log_sum_sq, gn, mask, adv = stats(seed=2)
+    B, T = mask.shape
+    want_ratio = torch.tensor([[RATIOS[(t + 7 * b) % len(RATIOS)] for t in range(T)]
+                               for b in range(B)])
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+              "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long),
+              "completion_mask": mask.long(), "advantages": adv,
+              "num_items_in_batch": mask.sum(), "gmts_keep": mask.clone(),
+              "old_per_token_logps": logp - want_ratio.log()}
+    x = logp.clone().requires_grad_()
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda *a, **k: (x, ent, None))
+    grad, = torch.autograd.grad(tr._compute_loss(tr.model, inputs), x)
+    om = tr.omega(inputs, logp, mask)
+    i = int((om.abs() * mask).flatten().argmax())
+    c = float(-grad.flatten()[i] / om.flatten()[i])
+    assert c > 0 and torch.allclose(-grad[mask], c * om[mask], rtol=1e-4, atol=1e-7)
+    assert torch.equal(grad[mask] == 0, om[mask] == 0)  # flat exactly where omega is 0
+    ratio = torch.exp(logp - inputs["old_per_token_logps"])
+    assert torch.allclose(ratio, want_ratio, rtol=1e-5)
+    high = 1 + tr.epsilon_high
+    neg, pos = mask & (adv < 0)[:, None], mask & (adv > 0)[:, None]
+    top = high if delta is None else max(delta, high)
+    assert (om[neg & (ratio > high) & (ratio <= top)] != 0).all()
+    if delta is not None and delta < high:  # the tokens a zero above delta got wrong
+        band = neg & (ratio > delta) & (ratio <= high)
+        assert band.sum() >= 2 and (om[band] != 0).all()
+    if delta is not None and delta > high:  # alive for A < 0 above 1 + epsilon_high, to delta
+        assert (neg & (ratio > high) & (ratio <= delta)).sum() >= 2
+    if delta is not None:
+        assert (om[neg & (ratio > top)] == 0).all() and (neg & (ratio > top)).any()
+        assert (om[pos & (ratio > delta)] == 0).all() and (pos & (ratio > delta)).any()
+    assert (om[pos & (ratio > high)] == 0).all() and (om[neg & (ratio < 1 - 0.2)] == 0).all()
 
 
 def test_refused_options_one_line(tmp_path):

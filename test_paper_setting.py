@@ -487,7 +487,7 @@ def _preset_batch(tok, informative, B=64, G=16, seed=0):
 
 
 def _authors_update(model, batch, rewards, kept, old_logp, ref_logp, G=16, micro=4, lr=3e-5,
-                    beta=0.001, clip_low=0.2, clip_high=0.28):
+                    beta=0.001, clip_low=0.2, clip_high=0.28, logp_of=gmts.head_logp, grads=None):
     """A literal reading of GMTS-Framework1's update_policy (grpo_tools/grpo.py), method grpo, one
     mini-batch of all the prompts: A' = (r - mean) / (population std + 1e-6) / (G |o_i|) in
     float64; micro answers at a time, the SUM over tokens of -min(r A', clip(r) A') on the kept
@@ -495,7 +495,9 @@ def _authors_update(model, batch, rewards, kept, old_logp, ref_logp, G=16, micro
     at 1.0; torch's AdamW(lr, (0.9, 0.999), eps 1e-8, weight decay 0). Given: the kept tokens
     (their GMTS(): pinned by test_gmts' test_select_tokens_per_group_matches_the_literal_reference),
     pi_old's and pi_ref's log-probs, and the forward (response_hidden, the head, the same rows per
-    micro-batch): what is compared is the update, not two forwards' rounding. -> the norm."""
+    micro-batch): what is compared is the update, not two forwards' rounding. logp_of(h, head, y):
+    the log-probs (gmts.head_logp's bits, or theirs: _cross_entropy_logp); grads: a list that gets
+    each parameter's gradient before the clip. -> the norm."""
     import numpy as np
     mask = batch["resp_mask"]
     N = mask.shape[0]
@@ -514,7 +516,7 @@ def _authors_update(model, batch, rewards, kept, old_logp, ref_logp, G=16, micro
         rows = slice(start, start + micro)
         m = mask[rows]
         h = gmts.response_hidden(model, batch, rows)[m]
-        logp = gmts.head_logp(h, head, batch["comp_ids"][rows][m])
+        logp = logp_of(h, head, batch["comp_ids"][rows][m])
         a = adv[rows][:, None].expand_as(m)[m] * kept[rows][m]
         ratio = (logp - old_logp[rows][m]).exp()
         surr = torch.min(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
@@ -522,20 +524,23 @@ def _authors_update(model, batch, rewards, kept, old_logp, ref_logp, G=16, micro
         n = torch.tensor(lengths[start:start + micro], dtype=torch.float32)[:, None].expand_as(m)[m]
         kl = (log_ratio.exp() - log_ratio - 1) / (G * n)
         (-surr + beta * kl).sum().backward()
+    if grads is not None:
+        grads.extend(p.grad.clone() for p in model.parameters())
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))
     opt.step()
     return norm
 
 
-@pytest.mark.parametrize("informative", [1, 64])
-def test_one_step_equals_the_authors_update(tmp_path, monkeypatch, informative):
-    """--preset paper-math's first step (gmts.main, the real loop, a fixed rollout batch of 64 x 16)
-    against _authors_update on the same batch from the same weights: the parameters after the step
-    are EQUAL (torch.equal): --loss-norm seq-sum is their sum over prompts, clipped at 1. With 1
-    informative group the clip does not act (their norm < 1); with 64 it does. Measured before
-    seq-sum, with our mean clipped at 1/64 and eps / 64: 799 of 90,880 parameters differed where
-    the clip acts (clip_grad_norm_'s 1e-6 is not scaled); with eps 1e-8 (e3741a4) both cases."""
-    import copy
+def _cross_entropy_logp(h, head, y):
+    """log p_y as GMTS-Framework1 computes it: minus the cross-entropy of the float logits."""
+    logits = torch.nn.functional.linear(h, head.weight, head.bias).float()
+    return -torch.nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+def _our_first_step(tmp_path, monkeypatch, informative):
+    """--preset paper-math's first step (gmts.main, the real loop) on a fixed rollout batch of 64 x
+    16 -> (batch, rewards, what step 1 used: kept tokens, pi_old's and pi_ref's log-probs, the
+    weights before it, after it, the checkpoint folder)."""
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
     _, tok = gmts.build_tiny()
@@ -559,9 +564,23 @@ def test_one_step_equals_the_authors_update(tmp_path, monkeypatch, informative):
                "--max-new-tokens", "8", "--steps", "1", "--out", str(out)])
     start = AutoModelForCausalLM.from_pretrained(out / "ckpt-000000", dtype=torch.float32)
     ours = AutoModelForCausalLM.from_pretrained(out / "ckpt-000001", dtype=torch.float32)
+    used = (seen["step_selection"], seen["batch_token_stats"][0], seen["response_logp"])
+    return batch, rewards, used, start, ours, out
+
+
+@pytest.mark.parametrize("informative", [1, 64])
+def test_one_step_equals_the_authors_update(tmp_path, monkeypatch, informative):
+    """--preset paper-math's first step (gmts.main, the real loop, a fixed rollout batch of 64 x 16)
+    against _authors_update on the same batch from the same weights and the same log-prob bits:
+    the parameters after the step are EQUAL (torch.equal): --loss-norm seq-sum is their sum over
+    prompts, clipped at 1. With 1 informative group the clip does not act (their norm < 1); with
+    64 it does. Measured before seq-sum, with our mean clipped at 1/64 and eps / 64: 799 of 90,880
+    parameters differed where the clip acts (clip_grad_norm_'s 1e-6 is not scaled); with eps 1e-8
+    (e3741a4) both cases."""
+    import copy
+    batch, rewards, used, start, ours, out = _our_first_step(tmp_path, monkeypatch, informative)
     theirs = copy.deepcopy(start).train()
-    norm = _authors_update(theirs, batch, rewards, seen["step_selection"],
-                           seen["batch_token_stats"][0], seen["response_logp"])
+    norm = _authors_update(theirs, batch, rewards, *used)
     assert (norm > 1.0) == (informative == 64), norm
     state = torch.load(out / "ckpt-000001" / "state.pt", weights_only=False)
     assert state["opt"]["param_groups"][0]["eps"] == 1e-8  # start_run's AdamW: torch's eps
@@ -572,6 +591,44 @@ def test_one_step_equals_the_authors_update(tmp_path, monkeypatch, informative):
         moved += int((p != p0).sum())
     n = sum(p.numel() for p in start.parameters())
     assert moved > 0.9 * n  # a real step, not a no-op
+
+
+def _logp_table(model, batch, logp_of, micro=4):
+    """(N, T) log-probs of the answers' tokens by logp_of, no gradient (pi_old's, pi_ref's)."""
+    mask = batch["resp_mask"]
+    table = torch.zeros(mask.shape)
+    with torch.no_grad():
+        for start in range(0, mask.shape[0], micro):
+            rows = slice(start, start + micro)
+            h = gmts.response_hidden(model, batch, rows)[mask[rows]]
+            table[rows][mask[rows]] = logp_of(h, model.get_output_embeddings(),
+                                              batch["comp_ids"][rows][mask[rows]])
+    return table
+
+
+@pytest.mark.parametrize("informative", [1, 64])
+def test_one_step_is_the_authors_update_with_their_log_probs_up_to_rounding(tmp_path, monkeypatch,
+                                                                              informative):
+    """Framework1 takes log p_y as -cross_entropy(logits) (pi_theta's, and pi_old's and pi_ref's:
+    at step 1 all from the start weights); gmts.py as z_y - logsumexp(z). The values are the same
+    bits here, their backward is not, so the update is theirs up to float rounding only: the
+    gradient within 5e-7 of ours relative to its norm (measured: 3.6e-7 with 1 informative group,
+    4.3e-7 with 64), the weights after the step within 5e-7 (measured: ~690 of 90,880 differ, by
+    <= 1.4e-7). Ours: _authors_update on our log-probs, whose step is torch.equal to gmts.main's."""
+    import copy
+    batch, rewards, used, start, ours, _ = _our_first_step(tmp_path, monkeypatch, informative)
+    ce = _logp_table(start, batch, _cross_entropy_logp)
+    mine, theirs, g_mine, g_theirs = copy.deepcopy(start).train(), copy.deepcopy(start).train(), [], []
+    _authors_update(mine, batch, rewards, *used, grads=g_mine)
+    _authors_update(theirs, batch, rewards, used[0], ce, ce, logp_of=_cross_entropy_logp,
+                    grads=g_theirs)
+    norm = math.sqrt(sum(float((a.double() ** 2).sum()) for a in g_mine))
+    off = math.sqrt(sum(float(((b - a).double() ** 2).sum()) for a, b in zip(g_mine, g_theirs)))
+    assert off <= 5e-7 * norm, off / norm
+    for p, q, r in zip(ours.parameters(), mine.parameters(), theirs.parameters()):
+        p, q, r = p.detach(), q.detach(), r.detach()
+        assert torch.equal(p, q)  # _authors_update on our log-probs is gmts.main's step
+        assert float((p - r).abs().max()) <= 5e-7
 
 
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------------

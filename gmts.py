@@ -48,8 +48,8 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
 """
-import argparse, ast, contextlib, copy, dataclasses, fnmatch, functools, itertools, json, math
-import operator, os, random, re, shutil, sys, threading, time
+import argparse, ast, contextlib, copy, dataclasses, fnmatch, functools, importlib.util, itertools
+import json, math, operator, os, random, re, shutil, sys, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -1295,7 +1295,7 @@ def _math_layout(row: dict, where: str) -> dict:
         if question is not None and answer is not None:
             return {"question": question, "answer": answer}
     has_question = any(_cell(row, q) is not None for q, _ in LAYOUTS.values())
-    what = "an answer" if has_question else "a question"
+    what = "answer" if has_question else "question"
     looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in LAYOUTS.values()]
     raise ValueError(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
 
@@ -1912,6 +1912,8 @@ def check_config(cfg: Config):
         raise ValueError(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
                          "group/batch or --loss-norm selected")
     eval_sets(cfg.eval_data)
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
+        raise ValueError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
     if cfg.prompt_style != "ours" and cfg.task != "math":
         raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
     if data_kind(cfg.data) == "gen" and cfg.data_order == "epoch":

@@ -37,8 +37,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import gmts
-from gmts import (TASKS, countdown_problem, countdown_reward, get_task, load_rows, logic_problem, logic_reward,
-                  math_problem, math_reward, _CD_CHARS, _DEC, _FRAC, _NUM_TOKEN)
+from gmts import TASKS
 from gmts import completion_mask, group_advantages, omega, select_tokens, token_scores, token_stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,16 +74,18 @@ def test_preset_then_explicit_flag_wins():
 
 
 def test_every_config_field_is_a_flag_with_help(capsys):
+    """HfArgumentParser makes each field a flag (--a-b and --a_b) whose help is the field's own text."""
     with pytest.raises(SystemExit):
         gmts.parse_args(["--help"])
     out = capsys.readouterr().out
-    opts = out[out.index("options:"):]
+    entries = re.split(r"\n  (?=--)", out[out.index("options:"):])  # one entry per flag, wrapped lines and all
     for f in gmts.dataclasses.fields(gmts.Config):
         flag = "--" + f.name.replace("_", "-")
-        m = re.search(rf"^  {flag}[ ,](.*?)\(default:", opts, re.M | re.S)  # its entry, up to the default
-        assert m, flag
+        entry = next((e for e in entries if re.search(rf"{flag}[ ,\n]|{flag}$", e.split("  ")[0] + " ")), None)
+        assert entry, flag
         help_ = f.metadata["help"]  # compared without whitespace: argparse wraps lines, also after a hyphen
-        assert len(help_.split()) >= 2 and re.sub(r"\s", "", help_) in re.sub(r"\s", "", m.group(1)), flag
+        assert len(help_.split()) >= 2 and re.sub(r"\s", "", help_) in re.sub(r"\s", "", entry), flag
+    assert gmts.parse_args(["--max_new_tokens", "7"]).max_new_tokens == gmts.parse_args(["--max-new-tokens", "7"]).max_new_tokens == 7
 
 
 # ---- rollouts --------------------------------------------------------------------------------------------------------
@@ -175,294 +176,6 @@ def test_rollout_passes_no_logits_processor_whatever_the_checkpoint_sets(tmp_pat
         assert seen == [want], (kw, seen)
         assert len(b["texts"]) == 4
     assert all(getattr(model.generation_config, k) == v for k, v in knobs.items())  # restored afterwards
-
-
-# ---- rewards: the tasks' prompts and verifiers -----------------------------------------------------------------------
-# Verifiers must be right on the table cases, never raise and return a float on anything (hypothesis feeds them
-# adversarial inputs). Timing: a generous bound that only catches a runaway (the benchmark measures speed).
-
-SLOW = 2.0  # seconds: no single verifier call may take this long
-
-
-def timed(fn, *args):
-    """Call a verifier past its last-resort except-net (functools.wraps' __wrapped__), so "never raises" is checked
-    on the verifier's own code; check it returns a float well within SLOW seconds; return the score."""
-    fn = getattr(fn, "__wrapped__", fn)
-    t = time.perf_counter()
-    out = fn(*args)
-    dt = time.perf_counter() - t
-    assert isinstance(out, float), out
-    assert dt < SLOW, f"{fn.__name__} took {dt:.1f} s"
-    return out
-
-
-def A(s):
-    return f"<answer>{s}</answer>"
-
-
-BIG = "x" * 1_000_000  # 1 MB of filler
-
-# ---- countdown: (completion, nums, target, expected) ----
-N, T = [3, 5, 2], 16
-CD_CASES = {
-    "correct": (A("(3 + 5) * 2"), N, T, 1.0),
-    "correct, other order": (A("2 * (5 + 3)"), N, T, 1.0),
-    "after think": ("I try 3+5=8, 8*2=16</think>\n" + A(" (3+5)*2 "), N, T, 1.0),
-    "whitespace and newlines": ("<answer>\n ( 3 +\n5 ) *\t2 \n</answer>", N, T, 1.0),
-    "redundant parentheses": (A("(" * 80 + "(3 + 5) * 2" + ")" * 80), N, T, 1.0),
-    "exact fractions": (A("8 / (3 - 8 / 3)"), [8, 3, 8, 3], 24, 1.0),
-    "duplicate numbers": (A("2 + 2 + 4"), [2, 4, 2], 8, 1.0),
-    "last tag counts": (A("3 + 5 + 2") + A("(3 + 5) * 2"), N, T, 1.0),
-    "last tag wrong": (A("(3 + 5) * 2") + A("3 + 5 + 2"), N, T, 0.1),
-    "unclosed last tag ignored": (A("(3 + 5) * 2") + "<answer>3 +", N, T, 1.0),
-    "1 MB completion": (BIG + A("(3 + 5) * 2"), N, T, 1.0),
-    "wrong value": (A("3 + 5 + 2"), N, T, 0.1),
-    "number reused": (A("(3 + 5) * 2 + 2 - 2"), N, T, 0.1),
-    "number reused instead of another": (A("4 + 4"), [2, 4, 2], 8, 0.1),
-    "number missing": (A("3 * 5"), [3, 5, 2], 15, 0.1),
-    "number not given": (A("8 * 2"), N, T, 0.1),
-    "target only": (A("16"), N, T, 0.1),
-    "target = target": (A("16 = 16"), N, T, 0.1),
-    "equation = target": (A("(3 + 5) * 2 = 16"), N, T, 0.1),
-    "decimal is not two numbers": (A("2.5 * 4"), [2, 5, 4], 10, 0.1),
-    "float literal": (A("(3 + 5) * 2.0"), N, T, 0.1),
-    "arabic-indic digit": (A("(\u0663 + 5) * 2"), N, T, 0.1),
-    "fullwidth digit": (A("(\uff13 + 5) * 2"), N, T, 0.1),
-    "division by zero": (A("4 / (3 - 3)"), [4, 3, 3], 4, 0.1),
-    "power": (A("2 ** 3 ** 4"), [2, 3, 4], 2 ** 81, 0.1),
-    "power tower": (A("9 ** 9 ** 9 ** 9"), [9, 9, 9, 9], 1, 0.1),
-    "floor division": (A("8 // 2 * 4"), [8, 2, 4], 16, 0.1),
-    "modulo": (A("(3 + 5) * 2 % 99"), N + [99], T, 0.1),
-    "unary minus": (A("-3 + 5 + 2"), N, 4, 0.1),
-    "unary plus": (A("+3 + 5 * 2"), N, 13, 0.1),
-    "leading zero": (A("(03 + 5) * 2"), N, T, 0.1),
-    "names and calls": (A("__import__('os').system('echo hi')"), N, T, 0.1),
-    "syntax error": (A("(3 + 5 * 2"), N, T, 0.1),
-    "empty answer": (A("  \n "), N, T, 0.1),
-    "nested tags": ("<answer><answer>(3 + 5) * 2</answer></answer>", N, T, 0.1),
-    "100k nested parentheses": (A("(" * 100_000 + "3 + 5" + ")" * 100_000), N, T, 0.1),
-    "deep chain": (A("+".join(["1"] * 100)), [1] * 100, 100, 0.1),
-    "1 MB answer": (A("1+" * 500_000 + "1"), N, T, 0.1),
-    "10,000-digit number": (A("9" * 10_000), N, T, 0.1),
-    "big numbers within the cap": (A("9" * 90 + " * " + "9" * 90), [int("9" * 90)] * 2, 1, 0.1),
-    "no tags": ("(3 + 5) * 2", N, T, 0.0),
-    "only an opening tag": ("<answer>(3 + 5) * 2", N, T, 0.0),
-    "only closing tags": ("</answer>" * 1000, N, T, 0.0),
-    "many opening tags": ("<answer>" * 100_000, N, T, 0.0),
-    "empty completion": ("", N, T, 0.0),
-}
-
-
-@pytest.mark.parametrize("text,nums,target,want", CD_CASES.values(), ids=CD_CASES.keys())
-def test_countdown_reward(text, nums, target, want):
-    assert timed(countdown_reward, text, nums, target) == want
-
-
-def cd_value(text, nums):
-    """countdown_value without its except-net, as a float for timed(): 1.0 well-formed, 0.0 not."""
-    return timed(lambda t, n: float(gmts.countdown_value.__wrapped__(t, n) is not None), text, nums)
-
-
-@pytest.mark.parametrize("text,nums,target,want", CD_CASES.values(), ids=CD_CASES.keys())
-def test_countdown_value_agrees_with_the_reward(text, nums, target, want):
-    value = gmts.countdown_value.__wrapped__(text, nums)
-    assert (value == target) == (want == 1.0) and cd_value(text, nums) in (0.0, 1.0)
-
-
-def test_countdown_value_hand_computed():
-    assert gmts.countdown_value(A("5 - 5"), [5, 5]) == 0 and countdown_reward(A("5 - 5"), [5, 5], 0) == 1.0
-    assert gmts.countdown_value(A("8 / 3 + 1"), [1, 3, 8]) == Fraction(11, 3)
-    assert gmts.countdown_value(A("8 + 3"), [1, 3, 8]) is None  # a number left out: not well-formed
-    assert gmts.countdown_value(A("8 + 3 + 1") + " <answer>8 + 3</answer>", [1, 3, 8]) is None  # the LAST answer
-    assert gmts.countdown_value("8 + 3 + 1", [1, 3, 8]) is None
-
-
-# ---- math: (completion, reference answer, expected) ----
-MATH_CASES = {
-    "boxed": ("so \\boxed{72}", "72", 1.0),
-    "boxed in answer tags": ("<think>6*12</think><answer>\\boxed{72}</answer>", "72", 1.0),
-    "thousands separators": ("\\boxed{1,450,000}", "1450000", 1.0),
-    "reference with commas": ("\\boxed{1450000}", "1,450,000", 1.0),
-    "latex thousands": ("\\boxed{1{,}450}", "1450", 1.0),
-    "dollar": ("The answer is $18", "18", 1.0),
-    "escaped dollar boxed": ("\\boxed{\\$18}", "18", 1.0),
-    "trailing zeros": ("\\boxed{72.00}", "72", 1.0),
-    "trailing period": ("The answer is 72.", "72", 1.0),
-    "percent": ("\\boxed{50\\%}", "50", 1.0),
-    "frac": ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    "dfrac": ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
-    "slash fraction": ("\\boxed{1/2}", "0.5", 1.0),
-    "reference fraction": ("\\boxed{0.5}", "1/2", 1.0),
-    "gsm8k marker": ("6 * 12 = 72\n#### 72", "72", 1.0),
-    "gsm8k marker with commas": ("#### $1,450", "1450", 1.0),
-    "marker beats later numbers": ("#### 72\nchecked with 5 and 6", "72", 1.0),
-    "last bare number": ("5 apples, 3 pears, so 72 in total", "72", 1.0),
-    "negative": ("\\boxed{-5}", "-5", 1.0),
-    "negative bare": ("the change is -5", "-5", 1.0),
-    "negative frac": ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
-    "negative numerator": ("\\boxed{\\frac{-20}{2}}", "-10", 1.0),  # GSM8K forms math-verify reads
-    "negative outside": ("\\boxed{-\\frac{20}{2}}", "-10", 1.0),
-    "negative denominator": ("\\boxed{\\frac{20}{-2}}", "-10", 1.0),
-    "two negatives": ("\\boxed{\\frac{-20}{-2}}", "10", 1.0),
-    "signed numerator, wrong sign": ("\\boxed{\\frac{-20}{2}}", "10", 0.0),
-    "slash, negative denominator": ("\\boxed{3/-4}", "-0.75", 1.0),
-    "last boxed counts": ("\\boxed{5} no wait \\boxed{72}", "72", 1.0),
-    "boxed beats bare numbers": ("\\boxed{72}, from 6 and 12", "72", 1.0),
-    "list of numbers": ("the values are 3,4,72", "72", 1.0),
-    "100k nested boxed": ("\\boxed{" * 100_000 + "72" + "}" * 100_000, "72", 1.0),
-    "1 MB completion": (BIG + "\\boxed{72}", "72", 1.0),
-    "wrong boxed": ("\\boxed{71}", "72", 0.0),
-    "last boxed wrong": ("\\boxed{72} no wait \\boxed{5}", "72", 0.0),
-    "sign matters": ("\\boxed{5}", "-5", 0.0),
-    "no number": ("I do not know", "72", 0.0),
-    "empty": ("", "72", 0.0),
-    "unicode digits": ("\\boxed{\u0667\u0662}", "72", 0.0),
-    "bad separators": ("\\boxed{7,2}", "72", 0.0),
-    "words in box": ("\\boxed{x = 72}", "72", 0.0),
-    "division by zero": ("\\boxed{1/0}", "0", 0.0),
-    "frac by zero": ("\\boxed{\\frac{1}{0}}", "0", 0.0),
-    "exponent form": ("\\boxed{1e5}", "100000", 0.0),
-    "100k unclosed boxed": ("\\boxed{" * 100_000, "72", 0.0),
-    "1 MB of ones": ("1 " * 500_000, "72", 0.0),
-    "1 MB of commas": ("1," * 500_000, "72", 0.0),
-    "10,000-digit boxed": ("\\boxed{" + "9" * 10_000 + "}", "72", 0.0),
-    "10,000-digit reference": ("\\boxed{72}", "9" * 10_000, 0.0),
-    "bad reference": ("\\boxed{72}", "seventy-two", 0.0),
-}
-
-
-@pytest.mark.parametrize("text,answer,want", MATH_CASES.values(), ids=MATH_CASES.keys())
-def test_math_reward(text, answer, want):
-    assert timed(math_reward, text, answer) == want
-
-
-def test_parse_number_reads_its_docstring_examples():
-    """parse_number's docstring, example by example (exact values, as Fractions), and what it must refuse: a second
-    slash is not a fraction, a doubled point, an exponent, a bad separator, a zero denominator, words. '18.' and
-    '1/2/3' reach no other test: in a completion the last-number and #### paths strip a trailing point first."""
-    read = {"-$1,450": -1450, "72.00": 72, "18.": 18, "50%": 50, "\\frac{1}{2}": Fraction(1, 2),
-            "\\frac{-20}{2}": -10, "3/4": Fraction(3, 4), " 18. ": 18, "\\$18": 18, "50\\%": 50, ".5": Fraction(1, 2),
-            "-\\frac{1}{2}": Fraction(-1, 2), "3/-4": Fraction(-3, 4), "1{,}450": 1450}
-    for text, want in read.items():
-        got = gmts.parse_number(text)
-        assert got == want and isinstance(got, Fraction), (text, got)
-    for text in ["1/2/3", "18..", "1e5", "7,2", "1/0", "\\frac{1}{0}", "", "abc", "1/", "/2", "--5"]:
-        assert gmts.parse_number(text) is None, text
-    assert math_reward("\\boxed{18.}", "18") == 1.0 and math_reward("\\boxed{1/2/3}", "0.5") == 0.0
-
-
-# ---- logic: (completion, expected) against one solution ----
-SOL = {"Alice": True, "Bob": False, "Carol": True}
-GOOD = "Alice: knight, Bob: knave, Carol: knight"
-LOGIC_CASES = {
-    "correct": (A(GOOD), 1.0),
-    "after think": ("</think>\n" + A(" " + GOOD + " "), 1.0),
-    "newlines, case, spaces": (A("\n  ALICE :Knight\nbob:   KNAVE\n carol : knight.\n"), 1.0),
-    "any order, semicolons": (A("Carol: knight; Bob: knave; Alice: knight"), 1.0),
-    "trailing comma": (A(GOOD + ","), 1.0),
-    "last tag counts": (A("Alice: knave") + A(GOOD), 1.0),
-    "1 MB completion": (BIG + A(GOOD), 1.0),
-    "last tag wrong": (A(GOOD) + A("Alice: knave"), 0.1),
-    "wrong role": (A("Alice: knight, Bob: knight, Carol: knight"), 0.1),
-    "missing person": (A("Alice: knight, Bob: knave"), 0.1),
-    "named twice, same role": (A(GOOD + ", Alice: knight"), 0.1),
-    "named twice, both roles": (A(GOOD + ", Bob: knight"), 0.1),
-    "unknown person": (A(GOOD + ", Dave: knave"), 0.1),
-    "prose instead of format": (A("Alice is a knight, Bob is a knave, Carol is a knight"), 0.1),
-    "two roles in one entry": (A("Alice: knight knave, Bob: knave, Carol: knight"), 0.1),
-    "entries run together": (A("Alice: knightBob: knave, Carol: knight"), 0.1),  # split by , ; or whitespace only
-    "all knights hedge": (A("Alice: knight/knave, Bob: knight/knave, Carol: knight/knave"), 0.1),
-    "empty answer": (A(""), 0.1),
-    "1 MB answer": (A(GOOD + ", " + "Alice: knight, " * 70_000), 0.1),
-    "no tags": (GOOD, 0.0),
-    "unclosed tag": ("<answer>" + GOOD, 0.0),
-}
-
-
-@pytest.mark.parametrize("text,want", LOGIC_CASES.values(), ids=LOGIC_CASES.keys())
-def test_logic_reward(text, want):
-    assert timed(logic_reward, text, SOL) == want
-
-
-# ---- property tests: never raise, never run away ----
-VERIFIERS = {
-    "countdown": lambda s: timed(countdown_reward, s, N, T),
-    "math": lambda s: timed(math_reward, s, "72"),
-    "logic": lambda s: timed(logic_reward, s, SOL),
-    "countdown_value": lambda s: cd_value(s, N),
-}
-FRAGMENTS = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "\\frac{", "{", "}", "(", ")", "####", "**",
-             "//", ",", ".", "$", "-", "+", "*", "/", "=", ":", ";", " ", "\n", "\t", "0", "3", "5", "2", "16", "72",
-             "99999999999", "knight", "knave", "Alice:", "Bob:", "Carol:", "\u0663", "1e9", "_", "'", "x"]
-adversarial = st.builds(lambda parts, k: "".join(parts) * k,
-                        st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=40), st.integers(1, 2000))
-
-
-@PROPS
-@given(st.text(max_size=300))
-def test_random_text_never_raises(s):
-    for check in VERIFIERS.values():
-        assert check(s) in (0.0, 0.1, 1.0)
-
-
-@pytest.mark.parametrize("task", VERIFIERS)
-@PROPS
-@given(s=adversarial)
-def test_adversarial_never_raises(task, s):
-    assert VERIFIERS[task](s) in (0.0, 0.1, 1.0)
-
-
-@settings(PROPS, max_examples=500 if THOROUGH else 200)
-@given(seed=st.integers(0, 10 ** 9), gaps=st.lists(st.text(alphabet=" \n\t", max_size=3), min_size=64, max_size=64),
-       sep=st.sampled_from([",", "\n", ";", " , ", ",\n"]))
-def test_whitespace_inside_answers_is_ignored(seed, gaps, sep):
-    rng, gap = random.Random(seed), itertools.cycle(gaps)
-    cd = countdown_problem(rng)
-    expr = "".join(next(gap) + t for t in re.findall(r"\d+|\S", cd["expr"])) + next(gap)
-    assert timed(countdown_reward, A(expr), cd["nums"], cd["target"]) == 1.0
-    m = math_problem(rng)
-    boxed = "\\boxed{" + next(gap) + m["answer"] + next(gap) + "}"
-    assert timed(math_reward, A(next(gap) + boxed + next(gap)), m["answer"]) == 1.0
-    lg = logic_problem(rng)
-    entries = [next(gap) + k + next(gap) + ":" + next(gap) + ("knight" if v else "knave") + next(gap)
-               for k, v in lg["solution"].items()]
-    assert timed(logic_reward, A(sep.join(entries)), lg["solution"]) == 1.0
-
-
-def test_regexes_do_not_backtrack():
-    """Each module regex, used the way the module uses it, on 40k-character inputs built to make it backtrack."""
-    nasty = ["1," * 20_000 + "x", "1" * 40_000 + ".", "\\frac{" * 5000 + "}", "(" * 40_000 + "x", "1.1" * 10_000 + "x",
-             "$" + "9," * 20_000 + ".", "-$" * 20_000, "1" * 40_000 + "\u0663"]
-    for s in nasty:
-        t = time.perf_counter()
-        _CD_CHARS.fullmatch(s), _DEC.fullmatch(s), _FRAC.fullmatch(s), _NUM_TOKEN.search(s)
-        assert time.perf_counter() - t < SLOW, s[:20]  # backtracking on 40k characters would take minutes
-
-
-def test_prompts():
-    row = {"nums": [3, 5, 2], "target": 16, "expr": "(3 + 5) * 2"}
-    assert get_task("countdown")["prompt"](row, short=True) == "Make 16 from 3 5 2."
-    assert "[3, 5, 2]" in get_task("countdown")["prompt"](row) and "16" in get_task("countdown")["prompt"](row)
-    m = math_problem(random.Random(0))
-    assert get_task("math")["prompt"](m, short=True) == m["question"] and "\\boxed{}" in get_task("math")["prompt"](m)
-    lg = logic_problem(random.Random(0))
-    assert get_task("logic")["prompt"](lg, short=True) == "\n".join(lg["statements"])
-
-
-def test_tasks_and_get_task():
-    assert sorted(TASKS) == ["countdown", "logic", "math"]
-    for t in TASKS.values():
-        assert set(t) == {"load", "prompt", "reward"} and all(callable(t[k]) for k in t)
-    with pytest.raises(ValueError, match="unknown task 'x'; choose one of: countdown, logic, math"):
-        get_task("x")
-    with pytest.raises(ValueError, match="choose one of"):
-        load_rows("chess", "gen", 1, 0)
-
-
-def test_no_eval_or_exec():
-    tree = ast.parse(inspect.getsource(sys.modules[countdown_reward.__module__]))
-    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    assert not calls & {"eval", "exec", "compile", "__import__"}
 
 
 # ---- group advantages and dynamic sampling ---------------------------------------------------------------------------
@@ -896,7 +609,7 @@ def test_scope_flag_and_each_methods_default():
     """--scope auto: group for gmts (its authors), batch for entropy (their ETS baseline), random and gradnorm;
     'all' keeps everything over the batch; --scope overrides either way; --loss-norm seq exists."""
     rule = {}
-    for m in gmts.CHOICES["select"]:
+    for m in list(gmts.METHODS):
         rule[m] = gmts.selection_rule(gmts.parse_args(["--select", m, "--group-size", "6"]))
     assert rule == {"all": (1.0, 0), "random": (0.2, 0), "entropy": (0.2, 0), "gmts": (0.2, 6), "gradnorm": (0.2, 0),
                     "rsi": (1.0, 0)}  # an interval: no budget
@@ -1339,7 +1052,7 @@ def test_a_batch_of_only_all_equal_groups_does_not_step(tiny):
     om = omega(adv, torch.ones_like(H), 0.2, 0.28)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for method in gmts.CHOICES["select"]:
+    for method in list(gmts.METHODS):
         sel = gmts.step_selection(gmts.Config(select=method), logp, H, gn, om, m)
         assert sel.any() == (method in ("all", "random", "entropy", "rsi")), method
         objective = _objective(m, float(m.sum()))
@@ -1698,191 +1411,6 @@ def test_cpu_preset_with_a_tiny_budget(tmp_path):
 # ######################################################################################################################
 
 
-# ---- problem generators and data loaders -----------------------------------------------------------------------------
-
-
-def test_countdown_problems_are_solvable():
-    rng = random.Random(0)
-    for _ in range(200):
-        p = countdown_problem(rng)
-        assert len(p["nums"]) in (3, 4) and all(1 <= x <= 99 for x in p["nums"]) and 1 <= p["target"] <= 1000
-        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
-    rows = load_rows("countdown", "easy", 2000, seed=0)  # the CPU demo's variant
-    for p in rows:
-        assert len(p["nums"]) == 3 and all(1 <= x <= 9 for x in p["nums"]) and 0 <= p["target"] <= 27
-        assert re.fullmatch(r"\d [+-] \d [+-] \d", p["expr"])
-        assert [int(x) for x in re.findall(r"[0-9]+", p["expr"])] == p["nums"]  # listed in the reference's order
-        assert countdown_reward(A(p["expr"]), p["nums"], p["target"]) == 1.0
-    patterns = collections.Counter(re.sub(r"[\d ]", "", p["expr"]) for p in rows)
-    assert all(abs(patterns[s] / len(rows) - 0.25) < 0.03 for s in ("++", "+-", "-+", "--")), patterns
-    for s in ("++", "+-", "-+", "--"):  # a fixed guess of the signs is right for about 1 problem in 4
-        guess = [countdown_reward(A(f"{a} {s[0]} {b} {s[1]} {c}"), p["nums"], p["target"])
-                 for p in rows for a, b, c in [p["nums"]]]
-        assert 0.2 < guess.count(1.0) / len(rows) < 0.32
-
-
-def _claim(body, names, me):
-    """Independent reading of a rendered statement: English -> function(world) -> bool."""
-    atom = r"(I am|[A-Z][a-z]+ is) a (knight|knave)"
-
-    def at(subject, role):
-        who = me if subject == "I am" else names.index(subject[:-3])
-        return lambda w: w[who] == (role == "knight")
-    subjects = re.findall(atom, body)
-    assert len({s for s, _ in subjects}) == len(subjects), body  # a claim never names one person twice
-    assert subjects != [("I am", "knight")] and subjects != [("I am", "knave")], body
-    if m := re.fullmatch(rf"It is not the case that {atom}", body):
-        f = at(*m.groups())
-        return lambda w: not f(w)
-    if m := re.fullmatch(rf"If {atom} then {atom}", body):
-        f, g = at(*m.groups()[:2]), at(*m.groups()[2:])
-        return lambda w: not f(w) or g(w)
-    if m := re.fullmatch(rf"{atom} (and|or) {atom}", body):
-        f, g = at(*m.groups()[:2]), at(*m.groups()[3:])
-        return (lambda w: f(w) and g(w)) if m[3] == "and" else (lambda w: f(w) or g(w))
-    m = re.fullmatch(atom, body)
-    assert m, body
-    return at(*m.groups())
-
-
-def test_logic_puzzles_have_exactly_one_solution():
-    rng = random.Random(0)
-    sizes = set()
-    for _ in range(200):
-        p = logic_problem(rng)
-        names = p["names"]
-        sizes.add(len(names))
-        claims = []
-        for i, s in enumerate(p["statements"]):
-            m = re.fullmatch(r'(\w+) says: "(.*)\."', s)
-            assert m and m[1] == names[i], s
-            claims.append(_claim(m[2], names, i))
-        worlds = [w for w in itertools.product([True, False], repeat=len(names))
-                  if all(c(w) == w[i] for i, c in enumerate(claims))]
-        assert worlds == [tuple(p["solution"][n] for n in names)]
-    assert sizes == {2, 3, 4, 5, 6}
-
-
-def test_math_problems():
-    rng = random.Random(0)
-    for _ in range(200):
-        p = math_problem(rng)
-        assert 2 <= len(p["steps"]) <= 4 and int(p["answer"]) >= 0 and p["steps"][-1].endswith("= " + p["answer"])
-        for step in p["steps"]:  # each worked step is right
-            a, op, b, _, c = step.split()
-            a, b, c = int(a), int(b), int(c)
-            assert {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op] == c
-    for p in load_rows("math", "easy", 300, seed=0):  # one step; the words alone tell the operation
-        a, op, b, _, c = p["steps"][0].split()
-        assert len(p["steps"]) == 1 and p["answer"] == c and int(a) >= int(b) >= 2 and int(c) >= 0
-        assert op == ("-" if " left?" in p["question"] else "*" if " in all?" in p["question"] else "+")
-        assert re.search(rf" {a} .* {b}\b", p["question"])  # both numbers shown, a first
-
-
-@pytest.mark.parametrize("task", sorted(TASKS))
-@pytest.mark.parametrize("data", ["gen", "easy"])
-def test_generators_are_deterministic_and_prompts_ask_for_the_format(task, data):
-    t = get_task(task)  # (the reference answers and their test moved to gmts_lab.py)
-    rows = t["load"](data, 200, 1)
-    assert rows == t["load"](data, 200, 1)
-    assert rows != t["load"](data, 200, 2)
-    for row in rows:
-        assert t["reward"]("no answer here", row) == 0.0
-        for short in (False, True):
-            assert isinstance(t["prompt"](row, short=short), str)
-        assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
-
-
-def write(tmp_path, name, lines):
-    path = tmp_path / name
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
-def test_jsonl_good_files(tmp_path):
-    p = write(tmp_path, "cd.jsonl", ['{"nums": [3, 5, 2], "target": 16}', "", '{"nums": [1, 2], "target": 3}'])
-    assert load_rows("countdown", p, 0, 0) == [{"nums": [3, 5, 2], "target": 16}, {"nums": [1, 2], "target": 3}]
-    assert len(load_rows("countdown", p, 1, 0)) == 1
-    p = write(tmp_path, "m.jsonl", [json.dumps({"question": "q1", "answer": "He has 2<<1+1=2>> apples\n#### 1,450"}),
-                                     json.dumps({"question": "q2", "answer": 72})])
-    rows = load_rows("math", p, 0, 0)
-    assert [r["answer"] for r in rows] == ["1450", "72"] and rows[0]["steps"] == ["He has 2 apples"]
-    assert get_task("math")["reward"]("<answer>\\boxed{1,450}</answer>", rows[0]) == 1.0
-    lg = logic_problem(random.Random(3))
-    p = write(tmp_path, "l.jsonl", [json.dumps(lg)])
-    assert load_rows("logic", p, 0, 0) == [lg]
-
-
-@pytest.mark.parametrize("task,lines,msg", [
-    ("countdown", ['{"nums": [1, 2], "target": 3}', "", "{not json"], "line 3: invalid JSON"),
-    ("countdown", ['{"nums": [1, 2], "target": 3}', '{"nums": [1, 2]}'], 'line 2: missing key "target"'),
-    ("countdown", ['{"nums": [1, "2"], "target": 3}'], 'line 1: "nums" must be'),
-    ("countdown", ['{"nums": [1, 2], "target": 3.5}'], 'line 1: "target" must be'),
-    ("countdown", ["[1, 2, 3]"], "line 1: expected a JSON object"),
-    ("math", ['{"question": "q", "answer": "x^"}'], 'line 1: "answer" must be'),  # "many" is LaTeX now (m a n y)
-    ("math", ['{"answer": "3"}'], 'line 1: missing key "question"'),
-    ("logic", ['{"names": ["A"], "statements": [], "solution": {"A": "yes"}}'], 'line 1: "solution" must be'),
-    ("countdown", [""], "no rows"),
-])
-def test_jsonl_bad_files(tmp_path, task, lines, msg):
-    p = write(tmp_path, "bad.jsonl", lines)
-    with pytest.raises(ValueError) as e:
-        load_rows(task, p, 10, 0)
-    assert msg in str(e.value) and p in str(e.value) and "\n" not in str(e.value)
-
-
-def test_missing_file():
-    with pytest.raises(ValueError, match="nope.jsonl: cannot read"):
-        load_rows("countdown", "nope.jsonl", 10, 0)
-
-
-def test_logic_has_no_hub_set_and_splits_are_checked():
-    with pytest.raises(ValueError, match="logic has no hub data set"):
-        load_rows("logic", "hf", 10, 0)
-    with pytest.raises(ValueError, match="hf:train or hf:test"):
-        load_rows("math", "hf:dev", 10, 0)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets is not installed")
-@pytest.mark.parametrize("task", ["countdown", "math"])
-def test_hub_offline_gives_a_clean_error(task):
-    import datasets  # noqa: F401  (a cold import is not what is timed)
-    t = time.perf_counter()
-    with pytest.raises(ValueError, match=r"could not load .* from the hub \(no network\?\): .*; use --data gen"):
-        load_rows(task, "hf", 10, 0)
-    assert time.perf_counter() - t < 20  # offline fails at once: no network retries
-
-
-def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):
-    """The first eval_size rows are held out whatever --steps is; training rows are drawn lazily per (seed, step,
-    resample) and never repeat a held-out prompt; nothing is built up front, even for --steps 10**20."""
-    task = get_task("countdown")
-    made, gen = [], gmts._GEN["countdown"]
-    monkeypatch.setitem(gmts._GEN, "countdown", lambda r, easy: made.append(1) or gen(r, easy))
-    splits = [gmts.read_data(gmts.Config(data="easy", steps=n, prompts_per_step=32, eval_size=256))
-              for n in (1, 60, 10 ** 20)]
-    assert len(made) == 3 * 256  # only the held-out rows
-    held = splits[0].held
-    assert len(held) == 256 and all(s.held == held for s in splits)
-    seen = {task["prompt"](r) for r in held}
-    draw = splits[0].draw
-    for d in (s.draw for s in splits):
-        for key in [(1, 0), (2, 0), (2, 1), (59, 0)]:
-            rows = d(32, *key)
-            assert len(rows) == 32 and not seen & {task["prompt"](r) for r in rows}
-            assert rows == draw(32, *key)  # a function of (seed, step, resample), not of --steps
-    assert draw(32, 1, 0) != draw(32, 1, 1) and draw(32, 1, 0) != draw(32, 2, 0)
-    assert gmts.read_data(gmts.Config(data="easy", eval_size=256, seed=1)).draw(32, 1, 0) != draw(32, 1, 0)
-    rows = [{"nums": [i, 1], "target": i + 1} for i in range(6)]
-    rows[3] = dict(rows[0])  # a duplicate of a held-out prompt
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = gmts.read_data(gmts.Config(data=str(path), eval_size=2))
-    draw, held = data.draw, data.held
-    assert held == rows[:2] and {r["nums"][0] for r in draw(300, 1, 0)} == {2, 4, 5}
-    assert all(sorted(r["nums"][0] for r in draw(3, step, 0)) == [2, 4, 5] for step in range(20))  # no repeats
-
-
 # ---- model and tokenizer ---------------------------------------------------------------------------------------------
 
 
@@ -1913,7 +1441,7 @@ def test_evaluate_greedy_accuracy_length_and_sample(tiny, monkeypatch):
     """evaluate = greedy rollouts in batches: the share of rows whose answer scores exactly 1.0, the mean number of
     valid response tokens, the first answer (at most 200 characters); nothing else (well-formedness: gmts_lab)."""
     model, tok = tiny
-    task = dict(get_task("countdown"), reward=lambda text, row: 1.0 if row["target"] == 16 else 0.1)
+    task = dict(gmts.get_task("countdown"), reward=lambda text, row: 1.0 if row["target"] == 16 else 0.1)
     rows = [{"nums": [3, 5, 2], "target": 16}, {"nums": [1, 2], "target": 3}, {"nums": [4, 4], "target": 16}]
     want = gmts.rollout(model, tok, gmts.build_prompts(tok, task, rows, True, True), 1, 9, greedy=True)
     for bs in (64, 2, 1):
@@ -1921,178 +1449,6 @@ def test_evaluate_greedy_accuracy_length_and_sample(tiny, monkeypatch):
         assert set(got) == {"eval_acc", "eval_len", "eval_sample"}
         assert got["eval_acc"] == pytest.approx(2 / 3) and got["eval_sample"] == want["texts"][0][:200]
         assert got["eval_len"] == pytest.approx(float(want["resp_mask"].sum()) / 3)
-
-
-# ---- the run folder: kill, resume, damaged checkpoints, a finished run kept ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 2-step run (parity reward, so it trains) with its checkpoints ckpt-000001 and ckpt-000002. Tests
-    work on copies (run_copy)."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(gmts.TASKS["countdown"], "reward", parity_reward)
-        gmts.main([*SMALL, "--steps", "2", "--save-every", "1", "--lr", "1e-2", "--warmup-steps", "0", "--out",
-                   str(out)])
-    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000001", "ckpt-000002"]
-    return out
-
-
-def run_copy(finished, tmp_path, name="run"):
-    return shutil.copytree(finished, tmp_path / name)
-
-
-def snapshot(folder):
-    """Every file's bytes under folder, by relative path."""
-    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
-            for d, _, fs in os.walk(folder) for f in fs}
-
-
-def fails(capsys, argv, code):
-    """gmts.main(argv) in this process must stop with `code` and exactly one stderr line, no traceback."""
-    with pytest.raises(SystemExit) as e:
-        gmts.main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert e.value.code == code and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gmts: error: "), err
-    return lines[0]
-
-
-KILL_DRIVER = """
-import os, signal, sys
-sys.path.insert(0, {here!r})
-import torch
-import gmts
-
-gmts.TASKS["countdown"]["reward"] = lambda text, row: float(sum(map(ord, text)) % 2)  # test_gmts.parity_reward
-where, argv = sys.argv[1], sys.argv[2:]
-if where == "checkpoint":  # SIGKILL right after ckpt-000004.tmp is complete, before its rename
-    save = torch.save
-    def save_then_die(obj, path, *a, **k):
-        save(obj, path, *a, **k)
-        if os.path.basename(os.path.dirname(str(path))) == "ckpt-000004.tmp":
-            os.kill(os.getpid(), signal.SIGKILL)
-    torch.save = save_then_die
-else:  # SIGKILL right after step 3's metrics line, before its checkpoint
-    log = gmts.log_metrics
-    def log_then_die(path, rec):
-        log(path, rec)
-        if rec["step"] == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-    gmts.log_metrics = log_then_die
-gmts.main(argv)
-"""
-
-
-def test_sigkill_mid_training_and_mid_checkpoint_then_resume(tmp_path, one_thread, parity):
-    """A child killed (SIGKILL: no handler, no cleanup) after a metrics line, or inside a checkpoint write, then
-    --resume: the same metrics, line for line, and a bit-identical final model as the uninterrupted run."""
-    run = [*SMALL, "--steps", "6", "--save-every", "1", "--lr", "1e-2", "--warmup-steps", "0"]
-    want = train_main(*run, "--out", tmp_path / "ref")
-    assert any(r.get("grad_norm", 0) > 0 for r in want)  # it trains: the comparison means something
-    driver = tmp_path / "driver.py"
-    driver.write_text(KILL_DRIVER.format(here=HERE))
-    a, b = tmp_path / "a", tmp_path / "b"
-    for where, out in (("metrics", a), ("checkpoint", b)):
-        r = subprocess.run([sys.executable, str(driver), where, *run, "--out", str(out)], capture_output=True,
-                           text=True, timeout=300, cwd=HERE, env=ENV1)
-        assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert [x["step"] for x in _metrics(a / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert gmts.checkpoints(str(a))[-1].endswith("ckpt-000002")  # step 3's checkpoint was never written
-    assert os.path.exists(os.path.join(gmts.checkpoints(str(a))[-1], "state.pt"))
-    assert (b / "ckpt-000004.tmp" / "state.pt").exists()  # the temporary checkpoint is complete ...
-    assert gmts.checkpoints(str(b))[-1].endswith("ckpt-000003")  # ... but only a renamed one counts
-    for out in (a, b):
-        assert train_main("--resume", out) == want  # no duplicated, missing or torn lines; the same numbers
-        assert _same_weights(out, tmp_path / "ref")
-        assert not list(out.glob("*.tmp")) and not list(out.glob("ckpt-*.old"))
-
-
-def test_resume_ignores_partial_checkpoint_and_torn_line(tmp_path, finished, parity):
-    out = run_copy(finished, tmp_path)
-    os.makedirs(out / "ckpt-000003.tmp")  # a write that died half way
-    (out / "ckpt-000003.tmp" / "config.json").write_text("{")
-    shutil.copytree(out / "ckpt-000001", out / "ckpt-000009.old")  # a deletion that died half way
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "reward_mea')  # a torn line
-    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000001", "ckpt-000002"]
-    recs = train_main("--resume", out, "--steps", "3")
-    assert [x["step"] for x in recs] == [0, 1, 2, 3]
-
-
-def _damage(path, how):
-    data = path.read_bytes()
-    path.write_bytes({"truncated": data[:len(data) // 2], "empty": b"", "random": os.urandom(len(data))}[how])
-
-
-DAMAGES = {"truncated state.pt": ("state.pt", "truncated"), "0-byte state.pt": ("state.pt", "empty"),
-           "random state.pt": ("state.pt", "random"), "truncated model.safetensors": ("model.safetensors", "truncated")}
-
-
-@pytest.mark.parametrize("damage", DAMAGES)
-def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, finished, parity, capsys, damage):
-    """ckpt-000002 damaged: --resume says so in one line, falls back to ckpt-000001 and reruns step 2 exactly (the
-    whole config comes from run_config.json: only --resume is given)."""
-    out = run_copy(finished, tmp_path)
-    name, how = DAMAGES[damage]
-    _damage(out / "ckpt-000002" / name, how)
-    want = _metrics(out / "metrics.jsonl")
-    assert train_main("--resume", out) == want
-    said = [ln for ln in capsys.readouterr().out.splitlines() if "ckpt-000002" in ln and "does not load" in ln]
-    assert len(said) == 1, said
-    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000001", "ckpt-000002"]
-    assert _same_weights(out, finished)
-
-
-def test_old_checkpoints_are_renamed_before_they_are_deleted(tmp_path, monkeypatch):
-    """save_checkpoint keeps the last 2: the new one is renamed into place first, then each old one is renamed to
-    *.old and only then deleted, so a kill at any moment leaves no half-deleted folder that looks complete."""
-    model, tok = gmts.build_tiny(hidden=16, layers=1)
-    opt = torch.optim.AdamW(model.parameters())
-    calls, replace, rmtree = [], os.replace, shutil.rmtree
-    name = os.path.basename
-
-    def spy_replace(a, b):
-        if name(str(a)).startswith("ckpt-"):
-            calls.append(("replace", name(str(a)), name(str(b))))
-        return replace(a, b)
-
-    def spy_rmtree(p, *a, **k):
-        if name(str(p)).startswith("ckpt-"):
-            calls.append(("rmtree", name(str(p))))
-        return rmtree(p, *a, **k)
-    monkeypatch.setattr(os, "replace", spy_replace)
-    monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
-    for step in range(3):
-        gmts.save_checkpoint(str(tmp_path), step, model, tok, opt, 0)
-    new = calls.index(("replace", "ckpt-000002.tmp", "ckpt-000002"))
-    old = calls.index(("replace", "ckpt-000000", "ckpt-000000.old"))
-    assert new < old < calls.index(("rmtree", "ckpt-000000.old"))
-    for k in range(3):  # a complete checkpoint is never deleted in place (only a leftover before its rename)
-        done = calls.index(("replace", f"ckpt-{k:06d}.tmp", f"ckpt-{k:06d}"))
-        assert ("rmtree", f"ckpt-{k:06d}") not in calls[done:]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "ckpt-000002"]
-    state = torch.load(tmp_path / "ckpt-000002" / "state.pt", weights_only=True)  # no pickle needed
-    assert state["step"] == 2 and "opt" in state
-
-
-def test_a_new_run_never_replaces_a_finished_one(tmp_path, finished, capsys, parity):
-    """Without --overwrite a new run into a run's folder stops (exit 2) and leaves every byte; a deliberate
-    --overwrite whose model cannot load (exit 1) leaves every byte too; a bad override with --resume is never
-    saved; --overwrite with a loadable model replaces the run."""
-    out = run_copy(finished, tmp_path)
-    before = snapshot(out)
-    assert "holds a run" in fails(capsys, [*SMALL, "--out", out], 2)
-    assert snapshot(out) == before
-    assert "cannot load model" in fails(capsys, [*SMALL, "--overwrite", "--model", tmp_path / "none", "--out", out], 1)
-    assert snapshot(out) == before
-    assert "--lr" in fails(capsys, ["--resume", out, "--lr", "-1"], 2)
-    assert snapshot(out) == before and gmts.parse_args(["--resume", str(out)]).lr == 1e-2
-    recs = train_main(*SMALL, "--steps", "1", "--overwrite", "--out", out)
-    assert [x["step"] for x in recs] == [0, 1]
-    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000000", "ckpt-000001"]
 
 
 # ---- step lines, the progress bar and trackers -----------------------------------------------------------------------
@@ -2157,271 +1513,13 @@ def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
 
 def test_report_to_without_its_package_is_one_line(tmp_path, monkeypatch, capsys):
     """A tracker whose package is missing: one line, exit 2, before any work (nothing written to --out)."""
-    real = importlib.import_module
-    monkeypatch.setattr(gmts.importlib, "import_module",
-                        lambda name: (_ for _ in ()).throw(ImportError(name)) if name == "wandb" else real(name))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb: ImportError
+    monkeypatch.setattr(gmts.importlib.util, "find_spec", lambda name: None if name == "wandb" else object())
     with pytest.raises(SystemExit) as e:
         gmts.main(["--preset", "smoke", "--report-to", "wandb", "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "pip install wandb" in err
     assert not (tmp_path / "r").exists()
-
-
-def test_progress_bar_on_a_terminal_plain_lines_elsewhere(tmp_path):
-    """On a TTY stdout a tqdm bar counts the steps (its '2/2' and the step's numbers on one redrawn line), the
-    evaluations stay above it as step lines; piped, the same run prints one plain line per step and no bar."""
-    import pty
-    args = [sys.executable, os.path.join(HERE, "gmts.py"), "--preset", "smoke", "--eval-every", "2"]
-    import fcntl
-    import struct
-    import termios
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a 160-column terminal
-    p = subprocess.Popen(args + ["--out", str(tmp_path / "tty")], stdout=follower, stderr=subprocess.PIPE, cwd=HERE,
-                         env=ENV1)
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed with the process
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    assert p.wait(timeout=300) == 0
-    os.close(leader)
-    tty = b"".join(chunks).decode()
-    assert "2/2" in tty and "\r" in tty and "reward_mean" in tty
-    assert re.search(r"step 2 \|[^\n]*eval_acc", tty)  # the evaluation step stays as a line
-    assert "step 1 |" not in tty  # a step without an evaluation lives only in the bar
-    piped = run_cli("--preset", "smoke", "--out", str(tmp_path / "pipe"))
-    assert piped.returncode == 0 and "2/2" not in piped.stdout and "\r" not in piped.stdout
-    assert re.search(r"^step 1 \|", piped.stdout, re.M) and re.search(r"^step 2 \|", piped.stdout, re.M)
-
-
-# ---- config checks: the bad-input table ------------------------------------------------------------------------------
-# The bad-input table (issue 18): flags, data files, output folders, resume folders, model folders. Each case runs
-# gmts.main in this process and must end with exactly one stderr line, no traceback, and its exit code: 2 for bad
-# input, 1 for a model that cannot be loaded or no loadable checkpoint. A case that names an existing run ({run},
-# {norc}, ...) must leave that folder byte for byte as it was. Placeholders are built by PLACES.
-def _json_file(rows):
-    return lambda tmp, run: _write(tmp / "d.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _write(path, text, mode="w"):
-    with open(path, mode) as f:
-        f.write(text)
-    return path
-
-
-def _run_with(edit):
-    """A copy of the finished run, then edit(copy)."""
-    def build(tmp, run):
-        out = shutil.copytree(run, tmp / "r")
-        edit(out)
-        return out
-    return build
-
-
-def _model_folder(keep, edit=None):
-    def build(tmp, run):
-        out = tmp / "m"
-        os.makedirs(out)
-        for n in keep:
-            shutil.copy(run / "ckpt-000002" / n, out / n)
-        if edit:
-            edit(out)
-        return out
-    return build
-
-
-def _read_only(tmp, run):
-    os.makedirs(tmp / "ro")
-    os.chmod(tmp / "ro", 0o555)
-    return tmp / "ro"
-
-
-CD = {"nums": [3, 5, 2], "target": 16}
-PLACES = {
-    "tmp": lambda tmp, run: tmp,
-    "run": _run_with(lambda out: None),
-    "file": lambda tmp, run: _write(tmp / "file", "x"),
-    "ro": _read_only,
-    "bad_json": lambda tmp, run: _write(tmp / "d.jsonl", json.dumps(CD) + '\n{"nums": [1, 2], "target": }\n'),
-    "no_target": _json_file([CD, {"nums": [1, 2, 3]}]),
-    "str_nums": _json_file([{"nums": [1, "2"], "target": 3}]),
-    "list_row": lambda tmp, run: _write(tmp / "d.jsonl", "[1, 2, 3]\n"),
-    "blank": lambda tmp, run: _write(tmp / "d.jsonl", "\n\n"),
-    "latin1": lambda tmp, run: _write(tmp / "d.jsonl", b'{"nums": [1], "target": 1} \xff\n', "wb"),
-    "three_rows": _json_file([CD, {"nums": [1, 2], "target": 3}, {"nums": [4, 4], "target": 8}]),
-    "dup_rows": _json_file([CD, {"nums": [1, 2], "target": 3}, CD, {"nums": [1, 2], "target": 3}]),
-    "norc": _run_with(lambda out: os.remove(out / "run_config.json")),
-    "garbage": _run_with(lambda out: _write(out / "run_config.json", '{"lr": 1e-3, "steps"')),
-    "json_list": _run_with(lambda out: _write(out / "run_config.json", "[1, 2]")),
-    "null_lr": _run_with(lambda out: _write(out / "run_config.json", '{"lr": null}')),
-    "all_damaged": _run_with(lambda out: [_damage(out / os.path.basename(c) / "state.pt", "random")
-                                          for c in gmts.checkpoints(str(out))]),
-    "config_only": _model_folder(["config.json"]),
-    "no_weights": _model_folder(["config.json", "tokenizer.json", "tokenizer_config.json"]),
-    "trunc_weights": _model_folder(["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"],
-                                   lambda out: _damage(out / "model.safetensors", "truncated")),
-    "bad_config": _model_folder(["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"],
-                                lambda out: _write(out / "config.json", '{"model_type": "qwen2", "hidden_size": -3}')),
-}
-BAD_INPUT = [  # (id, argv, exit code, a piece of the message or a tuple of pieces[, a skip mark])
-    ("lr inf", ["--lr", "inf"], 2, "--lr"),
-    ("lr -1", ["--lr", "-1"], 2, "--lr"),
-    ("lr nan", ["--lr", "nan"], 2, "--lr"),
-    ("top-p 0", ["--top-p", "0"], 2, "--top-p"),
-    ("top-p 1.5", ["--top-p", "1.5"], 2, "--top-p"),
-    ("temperature inf", ["--temperature", "inf"], 2, "--temperature"),
-    ("temperature 0", ["--temperature", "0"], 2, "--temperature"),
-    ("clip-low -0.5", ["--clip-low", "-0.5"], 2, "--clip-low"),
-    ("clip-low 1.5", ["--clip-low", "1.5"], 2, "--clip-low"),
-    ("clip-high nan", ["--clip-high", "nan"], 2, "--clip-high"),
-    ("kl-beta -1", ["--kl-beta", "-1"], 2, "--kl-beta"),
-    ("kl-beta nan", ["--kl-beta", "nan"], 2, "--kl-beta"),
-    ("max-grad-norm -1", ["--max-grad-norm", "-1"], 2, "--max-grad-norm"),
-    ("save-every -1", ["--save-every", "-1"], 2, "--save-every"),
-    ("warmup-steps -5", ["--warmup-steps", "-5"], 2, "--warmup-steps"),
-    ("weight-decay -1", ["--weight-decay", "-1"], 2, "--weight-decay"),
-    ("tiny-hidden 0", ["--tiny-hidden", "0"], 2, "--tiny-hidden"),
-    ("tiny-hidden 12", ["--tiny-hidden", "12"], 2, "--tiny-hidden"),
-    ("tiny-layers -1", ["--tiny-layers", "-1"], 2, "--tiny-layers"),
-    ("rho 0", ["--rho", "0"], 2, "--rho"),
-    ("rho 1.5", ["--rho", "1.5"], 2, "--rho"),
-    ("group-size 1", ["--group-size", "1"], 2, "--group-size"),
-    ("steps 0", ["--steps", "0"], 2, "--steps"),
-    ("steps two", ["--steps", "two"], 2, "invalid int"),
-    ("inner-updates 0", ["--inner-updates", "0"], 2, "--inner-updates"),
-    ("micro-batch 0", ["--micro-batch", "0"], 2, "--micro-batch"),
-    ("max-resample 0", ["--max-resample", "0"], 2, "--max-resample"),
-    ("eval-every -1", ["--eval-every", "-1"], 2, "--eval-every"),
-    ("top-k -1", ["--top-k", "-1"], 2, "--top-k"),
-    ("unknown select", ["--select", "best"], 2, "invalid choice"),
-    ("rsi-low above rsi-high", ["--rsi-low", "3", "--rsi-high", "2"], 2, "no RSI is kept"),
-    ("rsi-high inf", ["--rsi-high", "inf"], 2, "--rsi-high must be finite"),
-    ("rsi-low negative", ["--rsi-low", "-1"], 2, "--rsi-low must be finite and >= 0"),
-    ("rsi with a scope", ["--select", "rsi", "--scope", "group"], 2, "keeps an interval"),
-    ("rsi with loss-norm selected", ["--select", "rsi", "--loss-norm", "selected"], 2, "keeps an interval"),
-    ("unknown task", ["--task", "poetry"], 2, "unknown task"),
-    ("unknown preset", ["--preset", "gpu9000"], 2, "invalid choice"),
-    ("unknown device", ["--device", "tpu"], 2, "invalid choice"),
-    ("unknown loss-norm", ["--loss-norm", "tokens"], 2, "invalid choice"),
-    ("unknown chat-template", ["--chat-template", "maybe"], 2, "invalid choice"),
-    ("a lab flag", ["--sft-steps", "3"], 2, "unrecognized arguments"),
-    ("cuda without cuda", ["--device", "cuda"], 2, "no such device",
-     pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
-    ("out empty", ["--out", ""], 2, "--out"),
-    ("out is a file", ["--out", "{file}"], 2, "--out"),
-    ("out under a file", ["--out", "{file}/sub"], 2, "--out"),
-    ("out read-only", ["--out", "{ro}/run"], 2, "--out",
-     pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")),
-    ("out holds a run", ["--out", "{run}"], 2, "holds a run"),
-    ("data missing", ["--data", "{tmp}/nope.jsonl"], 2, "cannot read"),
-    ("data is a folder", ["--data", "{tmp}"], 2, "cannot read"),
-    ("data bad json", ["--data", "{bad_json}"], 2, "line 2: invalid JSON"),
-    ("data missing key", ["--data", "{no_target}"], 2, 'line 2: missing key "target"'),
-    ("data wrong type", ["--data", "{str_nums}"], 2, 'line 1: "nums" must be'),
-    ("data not objects", ["--data", "{list_row}"], 2, "expected a JSON object"),
-    ("data no rows", ["--data", "{blank}"], 2, "no rows"),
-    ("data not utf-8", ["--data", "{latin1}"], 2, "cannot read"),
-    ("data rows of another task", ["--task", "math", "--data", "{three_rows}"], 2, 'missing key "question"'),
-    ("data all held out", ["--data", "{three_rows}", "--eval-size", "3"], 2, "no training rows"),
-    ("data duplicates of held out", ["--data", "{dup_rows}", "--eval-size", "2"], 2, "no training rows"),
-    ("data hf split", ["--data", "hf:dev"], 2, "hf:train or hf:test"),
-    ("data hf logic", ["--task", "logic", "--data", "hf"], 2, "logic has no hub data set"),
-    ("max-new-tokens past positions", ["--max-new-tokens", "5000"], 2, "positions"),
-    ("eval-size 10**12", ["--eval-size", str(10 ** 12)], 2, "--eval-size"),
-    ("steps 10**20 on a used-up file", ["--steps", str(10 ** 20), "--data", "{three_rows}", "--eval-size", "3"], 2,
-     "no training rows"),
-    ("steps 10**20 eval-size 10**12", ["--steps", str(10 ** 20), "--eval-size", str(10 ** 12)], 2, "--eval-size"),
-    ("resume missing folder", ["--resume", "{tmp}/missing"], 2, "no run_config.json"),
-    ("resume without run_config", ["--resume", "{norc}"], 2, "no run_config.json"),
-    ("resume garbage run_config", ["--resume", "{garbage}"], 2, "unreadable"),
-    ("resume run_config a list", ["--resume", "{json_list}"], 2, "not a JSON object"),
-    ("resume run_config lr null", ["--resume", "{null_lr}"], 2, "lr"),
-    ("resume steps below the last", ["--resume", "{run}", "--steps", "1"], 2, "below"),
-    ("resume task changed", ["--resume", "{run}", "--task", "math"], 2, "--allow-change"),
-    ("resume data changed", ["--resume", "{run}", "--data", "gen"], 2, "--allow-change"),
-    ("resume bad override", ["--resume", "{run}", "--lr", "-1"], 2, "--lr"),
-    ("resume into another --out", ["--resume", "{run}", "--steps", "3", "--out", "{tmp}/elsewhere"], 2, "another"),
-    ("resume max-new-tokens past positions", ["--resume", "{run}", "--steps", "3", "--max-new-tokens", "5000",
-                                              "--allow-change"], 2, "positions"),
-    ("resume every checkpoint damaged", ["--resume", "{all_damaged}"], 1, "no loadable checkpoint"),
-    ("model misspelled", ["--model", "Qwen2.5-0.5B-Instrukt"], 1, ("Qwen/Qwen2.5-0.5B-Instrukt", "--model tiny")),
-    ("model folder missing", ["--model", "{tmp}/no-model"], 1, "cannot load model"),
-    ("model folder config only", ["--model", "{config_only}"], 1, "cannot load model"),
-    ("model folder no weights", ["--model", "{no_weights}"], 1, "cannot load model"),
-    ("model folder truncated weights", ["--model", "{trunc_weights}"], 1, "cannot load model"),
-    ("model folder bad config", ["--model", "{bad_config}"], 1, "cannot load model"),
-]
-
-
-@pytest.mark.parametrize("argv, code, needle", [pytest.param(*c[1:4], id=c[0], marks=c[4:]) for c in BAD_INPUT])
-def test_bad_input_is_one_line_and_its_exit_code(tmp_path, finished, capsys, argv, code, needle):
-    built = {}
-
-    def place(m):
-        if m[1] not in built:
-            built[m[1]] = PLACES[m[1]](tmp_path, finished)
-        return str(built[m[1]])
-    argv = [re.sub(r"\{(\w+)\}", place, a) for a in argv]
-    if "--resume" not in argv:
-        argv = [*SMALL, "--out", str(tmp_path / "o"), *argv]  # the case's own --out comes last and wins
-    runs = {p: snapshot(p) for p in map(str, built.values()) if os.path.isdir(p) and p != str(tmp_path)}
-    try:
-        err = fails(capsys, argv, code)
-    finally:
-        if os.path.isdir(tmp_path / "ro"):
-            os.chmod(tmp_path / "ro", 0o755)
-    assert all(n in err for n in ([needle] if isinstance(needle, str) else needle)), err
-    for p, before in runs.items():
-        assert snapshot(p) == before, f"{p} changed"
-
-
-# ---- CLI and signals: memory and interrupts are one line -------------------------------------------------------------
-
-
-def test_out_of_memory_is_one_line_with_the_flags_to_lower(tmp_path, monkeypatch, capsys):
-    real = gmts.rollout
-
-    def oom_in_training(model, tok, prompts, group_size, *a, **k):  # the greedy step-0 eval (G = 1) still runs
-        if group_size > 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(model, tok, prompts, group_size, *a, **k)
-    monkeypatch.setattr(gmts, "rollout", oom_in_training)
-    err = fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
-    assert "--micro-batch" in err and "--group-size" in err and "--max-new-tokens" in err
-    assert gmts.checkpoints(str(tmp_path / "o"))  # the last checkpoint is kept
-
-
-def test_out_of_memory_in_evaluation_and_interrupt_are_one_line(tmp_path, monkeypatch, capsys):
-    def oom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    monkeypatch.setattr(gmts, "evaluate", oom)
-    assert "--micro-batch" in fails(capsys, [*SMALL, "--out", tmp_path / "o"], 1)
-
-    def interrupt(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(gmts, "evaluate", interrupt)
-    assert "no checkpoint yet" in fails(capsys, [*SMALL, "--out", tmp_path / "i"], 130)  # the step-0 eval: true
-
-
-def test_a_run_from_before_issue_42_resumes_with_its_own_values(tmp_path):
-    """A run_config.json written before --data-order, --skip-bad-rows, --max-prompt-tokens,
-    --rollout-rows and --adam-eps existed resumes with the values that run had (gmts.ADDED);
-    without ADDED the resume was refused ("lacks ...")."""
-    out = tmp_path / "old"
-    train_main(*SMALL, "--steps", "1", "--out", out)
-    path = out / "run_config.json"
-    saved = json.loads(path.read_text())
-    for key in ("data_order", "skip_bad_rows", "max_prompt_tokens", "rollout_rows", "adam_eps"):
-        assert saved.pop(key) == gmts.ADDED[key]  # the value a run of then had
-    path.write_text(json.dumps(saved))
-    recs = train_main("--resume", out, "--steps", "2")
-    assert [r["step"] for r in recs] == [0, 1, 2]
 
 
 # ---- RSI-S: the interval rule (--select rsi) --------------------------------------------------------------------------
@@ -2488,3 +1586,325 @@ def test_rsi_trains_and_logs_its_kept_share(tmp_path, capsys):
     recs = gmts.read_metrics(str(out))
     shares = [r["selected_frac"] for r in recs if "selected_frac" in r]
     assert shares and all(0.0 < f < 1.0 for f in shares), shares
+
+
+# ---- the fast rollout path and the bf16 sampler ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts():
+    model, tok = gmts.build_tiny(96, 3, seed=0)
+    task = gmts.get_task("countdown")
+    prompts = gmts.build_prompts(tok, task, gmts.load_rows("countdown", "easy", 3, 0), False, short=True)
+    prompts[1] += " (a longer prompt, so the others are left-padded)"
+    return model.eval(), tok, prompts
+
+
+def draw(tiny_prompts, fast, seed=0, **kw):
+    model, tok, prompts = tiny_prompts
+    torch.manual_seed(seed)
+    return gmts.rollout(model, tok, prompts, 8, 40, fast=fast, sampler_logp=True, **kw)
+
+
+def test_static_cache_draws_what_the_dynamic_cache_draws(tiny_prompts):
+    greedy = [draw(tiny_prompts, fast, greedy=True) for fast in (False, True)]
+    assert torch.equal(greedy[0]["comp_ids"], greedy[1]["comp_ids"])
+    for temperature in (1.0, 0.7):  # T = 1 with top_k 0 / top_p 1 (no warper at all), and a temperature warper
+        dyn, static = (draw(tiny_prompts, fast, seed=3, temperature=temperature) for fast in (False, True))
+        assert torch.equal(dyn["comp_ids"], static["comp_ids"])  # the same tokens under the same seed
+        assert torch.equal(dyn["resp_mask"], static["resp_mask"]) and torch.equal(dyn["truncated"], static["truncated"])
+        assert (~dyn["truncated"]).any() and dyn["truncated"].any()  # eos handling is covered: some answers end
+        # the same per-position distribution: the sampler's log-probs of the drawn tokens agree
+        assert (dyn["sampler_logp"] - static["sampler_logp"]).abs().max() < 1e-5
+        assert dyn["prompt_mask"].sum(1).unique().numel() > 1  # left padding is covered
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logp_equals_the_learner_recompute_in_fp32(tiny_prompts, fast, temperature):
+    b = draw(tiny_prompts, fast, seed=5, temperature=temperature)
+    N, T = b["comp_ids"].shape
+    assert b["sampler_logp"].shape == (N, T) and (b["sampler_logp"][~b["resp_mask"]] == 0).all()
+    logp = gmts.batch_token_stats(tiny_prompts[0], b, temperature, micro_batch=64, chunk=1024)[0]
+    gap = (b["sampler_logp"] - logp).abs()[b["resp_mask"]]
+    assert gap.max() < 1e-5, float(gap.max())
+    assert (b["sampler_logp"][b["resp_mask"]] < 0).all()  # real log-probs, not a zero fill
+
+
+def reward_cycle(monkeypatch):
+    """A random-init model earns no reward: 1, 0, 1, 0, ... gives every group unequal rewards, so steps happen."""
+    it = itertools.cycle([1.0, 0.0])
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda text, row: next(it))
+
+
+def tiny_cfg(tmp_path, **kw):
+    return gmts.Config(**{**dict(model="tiny", tiny_hidden=64, tiny_layers=2, task="countdown", data="easy",
+                                 short_prompt=True, steps=2, prompts_per_step=2, group_size=4, max_new_tokens=12,
+                                 eval_every=0, eval_size=2, save_every=0, lr=1e-2, warmup_steps=0,
+                                 out=str(tmp_path / "run")), **kw})
+
+
+def test_bf16_copy_equals_bf16_of_the_master_after_each_step(tmp_path, monkeypatch):
+    reward_cycle(monkeypatch)
+    seen, master = [], []  # (the model rollout sampled from, its weights), and the master model at each update
+    real_rollout, real_update = gmts.rollout, gmts.policy_update
+
+    def spy_rollout(model, *a, **k):
+        if k.get("sampler_logp"):  # train's rollouts (evaluate's greedy ones read the master)
+            seen.append((model, [(p.detach().clone(), p.data_ptr()) for p in model.parameters()]))
+        return real_rollout(model, *a, **k)
+
+    def spy_update(model, *a, **k):
+        out = real_update(model, *a, **k)
+        master.append((model, [p.detach().clone() for p in model.parameters()], out["stepped"]))
+        return out
+
+    monkeypatch.setattr(gmts, "rollout", spy_rollout)
+    monkeypatch.setattr(gmts, "policy_update", spy_update)
+    out = gmts.train(tiny_cfg(tmp_path, sampler_dtype="bf16", fast_generate=True), log=lambda *a: None)
+    assert len(seen) == 2 and len(master) == 2 and all(m[2] for m in master)  # both steps stepped
+    sampler, model = seen[0][0], master[0][0]
+    assert sampler is seen[1][0] and sampler is not model  # one copy, sampled from at every step
+    assert all(p.dtype == torch.bfloat16 for p in sampler.parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the update keeps fp32 master weights
+    assert sampler.model.rotary_emb.inv_freq.dtype == torch.float32
+    for (s_old, ptr_old), (s_new, ptr_new), m in zip(seen[0][1], seen[1][1], master[0][1]):
+        assert ptr_old == ptr_new  # refreshed in place, no reallocation
+        assert torch.equal(s_new, m.to(torch.bfloat16))  # exactly bf16(fp32 weights after step 1)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(seen[0][1], seen[1][1]))  # and it did move
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))][1:]
+    assert all(0 < r["sampler_logp_gap"] <= r["sampler_logp_gap_max"] < 1.0 for r in rows)  # bf16 vs fp32: small
+
+
+@pytest.mark.parametrize("filter_groups", [True, False])
+def test_train_logs_a_zero_gap_when_sampler_and_learner_share_fp32(tmp_path, monkeypatch, filter_groups):
+    reward_cycle(monkeypatch)
+    cfg = tiny_cfg(tmp_path, filter_groups=filter_groups)  # CPU: sampler_dtype auto -> fp32, no copy
+    rows = [json.loads(x) for x in open(os.path.join(gmts.train(cfg, log=lambda *a: None), "metrics.jsonl"))][1:]
+    assert len(rows) == 2
+    assert all(0 <= r["sampler_logp_gap"] <= r["sampler_logp_gap_max"] < 1e-5 for r in rows), rows
+
+
+def test_flags():
+    cfg = gmts.parse_args(["--sampler-dtype", "bf16", "--fast-generate", "false"])
+    assert cfg.sampler_dtype == "bf16" and cfg.fast_generate is False
+    cfg = gmts.parse_args([])
+    assert cfg.sampler_dtype == "auto" and cfg.fast_generate is None  # auto: bf16 and fast only where CUDA is
+    with pytest.raises(ValueError, match="--sampler-dtype: invalid choice: 'fp16'"):
+        gmts.parse_args(["--sampler-dtype", "fp16"])
+
+
+# ---- the paper-math preset: Framework1's values and its update ------------------------------------------------
+def test_the_preset_takes_framework1_s_values():
+    """GMTS-Framework1/example/Qwen2.5-math-1.5b-grpo-GMTS.yaml and test.py (shared/notes/gmts-official.md)."""
+    cfg = gmts.parse_args(["--preset", "paper-math"])
+    framework1 = dict(model="Qwen/Qwen2.5-Math-1.5B", task="math", prompt_style="qwen-math", prompts_per_step=64,
+                      group_size=16, max_new_tokens=2048, lr=3e-5, warmup_steps=0, lr_decay=False, weight_decay=0.0,
+                      max_grad_norm=1.0, kl_beta=0.001, clip_low=0.2, clip_high=0.28, micro_batch=4, seed=0,
+                      filter_groups=False, overlong_filter=False, temperature=1.0, top_p=1.0, top_k=0,
+                      inner_updates=1, select="gmts", rho=0.2, eval_samples=16, steps=188)
+    assert {k: getattr(cfg, k) for k in framework1} == framework1
+    # GRPO's per-answer mean, summed over the 64 prompts, the norm clipped at 1.0: their update
+    assert cfg.loss_norm == "seq-sum" and gmts.selection_rule(cfg) == (0.2, 16)  # GMTS per group
+    assert cfg.adam_eps == 1e-8 and cfg.data_order == "epoch"  # torch's eps; one pass over the rows
+    assert cfg.data == "hf:hiyouga/math12k:train" and [n for n, _ in gmts.eval_sets(cfg.eval_data)] == [
+        "aime24", "amc23", "math500", "minerva", "olympiadbench"]
+
+
+
+
+# ---- the preset's update is the authors' (issue 42 item 4) ---------------------------------------
+def _preset_batch(tok, informative, B=64, G=16, seed=0):
+    """A rollout batch as sample_groups returns it: B prompts x G answers of the byte-level tiny
+    tokenizer, every answer 16 (an end token last) or 32 tokens (cut), rewards binary: half of each
+    of the first `informative` groups right, the other groups all wrong."""
+    g = torch.Generator().manual_seed(seed)
+    N, P, T = B * G, 6, 32
+    prompt_ids = torch.full((N, P), tok.pad_token_id)
+    prompt_mask = torch.zeros(N, P, dtype=torch.bool)
+    for b in range(B):
+        n = int(torch.randint(3, P + 1, (1,), generator=g))
+        prompt_ids[b * G:(b + 1) * G, P - n:] = torch.randint(0, 256, (n,), generator=g)
+        prompt_mask[b * G:(b + 1) * G, P - n:] = True
+    comp = torch.randint(0, 256, (N, T), generator=g)
+    short = torch.arange(N) % 3 == 0
+    comp[short, 15] = tok.convert_tokens_to_ids("<|im_end|>")
+    comp[short, 16:] = tok.pad_token_id
+    resp_mask, truncated = gmts.completion_mask(comp, gmts.end_token_ids(tok))
+    rewards = torch.zeros(N)
+    for b in range(informative):
+        rewards[b * G:b * G + G // 2] = 1.0
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, comp_ids=comp, resp_mask=resp_mask,
+                 truncated=truncated, texts=[""] * N, sampler_logp=torch.zeros(N, T))
+    return batch, rewards
+
+
+def _authors_update(model, batch, rewards, kept, old_logp, ref_logp, G=16, micro=4, lr=3e-5,
+                    beta=0.001, clip_low=0.2, clip_high=0.28, logp_of=gmts.head_logp, grads=None):
+    """A literal reading of GMTS-Framework1's update_policy (grpo_tools/grpo.py), method grpo, one
+    mini-batch of all the prompts: A' = (r - mean) / (population std + 1e-6) / (G |o_i|) in
+    float64; micro answers at a time, the SUM over tokens of -min(r A', clip(r) A') on the kept
+    tokens (A' = 0 elsewhere) plus beta k3 / (G |o_i|) on all, backward; the gradient norm clipped
+    at 1.0; torch's AdamW(lr, (0.9, 0.999), eps 1e-8, weight decay 0). Given: the kept tokens
+    (their GMTS(): pinned by test_gmts' test_select_tokens_per_group_matches_the_literal_reference),
+    pi_old's and pi_ref's log-probs, and the forward (response_hidden, the head, the same rows per
+    micro-batch): what is compared is the update, not two forwards' rounding. logp_of(h, head, y):
+    the log-probs (gmts.head_logp's bits, or theirs: _cross_entropy_logp); grads: a list that gets
+    each parameter's gradient before the clip. -> the norm."""
+    import numpy as np
+    mask = batch["resp_mask"]
+    N = mask.shape[0]
+    lengths = mask.sum(1).tolist()  # |o_i|
+    adv = []
+    for b in range(N // G):
+        r = rewards[b * G:(b + 1) * G].double().numpy()
+        for j in range(G):
+            a = (r[j] - np.mean(r)) / (np.std(r) + 1e-6)
+            adv.append(a / (lengths[b * G + j] * G))
+    adv = torch.tensor(adv, dtype=torch.float32)  # A', (N,)
+    head = model.get_output_embeddings()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    for start in range(0, N, micro):
+        rows = slice(start, start + micro)
+        m = mask[rows]
+        h = gmts.response_hidden(model, batch, rows)[m]
+        logp = logp_of(h, head, batch["comp_ids"][rows][m])
+        a = adv[rows][:, None].expand_as(m)[m] * kept[rows][m]
+        ratio = (logp - old_logp[rows][m]).exp()
+        surr = torch.min(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
+        log_ratio = ref_logp[rows][m] - logp
+        n = torch.tensor(lengths[start:start + micro], dtype=torch.float32)[:, None].expand_as(m)[m]
+        kl = (log_ratio.exp() - log_ratio - 1) / (G * n)
+        (-surr + beta * kl).sum().backward()
+    if grads is not None:
+        grads.extend(p.grad.clone() for p in model.parameters())
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))
+    opt.step()
+    return norm
+
+
+def _cross_entropy_logp(h, head, y):
+    """log p_y as GMTS-Framework1 computes it: minus the cross-entropy of the float logits."""
+    logits = torch.nn.functional.linear(h, head.weight, head.bias).float()
+    return -torch.nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+def _math_file(path, n, first=0):
+    """n MATH-500-layout rows (problem, answer) in a .jsonl file -> its path."""
+    path.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(first, first + n)))
+    return str(path)
+
+
+def _our_first_step(tmp_path, monkeypatch, informative):
+    """--preset paper-math's first step (gmts.main, the real loop) on a fixed rollout batch of 64 x
+    16 -> (batch, rewards, what step 1 used: kept tokens, pi_old's and pi_ref's log-probs, the
+    weights before it, after it, the checkpoint folder)."""
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "run"
+    _, tok = gmts.build_tiny()
+    batch, rewards = _preset_batch(tok, informative)
+    adv = gmts.group_advantages(rewards, 16)
+    seen = {}
+
+    def recording(name):
+        real = getattr(gmts, name)
+
+        def call(*a, **k):
+            seen.setdefault(name, real(*a, **k))  # the first call: step 1's
+            return seen[name]
+        return call
+    for name in ("batch_token_stats", "response_logp", "step_selection"):
+        monkeypatch.setattr(gmts, name, recording(name))
+    fixed = (batch, rewards, adv, [(batch, rewards, adv)])
+    monkeypatch.setattr(gmts, "sample_groups", lambda *a, **k: fixed)
+    gmts.main(["--preset", "paper-math", "--model", "tiny", "--data", _math_file(tmp_path / "train.jsonl", 64),
+               "--eval-data", f"bench={_math_file(tmp_path / 'bench.jsonl', 2, 100)}", "--eval-samples", "1",
+               "--max-new-tokens", "8", "--steps", "1", "--out", str(out)])
+    start = AutoModelForCausalLM.from_pretrained(out / "ckpt-000000", dtype=torch.float32)
+    ours = AutoModelForCausalLM.from_pretrained(out / "ckpt-000001", dtype=torch.float32)
+    used = (seen["step_selection"], seen["batch_token_stats"][0], seen["response_logp"])
+    return batch, rewards, used, start, ours, out
+
+
+@pytest.mark.parametrize("informative", [1, 64])
+def test_one_step_equals_the_authors_update(tmp_path, monkeypatch, informative):
+    """--preset paper-math's first step (gmts.main, the real loop, a fixed rollout batch of 64 x 16)
+    against _authors_update on the same batch from the same weights and the same log-prob bits:
+    the parameters after the step are EQUAL (torch.equal): --loss-norm seq-sum is their sum over
+    prompts, clipped at 1. With 1 informative group the clip does not act (their norm < 1); with
+    64 it does. Measured before seq-sum, with our mean clipped at 1/64 and eps / 64: 799 of 90,880
+    parameters differed where the clip acts (clip_grad_norm_'s 1e-6 is not scaled); with eps 1e-8
+    (e3741a4) both cases."""
+    import copy
+    batch, rewards, used, start, ours, out = _our_first_step(tmp_path, monkeypatch, informative)
+    theirs = copy.deepcopy(start).train()
+    norm = _authors_update(theirs, batch, rewards, *used)
+    assert (norm > 1.0) == (informative == 64), norm
+    state = torch.load(out / "ckpt-000001" / "state.pt", weights_only=False)
+    assert state["opt"]["param_groups"][0]["eps"] == 1e-8  # start_run's AdamW: torch's eps
+    moved = 0
+    for (name, p), q, p0 in zip(ours.named_parameters(), theirs.parameters(), start.parameters()):
+        p, q = p.detach(), q.detach()
+        assert torch.equal(p, q), (name, float((p - q).abs().max()))
+        moved += int((p != p0).sum())
+    n = sum(p.numel() for p in start.parameters())
+    assert moved > 0.9 * n  # a real step, not a no-op
+
+
+def _logp_table(model, batch, logp_of, micro=4):
+    """(N, T) log-probs of the answers' tokens by logp_of, no gradient (pi_old's, pi_ref's)."""
+    mask = batch["resp_mask"]
+    table = torch.zeros(mask.shape)
+    with torch.no_grad():
+        for start in range(0, mask.shape[0], micro):
+            rows = slice(start, start + micro)
+            h = gmts.response_hidden(model, batch, rows)[mask[rows]]
+            table[rows][mask[rows]] = logp_of(h, model.get_output_embeddings(),
+                                              batch["comp_ids"][rows][mask[rows]])
+    return table
+
+
+@pytest.mark.parametrize("informative", [1, 64])
+def test_one_step_is_the_authors_update_with_their_log_probs_up_to_rounding(tmp_path, monkeypatch,
+                                                                              informative):
+    """Framework1 takes log p_y as -cross_entropy(logits) (pi_theta's, and pi_old's and pi_ref's:
+    at step 1 all from the start weights); gmts.py as z_y - logsumexp(z). The values are the same
+    bits here, their backward is not, so the update is theirs up to float rounding only: the
+    gradient within 5e-7 of ours relative to its norm (measured: 3.6e-7 with 1 informative group,
+    4.3e-7 with 64), the weights after the step within 5e-7 (measured: ~690 of 90,880 differ, by
+    <= 1.4e-7). Ours: _authors_update on our log-probs, whose step is torch.equal to gmts.main's."""
+    import copy
+    batch, rewards, used, start, ours, _ = _our_first_step(tmp_path, monkeypatch, informative)
+    ce = _logp_table(start, batch, _cross_entropy_logp)
+    mine, theirs, g_mine, g_theirs = copy.deepcopy(start).train(), copy.deepcopy(start).train(), [], []
+    _authors_update(mine, batch, rewards, *used, grads=g_mine)
+    _authors_update(theirs, batch, rewards, used[0], ce, ce, logp_of=_cross_entropy_logp,
+                    grads=g_theirs)
+    norm = math.sqrt(sum(float((a.double() ** 2).sum()) for a in g_mine))
+    off = math.sqrt(sum(float(((b - a).double() ** 2).sum()) for a, b in zip(g_mine, g_theirs)))
+    assert off <= 5e-7 * norm, off / norm
+    for p, q, r in zip(ours.parameters(), mine.parameters(), theirs.parameters()):
+        p, q, r = p.detach(), q.detach(), r.detach()
+        assert torch.equal(p, q)  # _authors_update on our log-probs is gmts.main's step
+        assert float((p - r).abs().max()) <= 5e-7
+
+
+
+def test_rollout_rows_samples_whole_groups_per_call(tmp_path, monkeypatch):
+    """--rollout-rows 4 with 2 prompts x 4 answers: two generate() calls of one group each, joined
+    as one batch of 8 answers (each answer's rows padded as dynamic sampling joins batches), and the
+    evaluation rolls out 4 answers at a time; the run trains as before (every step logged)."""
+    real, calls = gmts.rollout, []
+
+    def counting(model, tok, prompts, group_size, *a, **k):
+        calls.append(len(prompts) * group_size)
+        return real(model, tok, prompts, group_size, *a, **k)
+    monkeypatch.setattr(gmts, "rollout", counting)
+    out = tmp_path / "o"
+    gmts.main(["--preset", "smoke", "--rollout-rows", "4", "--no-filter-groups", "--steps", "1",
+               "--eval-every", "0", "--out", str(out)])
+    assert calls == [4] * (1 + 2 + 1), calls  # evaluation (4 rows), the step's 2 calls, evaluation
+    assert [r["step"] for r in gmts.read_metrics(str(out))] == [0, 1]
+

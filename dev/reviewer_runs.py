@@ -10,8 +10,8 @@ FOLDER holds one folder per queued job (dev/reviewer_jobs.txt; dev/reviewer_queu
 METHOD-rRHO-kl-sSEED (KL), METHOD-long-sSEED (240 steps), all-sSEED, rsi-sSEED. Only finished runs are recorded
 (gmts_lab.finished_runs: the last eval at the last step), one JSON line each: the job, the commit of the export it
 ran from, torch's CPU kernels (torch.backends.cpu.get_cpu_capability(): a run on other kernels parts from the
-record; ATEN_CPU_CAPABILITY=avx2 forces AVX2 ones), torch's version, its eval curve, final truncated_frac and mean
-kept share. The job's flags are its line of dev/reviewer_jobs.txt. Differences are paired by seed, with the 95% t
+record; ATEN_CPU_CAPABILITY=avx2 forces AVX2 ones), the CPU's model (added after the 85 runs: MKL's matrix products
+differ by CPU as well), torch's version, its eval curve, final truncated_frac and mean kept share. The job's flags are its line of dev/reviewer_jobs.txt. Differences are paired by seed, with the 95% t
 interval of gmts_lab.ci95.
 """
 import argparse
@@ -46,6 +46,15 @@ def arm_of(job: str):
     return (m["method"], rho, kind), int(m["seed"])
 
 
+def cpu_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def add(folder: str, commit: str):
     """Append FOLDER's finished runs that dev/reviewer_runs.jsonl does not hold yet."""
     have = set()
@@ -53,6 +62,7 @@ def add(folder: str, commit: str):
         with open(RUNS) as f:
             have = {json.loads(line)["job"] for line in f if line.strip()}
     kernels = torch.backends.cpu.get_cpu_capability()  # of this machine: run add where the runs ran
+    cpu = cpu_name()  # MKL's matrix products differ by CPU too, not only by kernels (docs/results.md)
     with open(RUNS, "a") as f:
         for job in sorted(os.listdir(folder)):
             if not JOB.match(job) or job in have:
@@ -62,7 +72,7 @@ def add(folder: str, commit: str):
                     recs = gmts.read_metrics(os.path.join(folder, job, f"{method}-s{seed}"))
                     steps = [r for r in recs if "selected_frac" in r]
                     f.write(json.dumps(dict(
-                        job=job, commit=commit, kernels=kernels, torch=torch.__version__, curve=curve,
+                        job=job, commit=commit, kernels=kernels, cpu=cpu, torch=torch.__version__, curve=curve,
                         trunc=steps[-1].get("truncated_frac", float("nan")),
                         kept=round(sum(r["selected_frac"] for r in steps) / len(steps), 6))) + "\n")
 
@@ -202,8 +212,7 @@ def check(job: str, folder: str) -> bool:
     if len(runs) != 1:
         raise SystemExit(f"reviewer_runs.py: {folder} holds {len(runs)} finished runs, not one")
     want, got = recs[0]["curve"], [list(point) for point in runs[0]]
-    print(f"{job}: the record ran {recs[0]['commit']} on {recs[0]['kernels']} kernels; this run on "
-          f"{torch.backends.cpu.get_cpu_capability()} kernels")
+    print(f"{job}: the record ran {recs[0]['commit']} on {recs[0]['kernels']} kernels, torch {recs[0]['torch']}")
     print(f"  record:   {want}\n  this run: {got}")
     print("equal to every digit" if got == want else "DIFFERENT")
     return got == want

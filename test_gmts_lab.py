@@ -354,24 +354,24 @@ def test_report_pairs_runs_by_seed_against_hand_values(tmp_path, capsys):
         assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
-def _issue46():
-    spec = importlib.util.spec_from_file_location("issue46", os.path.join(HERE, "dev", "issue46.py"))
+def _reviewer_runs():
+    spec = importlib.util.spec_from_file_location("reviewer_runs", os.path.join(HERE, "dev", "reviewer_runs.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_issue46_queue_runs_what_each_job_name_says():
-    """Every line of dev/issue46_jobs.txt: the arm and seed its name gives the tables (arm_of) are the ones its flags
+def test_each_queued_job_runs_the_arm_and_seed_its_name_says():
+    """Every line of dev/reviewer_jobs.txt: the arm and seed its name gives the tables (arm_of) are the ones its flags
     run (gmts.parse_args over the cpu preset): method, rho (none for all and rsi), --kl-beta 0.001 for -kl, 240 steps
     with a 30-step warm-up (3x the preset's) for -long, 80 steps else. Five seeds per arm, each once; rsi only from
     2598d00, the first commit that has it."""
-    i46 = _issue46()
+    runs = _reviewer_runs()
     seen = collections.Counter()
-    with open(os.path.join(HERE, "dev", "issue46_jobs.txt")) as f:
+    with open(os.path.join(HERE, "dev", "reviewer_jobs.txt")) as f:
         lines = [ln.split() for ln in f if ln.strip() and not ln.startswith("#")]
     for sha, job, *args in lines:
-        (method, rho, kind), seed = i46.arm_of(job)
+        (method, rho, kind), seed = runs.arm_of(job)
         flags = dict(zip(args[::2], args[1::2]))  # every job's arguments are --flag value pairs
         lab_flags = ("--methods", "--seeds")  # compare's own; the rest go to gmts.parse_args
         cfg = gmts.parse_args([x for k, v in flags.items() if k not in lab_flags for x in (k, v)])
@@ -383,24 +383,29 @@ def test_issue46_queue_runs_what_each_job_name_says():
         seen[(method, rho, kind)] += 1
         assert seen[(method, rho, kind)] == seed + 1, job  # seeds 0..4 in order, none twice
     assert set(seen.values()) == {5} and len(seen) == 2 * 5 + 2 + 2 + 3  # the sweep, all, rsi, KL, long
+    queued = {job: sha for sha, job, *_ in lines}
+    with open(os.path.join(HERE, "dev", "reviewer_runs.jsonl")) as f:
+        records = [json.loads(ln) for ln in f if ln.strip()]
+    for r in records:  # each record: a queued job, run from its line's commit, on named kernels and torch
+        assert queued[r["job"]] == r["commit"] and r["kernels"] and r["torch"], r["job"]
 
 
-def test_issue46_tables_pair_by_seed_against_hand_values():
+def test_result_tables_pair_by_seed_against_hand_values():
     """Two arms over five seeds: the paired row's mean, SE, t interval (t(4) = 2.776) and verdict are the hand
     values; four seeds are shown and not counted; the area is the mean of the curve."""
-    i46 = _issue46()
+    runs_of = _reviewer_runs()
     a, b = ("gmts", 0.2, ""), ("entropy", 0.2, "")
     runs = {a: {}, b: {}}
     for s, (x, y) in enumerate(((0.6, 0.5), (0.6, 0.5), (0.6, 0.5), (0.6, 0.5), (0.7, 0.5))):
         runs[a][s] = {"curve": [[0, 0.3], [10, x]], "trunc": 0.0, "kept": 0.1}
         runs[b][s] = {"curve": [[0, 0.3], [10, y]], "trunc": 0.0, "kept": 0.2}
     # differences 0.1 x 4, 0.2: mean 0.12, sample std sqrt(0.008 / 4), SE 0.02, half-width 2.776 * 0.02
-    row = i46.pair_rows(runs, [(a, b)])[2].split("|")
+    row = runs_of.pair_rows(runs, [(a, b)])[2].split("|")
     assert row[3].strip() == "+0.120 +- 0.020" and row[4].strip() == "[+0.064, +0.176]" and row[5].strip() == "yes"
     del runs[a][4]
-    row = i46.pair_rows(runs, [(a, b)])[2].split("|")
+    row = runs_of.pair_rows(runs, [(a, b)])[2].split("|")
     assert row[2].strip() == "4" and row[5].strip() == "not counted (4 < 5 seeds)"
-    assert i46.area(runs[a][0]) == pytest.approx(0.45) and i46.final(runs[a][0]) == 0.6
+    assert runs_of.area(runs[a][0]) == pytest.approx(0.45) and runs_of.final(runs[a][0]) == 0.6
 
 
 # ---- analysis ----------------------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def test_competition_table_is_the_issue_s():
 
 def test_a_known_miss_of_math_verify(verifier):
     """math-verify 0.9.0 reads 8.7 \\times 10^{8} as 8.7 (a float) times 10^8 and misses that 870000000 is equal
-    (NOTES, "The paper's setting"): pinned, so that a version that fixes it shows here."""
+    (dev/LOG.md, "The paper's setting"): pinned, so that a version that fixes it shows here."""
     assert math_reward(box("870000000"), "8.7 \\times 10^{8}", True) == 0.0
 
 

@@ -1,5 +1,5 @@
-# NOTES.md's GPU check (issue 16) in one device call, from the repo root; results under $OUT.
-# Wheels first, on the CPU machine, into the ignored .whl (NOTES.md, "The GPU check"); carry .whl.
+# The GPU check (issue 16; dev/LOG.md) in one device call, from the repo root; results under $OUT.
+# Wheels first, on the CPU machine, into the ignored .whl (dev/LOG.md, "The GPU check"); carry .whl.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

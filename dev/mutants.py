@@ -5,7 +5,7 @@ does not match test_*.py) and CI does not run it.
     python dev/mutants.py                    every mutant against the suite (test_gmts.py, test_rollout.py,
                                              test_gmts_lab.py) with -x; a table at the end; exit 1 if one survives
     python dev/mutants.py --killer           each mutant against only its named killer test (MUTANTS, and the
-                                             table in NOTES.md; the killers first pass on the unmutated copy)
+                                             table in dev/LOG.md; the killers first pass on the unmutated copy)
     python dev/mutants.py --only a,b --list  some mutants; --list prints them and runs nothing
 
 The mutants are applied to a copy of this checkout in a temporary folder, never to the checkout itself. Every

@@ -1,14 +1,18 @@
-"""Issue 46's tables and the accuracy-over-rho figure (NOTES.md, "The reviewers' questions").
+"""The reviewers' runs: accuracy over rho, rsi, KL and 240 steps (docs/results.md), from their raw records.
 
-    python dev/issue46.py --add FOLDER --commit SHA      record FOLDER's finished runs in dev/issue46_runs.jsonl
-    python dev/issue46.py [--png docs/rho.png]          the tables (and the figure) from dev/issue46_runs.jsonl
+    python dev/reviewer_runs.py                          the tables, from dev/reviewer_runs.jsonl
+    python dev/reviewer_runs.py --png docs/rho.png       ... and the accuracy-over-rho figure
+    python dev/reviewer_runs.py --add FOLDER --commit SHA    record FOLDER's finished runs
+    python dev/reviewer_runs.py --check JOB FOLDER       compare a re-run's eval curve with JOB's record, every digit
 
-FOLDER holds one folder per queued job (dev/issue46_jobs.txt; dev/issue46_run.sh runs them), each a `gmts_lab.py
-compare --seeds 1 --out FOLDER/JOB` run: JOB/METHOD-sSEED, JOB = METHOD-rRHO-sSEED (the rho sweep),
+FOLDER holds one folder per queued job (dev/reviewer_jobs.txt; dev/reviewer_queue.sh runs them), each a
+`gmts_lab.py compare --seeds 1 --out FOLDER/JOB` run: JOB/METHOD-sSEED, JOB = METHOD-rRHO-sSEED (the rho sweep),
 METHOD-rRHO-kl-sSEED (KL), METHOD-long-sSEED (240 steps), all-sSEED, rsi-sSEED. Only finished runs are recorded
 (gmts_lab.finished_runs: the last eval at the last step), one JSON line each: the job, the commit of the export it
-ran from, torch's CPU kernels, its eval curve, final truncated_frac and mean kept share. Differences are paired by
-seed, with the 95% t interval of gmts_lab.ci95; the rule is fixed in NOTES.md.
+ran from, torch's CPU kernels (torch.backends.cpu.get_cpu_capability(): a run on other kernels parts from the
+record; ATEN_CPU_CAPABILITY=avx2 forces AVX2 ones), the CPU's model (added after the 85 runs: MKL's matrix products
+differ by CPU as well), torch's version, its eval curve, final truncated_frac and mean kept share. The job's flags are its line of dev/reviewer_jobs.txt. Differences are paired by seed, with the 95% t
+interval of gmts_lab.ci95.
 """
 import argparse
 import collections
@@ -27,7 +31,7 @@ RHOS = (0.05, 0.1, 0.2, 0.5, 0.9)
 JOB = re.compile(r"(?P<method>[a-z]+)(?:-r(?P<rho>[0-9.]+))?(?P<kl>-kl)?(?P<long>-long)?-s(?P<seed>[0-9]+)$")
 
 
-RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "issue46_runs.jsonl")
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reviewer_runs.jsonl")
 
 
 def arm_of(job: str):
@@ -42,13 +46,23 @@ def arm_of(job: str):
     return (m["method"], rho, kind), int(m["seed"])
 
 
+def cpu_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def add(folder: str, commit: str):
-    """Append FOLDER's finished runs that dev/issue46_runs.jsonl does not hold yet."""
+    """Append FOLDER's finished runs that dev/reviewer_runs.jsonl does not hold yet."""
     have = set()
     if os.path.exists(RUNS):
         with open(RUNS) as f:
             have = {json.loads(line)["job"] for line in f if line.strip()}
     kernels = torch.backends.cpu.get_cpu_capability()  # of this machine: run add where the runs ran
+    cpu = cpu_name()  # MKL's matrix products differ by CPU too, not only by kernels (docs/results.md)
     with open(RUNS, "a") as f:
         for job in sorted(os.listdir(folder)):
             if not JOB.match(job) or job in have:
@@ -58,13 +72,13 @@ def add(folder: str, commit: str):
                     recs = gmts.read_metrics(os.path.join(folder, job, f"{method}-s{seed}"))
                     steps = [r for r in recs if "selected_frac" in r]
                     f.write(json.dumps(dict(
-                        job=job, commit=commit, kernels=kernels, curve=curve,
+                        job=job, commit=commit, kernels=kernels, cpu=cpu, torch=torch.__version__, curve=curve,
                         trunc=steps[-1].get("truncated_frac", float("nan")),
                         kept=round(sum(r["selected_frac"] for r in steps) / len(steps), 6))) + "\n")
 
 
 def collect() -> dict:
-    """{(arm, seed): the run's record} from dev/issue46_runs.jsonl."""
+    """{(arm, seed): the run's record} from dev/reviewer_runs.jsonl."""
     runs = {}
     with open(RUNS) as f:
         for line in f:
@@ -188,12 +202,32 @@ def plot(arms: dict, png: str):
     fig.savefig(png, dpi=110)
 
 
+def check(job: str, folder: str) -> bool:
+    """Compare FOLDER's one finished run (a `compare --seeds 1` folder, as the queue writes it) with JOB's record:
+    every evaluation's eval_acc as the exact float. Prints both curves; True when they are equal."""
+    recs = [r for r in collect().values() if r["job"] == job]
+    if not recs:
+        raise SystemExit(f"reviewer_runs.py: no record of {job} in {RUNS}")
+    runs = [curve for by_seed in lab.finished_runs(folder).values() for curve in by_seed.values()]
+    if len(runs) != 1:
+        raise SystemExit(f"reviewer_runs.py: {folder} holds {len(runs)} finished runs, not one")
+    want, got = recs[0]["curve"], [list(point) for point in runs[0]]
+    print(f"{job}: the record ran {recs[0]['commit']} on {recs[0]['kernels']} kernels, torch {recs[0]['torch']}")
+    print(f"  record:   {want}\n  this run: {got}")
+    print("equal to every digit" if got == want else "DIFFERENT")
+    return got == want
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--add", default=None, help="a folder of job folders whose finished runs to record")
     p.add_argument("--commit", default=None, help="with --add: the commit the runs' export was made from")
     p.add_argument("--png", default=None)
+    p.add_argument("--check", nargs=2, metavar=("JOB", "FOLDER"), default=None,
+                   help="compare FOLDER's run with JOB's record, every digit (exit 1 if they differ)")
     a = p.parse_args()
+    if a.check:
+        sys.exit(0 if check(*a.check) else 1)
     if a.add:
         if not a.commit:
             p.error("--add needs --commit")

@@ -35,7 +35,7 @@ What is selected, over which rows (trl 1.16.0):
      with num_iterations > 1 each pass is scored again from the moved policy (ratio != 1, some
      tokens under the clip), as gmts.py's inner updates are. Within a pass (steps_per_generation
      > gradient_accumulation_steps: several optimizer steps per pass) the later steps use the
-     pass's mask. Cost: one no-grad forward of the generation batch per pass (NOTES.md, TRL).
+     pass's mask. Cost: one no-grad forward of the generation batch per pass (docs/design.md, TRL).
 
 omega is -dloss/dlogp_t of the loss TRL runs (gmts.py's derivation step 1), from TRL's own inputs
 (advantages, old_per_token_logps, importance_sampling_ratio, ref_per_token_logps), per loss type:
@@ -535,7 +535,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.add_argument
     a("--model", default="tiny", help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
     a("--task", default="countdown", choices=sorted(gmts.TASKS))
-    a("--data", default="gen", help="gen, easy, hf, hf:test or a .jsonl path (as gmts.py)")
+    a("--data", default="gen", help="gen, easy, hf:ID[:CONFIG][:SPLIT] or a data file (as gmts.py)")
     a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
     a("--select", default="gmts", choices=SELECT, help="token selection method")
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")

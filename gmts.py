@@ -951,8 +951,7 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...
-    (else None)."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{-20}{2}', '3/4' ... (else None)."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -1282,8 +1281,7 @@ def _cell(row: dict, key: str):
     return row
 
 def _math_layout(row: dict, where: str) -> dict:
-    """{question, answer} of a math row in the first of LAYOUTS it has both of; else ValueError
-    naming `where` and what it lacks."""
+    """{question, answer} of a math row: the first of LAYOUTS it has; else ValueError naming it."""
     for q, a in LAYOUTS.values():
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
         if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat
@@ -1320,8 +1318,7 @@ def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     return out
 
 def _read_set(data: str, task: str) -> list:
-    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] (a hub set or a local dataset folder)
-    or of a .jsonl, .json, .csv or .parquet file, read by `datasets`."""
+    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] or a data file, read by `datasets`."""
     import datasets
     kind = data_kind(data)
     name, *rest = data.split(":")[1:] if kind == "hf" else [data]
@@ -1343,8 +1340,7 @@ def _read_set(data: str, task: str) -> list:
     return [_check_row(row, task, f"{data} row {i}") for i, row in enumerate(ds, 1)]
 
 def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
-    """gen/easy: n fresh problems from random.Random(seed); a hub set or a file: its rows in
-    order (n <= 0 or None: all of them)."""
+    """gen/easy: n new problems from random.Random(seed); a set or a file: its first n rows (n <= 0: all)."""
     get_task(task)
     if data_kind(data) == "gen":
         rng = random.Random(seed)
@@ -1441,9 +1437,8 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
 
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
                   style: str = "ours") -> list:
-    """Prompt strings for task rows in a prompt style; short=True: terse questions, no system
-    line. "ours" asks task["prompt"] for the question, qwen-math takes the row's; a row
-    that says where its answer goes (DAPO's "Answer:" line) takes style "own": nothing added."""
+    """Prompt strings for task rows; short=True: terse, no system line. "ours" asks task["prompt"],
+    qwen-math takes the row's question; a row that asks for its own "Answer:" line (DAPO's): as is."""
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
@@ -1571,8 +1566,7 @@ def prompts_per_call(cfg: Config, n: int) -> int:
     return min(n, max(cfg.rollout_rows // cfg.group_size, 1)) if cfg.rollout_rows else n
 
 def sample_answers(run, prompts: list, cfg: Config) -> dict:
-    """Algorithm step 2: rollout() on run.sampler with its log-probs, prompts_per_call prompts a
-    call, the calls joined by _join_rows."""
+    """Algorithm step 2: rollout() on run.sampler, prompts_per_call prompts a call, joined by _join_rows."""
     knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  top_p=cfg.top_p, top_k=cfg.top_k, fast=run.fast, sampler_logp=True)
     per = prompts_per_call(cfg, len(prompts))
@@ -1648,11 +1642,10 @@ def check_out(cfg: Config):
 
 @contextlib.contextmanager
 def start_run(cfg: Config, log=print):
-    """The Run a step starts from, with cfg.out locked for this process (filelock) until the loop
-    ends. A new run: the data, the model, the optimiser, the KL reference, the sampler, then (every
-    input loaded, nothing in --out changed before) run_config.json, step 0 and ckpt-000000. A
-    resume: the newest checkpoint's model and state.pt (the step, the optimiser, the rows drawn).
-    After the loop: metrics.png and the final model in --out itself."""
+    """The Run a step starts from, cfg.out locked (filelock) until the loop ends: the data, the model
+    (a resume: the newest checkpoint's, with state.pt's step, optimiser and rows drawn), the
+    optimiser, the KL reference, the sampler; only then does --out change (open_folder). After the
+    loop: metrics.png and the final model in --out itself."""
     from filelock import FileLock, Timeout
     check_out(cfg)
     os.makedirs(cfg.out, exist_ok=True)
@@ -1704,9 +1697,8 @@ def start_run(cfg: Config, log=print):
         lock.release()
 
 def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
-    """start_run's writes: a new run clears an earlier run's files (only those a run writes) and
-    saves its config; a resume keeps metrics.jsonl's lines up to its checkpoint. Then the tracker,
-    the first line, and a new run's step 0 and ckpt-000000."""
+    """start_run's writes: an earlier run's files go (a resume keeps metrics.jsonl up to its
+    checkpoint), then the config, the tracker, the first line, a new run's step 0 and ckpt-000000."""
     metrics = os.path.join(cfg.out, "metrics.jsonl")
     kept = read_metrics(cfg.out, run.start - 1) if cfg.resume else []  # later steps will rerun
     for name in os.listdir(cfg.out):  # a new run: an earlier run's files; a resume: half-written ones
@@ -1733,10 +1725,9 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
         save_checkpoint(cfg.out, 0, run)
 
 def save_checkpoint(out: str, step: int, run: Run, keep: int = 2):
-    """OUT/ckpt-<step>: a model folder (save_pretrained: --model takes it) with state.pt (the step,
-    the optimiser, the rows drawn; no RNG: every step reseeds), written as ckpt-<step>.tmp and
-    renamed whole; then all but the newest `keep` go, each renamed first (a half-deleted one is
-    no checkpoint). A kill at any moment leaves the newest complete one."""
+    """OUT/ckpt-<step>: a model folder (--model takes it) with state.pt (the step, the optimiser, the
+    rows drawn; no RNG: every step reseeds), written as ckpt-<step>.tmp and renamed whole; then all
+    but the newest `keep` go, each renamed first: a kill at any moment leaves the newest complete."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     state = dict(step=step, skipped=run.skipped, drawn=run.data.order["drawn"], opt=run.opt.state_dict())
     _save_model(final + ".tmp", run.model, run.tok, state)
@@ -1843,8 +1834,7 @@ def step_line(rec: dict) -> str:
     return " | ".join(fields)
 
 def step_logger(cfg: Config, log=print):
-    """log_step(rec): rec appended to OUT/metrics.jsonl, sent to --report-to's tracker, and one line
-    to log; log_step(None) closes the tracker."""
+    """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes."""
     report = open_tracker(cfg)
 
     def log_step(rec):
@@ -1856,8 +1846,7 @@ def step_logger(cfg: Config, log=print):
     return log_step
 
 def open_tracker(cfg: Config):
-    """report(rec) sends a record's numbers to --report-to's tracker (OUT/tensorboard, OUT/wandb),
-    report(None) closes it."""
+    """report(rec): a record's numbers to --report-to's tracker in OUT; report(None) closes it."""
     if cfg.report_to == "none":
         return lambda rec: None
     try:

@@ -85,6 +85,7 @@ import inspect
 import json
 import math
 import re
+import shutil
 import types
 import typing
 import warnings
@@ -505,7 +506,11 @@ def claim_out(out: str, model: str, overwrite: bool):
     check_out(out, model, overwrite)
     for name in os.listdir(out) if overwrite else []:
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES):
-            gmts.remove(os.path.join(out, name))
+            path = os.path.join(out, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
     return held
 
 

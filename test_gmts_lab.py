@@ -37,6 +37,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def tiny():
     model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
     return model.float().eval(), tok
+TWO_STEPS = {"question": "Eve has 2 bags of 3 apples and buys 1 more. How many apples now?", "answer": "7",
+             "steps": ["2 * 3 = 6", "6 + 1 = 7"]}  # a math row of two steps
+
 
 
 def _batch_from(model, tok, seed=0, n_prompts=3, G=4, new=10):
@@ -104,7 +107,7 @@ def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkey
             same += ans == row
         assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
     with pytest.raises(ValueError, match="one-step rows"):  # math's blind answers need easy math rows
-        lab.sft_warmup(model, tok, "math", lambda n, *key: gmts.load_rows("math", "gen", n, 0), True, True, 1, 1e-3,
+        lab.sft_warmup(model, tok, "math", lambda n, *key: [TWO_STEPS] * n, True, True, 1, 1e-3,
                        2, 0, blind=True, log=None)
 
 
@@ -139,7 +142,7 @@ def test_math_blind_keeps_the_numbers_and_draws_each_operation_equally_often():
         assert got["answer"] == z and gmts.get_task("math")["reward"](lab.math_reference(got), got) == 1.0
         ops[op] += 1
     assert set(ops) == {"+", "-", "*"} and all(70 < v < 130 for v in ops.values())  # 100 each expected
-    for bad in ({"question": "q", "answer": "3"}, gmts.load_rows("math", "gen", 1, seed=0)[0]):
+    for bad in ({"question": "q", "answer": "3"}, TWO_STEPS):
         with pytest.raises(ValueError, match="one-step rows"):
             lab.math_blind(bad, rng)
 

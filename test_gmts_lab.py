@@ -202,7 +202,7 @@ def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(tas
 @pytest.mark.parametrize("task", ["math", "logic"])
 def test_committed_warm_start_is_small_and_trains_two_steps(task, tmp_path):
     """warm/math and warm/logic: <= 2 MB, the recipe's size, and gmts.train runs 2 steps from them with the flags
-    the README gives (--preset cpu --task T --model warm/T), its first eval_acc from the committed weights."""
+    docs/results.md gives (--preset cpu --task T --model warm/T), its first eval_acc from the committed weights."""
     path = lab.WARM[task]["out"]
     assert path == os.path.join(os.path.dirname(gmts.WARM_CPU), task)
     assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 2_000_000

@@ -1032,8 +1032,8 @@ def _answer_line(text: str):
 
 # The forms of an answer math-verify reads (same_latex's): its value and its unit apart
 _LETTER = re.compile(r"\\(?:text|mbox|mathrm)\{ *([A-Za-z]) *\}")  # \mathrm{i}: the letter i
-_UNIT = re.compile(r"(?:(?<!\\)\\[,;:! ]|\\q?quad|~|\s)*"  # the spacing before a unit goes with it
-                   r"\\(?:text|mbox|mathrm)\{ *([A-Za-z][A-Za-z ]*?) *\}(?:\^\{?([23])\}?)?$")
+_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{ *([A-Za-z][A-Za-z ]*?) *\}(?:\^\{?([23])\}?)?")  # \text{ cm}^2
+_GAPS = ("\\,", "\\;", "\\:", "\\!", "\\quad", "\\qquad", "~", "\\")  # spacing ("\\ " stripped: "\\")
 _MAGNITUDE = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
 _UNIT_ALIAS = {"centimeter": "cm", "centimetre": "cm", "millimeter": "mm", "millimetre": "mm",
                "meter": "m", "metre": "m", "kilometer": "km", "kilometre": "km", "inch": "in",
@@ -1049,15 +1049,19 @@ def value_unit(s: str) -> tuple:
     of a trailing \\text{..}, \\mbox{..} or \\mathrm{..} after a value, lower case, with the spacing
     before it and a power ^2 ^3 after it (a one-letter one stays in the value too). A magnitude
     word (10\\text{ thousand}) is no unit: it multiplies the value."""
-    s = s.strip()
+    s = s.strip().rstrip(".,; ")
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
             s = s[len(a):-len(b)].strip()
     s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; ")).rstrip(".,; ")
-    m = _UNIT.search(s)
-    if not m or m.start() == 0:  # no value before it: all of it is text
+    i = max(s.rfind("\\text{"), s.rfind("\\mbox{"), s.rfind("\\mathrm{"))  # the last one, if at the end
+    m = _UNIT.fullmatch(s, i) if i > 0 else None
+    value = s[:i].rstrip()
+    while m and value.endswith(_GAPS) and not value.endswith("\\\\"):  # the spacing before it goes with it
+        value = value[:-len(next(g for g in _GAPS if value.endswith(g)))].rstrip()
+    if not m or not value:  # no value before it: all of it is text
         return _LETTER.sub(r"\1", s), ""
-    value, words, power = _LETTER.sub(r"\1", s[:m.start()]), m[1].lower().split(), m[2] or ""
+    value, words, power = _LETTER.sub(r"\1", value), m[1].lower().split(), m[2] or ""
     if len(m[1]) == 1:  # a letter: kept in the value, and the unit too
         return value + " " * value[-1].isalpha() + m[1] + f"^{{{power}}}" * bool(power), m[1].lower() + f"^{power}" * bool(power)
     if words[0].removesuffix("s") in _MAGNITUDE:  # never dropped: part of the value
@@ -1075,16 +1079,14 @@ def _unit_forms(word: str) -> set:
     return {_UNIT_ALIAS.get(f, f) for f in forms}
 
 def same_unit(a: str, b: str) -> bool:
-    """value_unit's units are one unit: the same words, the last one's spellings (cm,
-    centimeters, centimetre; hour, hrs) shared, the same power."""
+    """Whether value_unit's units are one: the same words and power, the last word's spellings shared."""
     (a, pa), (b, pb) = a.partition("^")[::2], b.partition("^")[::2]
     (*a, last_a), (*b, last_b) = a.split() or [""], b.split() or [""]
     return a == b and pa == pb and bool(_unit_forms(last_a) & _unit_forms(last_b))
 
 def normal_answer(s: str) -> str:
-    """A LaTeX answer's value (value_unit's) as math-verify reads it: no $...$ around it, no
-    trailing . , ; no degree sign, no spaces around + - =, \\sin^2 t as \\sin^{2}(t)
-    (math-verify 0.9 misreads each of them)."""
+    """A LaTeX answer's value (value_unit's) as math-verify 0.9 reads it right: no spaces around
+    + - =, \\sin^2 t as \\sin^{2}(t)."""
     s = value_unit(s)[0]
     s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
     return _SPACED_OP.sub(r"\1", s)
@@ -1142,8 +1144,7 @@ def _combine(x: tuple, y: tuple, op: str):
     return value, f"{left} {op} {right}", p
 
 def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums[0] s1 nums[1] s2 ..., each s in '+-', left to right: ([4, 3, 2], '+-')
-    -> (5, '4 + 3 - 2'). The easy variant's solutions and the lab's warm-up answers are such chains."""
+    """(value, text) of nums joined by signs, left to right: ([4, 3, 2], '+-') -> (5, '4 + 3 - 2')."""
     value = nums[0]
     text = str(nums[0])
     for sign, x in zip(signs, nums[1:]):
@@ -1515,8 +1516,7 @@ def end_token_ids(tok) -> list:
     return sorted(i for i in ids if i is not None)
 
 def use_chat(tok, chat: str = "auto") -> bool:
-    """Chat template for instruct models, plain text for base models. Qwen ships a template with
-    both; only instruct tokenizers end a turn with eos = <|im_end|>, so auto = both."""
+    """auto: the chat template for instruct models (a template and eos <|im_end|>), else plain text."""
     if chat != "auto":
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
@@ -1584,8 +1584,7 @@ def refresh_sampler(sampler, model):
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
              samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              style: str = "ours") -> dict:
-    """Accuracy (the share of answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample.
-    Graded in this thread, in order (math-verify's timeouts need the main thread)."""
+    """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample."""
     k = max(samples, 1)
     per = max(batch_size // k, 1)  # problems per rollout
     correct, length, sample = 0, 0, ""
@@ -1600,8 +1599,7 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
 def evaluate_run(run, cfg: Config) -> dict:
-    """A run's evaluation (--eval-samples at --temperature, --top-p): its held-out rows, or each --eval-data set as
-    eval_NAME with eval_acc and eval_len their means. Never used to pick a checkpoint."""
+    """evaluate() on the held-out rows, or on each --eval-data set as eval_NAME (eval_acc: their mean)."""
     sets = run.data.held if isinstance(run.data.held, dict) else {"acc": run.data.held}
     recs = [evaluate(run.model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
                      batch_size=cfg.rollout_rows or 64, samples=cfg.eval_samples,

@@ -2,7 +2,7 @@
 method, and the suite must fail on every one. A developer tool, not a test: pytest does not collect it (the name
 does not match test_*.py) and CI does not run it.
 
-    python dev/mutants.py                    every mutant against the suite (test_gmts.py, test_rollout.py,
+    python dev/mutants.py                    every mutant against the suite (test_gmts.py, test_rewards.py,
                                              test_gmts_lab.py) with -x; a table at the end; exit 1 if one survives
     python dev/mutants.py --killer           each mutant against only its named killer test (MUTANTS, and the
                                              table in dev/LOG.md; the killers first pass on the unmutated copy)
@@ -24,8 +24,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUITE = ["test_gmts.py", "test_rollout.py", "test_gmts_lab.py"]
+SUITE = ["test_gmts.py", "test_rewards.py", "test_gmts_lab.py"]
 T = "test_gmts.py::"
+R = "test_rewards.py::"
 
 # name -> (anchor, replacement, what it breaks, the test that kills it)
 MUTANTS = {
@@ -39,83 +40,83 @@ MUTANTS = {
         "self.read.append(self.pending.gather(1, drawn[:, -1:]))",
         "self.read.append(self.pending.gather(1, drawn[:, :1]))",
         "SamplerLogp reads the kept distribution at the first drawn id, not the newest",
-        "test_rollout.py::test_sampler_logp_equals_the_learner_recompute_in_fp32"),
+        T + "test_sampler_logp_equals_the_learner_recompute_in_fp32"),
     "sampler_logp_no_temperature": (
         "self.pending = torch.log_softmax(logits.float() / self.temperature, dim=-1)",
         "self.pending = torch.log_softmax(logits.float(), dim=-1)",
         "the sampler's log-probs ignore the temperature",
-        "test_rollout.py::test_sampler_logp_equals_the_learner_recompute_in_fp32"),
+        T + "test_sampler_logp_equals_the_learner_recompute_in_fp32"),
     # ---- rewards: the verifiers' tag handling and parsing
     "answer_first_open_tag": (
         'start = text.rfind("<answer>", 0, max(end, 0))',
         'start = text.find("<answer>", 0, max(end, 0))',
         "_last_answer takes the FIRST <answer> before the last </answer>",
-        T + "test_countdown_reward"),
+        R + "test_countdown_reward"),
     "answer_open_after_close": (
         'start = text.rfind("<answer>", 0, max(end, 0))',
         'start = text.rfind("<answer>")',
         "_last_answer pairs the last </answer> with an unclosed <answer> after it",
-        T + "test_countdown_reward"),
+        R + "test_countdown_reward"),
     "answer_no_open_check": (
         "if end < 0 or start < 0:",
         "if end < 0:",
         "_last_answer accepts a </answer> without any <answer>",
-        T + "test_countdown_reward"),
+        R + "test_countdown_reward"),
     "countdown_numbers_as_set": (
         "return value if sorted(lits) == sorted(nums) else None",
         "return value if set(lits) == set(nums) else None",
         "countdown_value lets a number be reused (compares sets, not multisets)",
-        T + "test_countdown_reward"),
+        R + "test_countdown_reward"),
     "countdown_newline_breaks": (
         'value = _cd_eval(ast.parse(" ".join(ans.split()), mode="eval").body, lits)',
         'value = _cd_eval(ast.parse(ans, mode="eval").body, lits)',
         "a newline inside a countdown answer breaks the expression (ast reads it as a statement end)",
-        T + "test_whitespace_inside_answers_is_ignored"),
+        R + "test_whitespace_inside_answers_is_ignored"),
     "countdown_no_format_reward": (
         "return 1.0 if countdown_value(completion, nums) == target else 0.1",
         "return 1.0 if countdown_value(completion, nums) == target else 0.0",
         "countdown_reward drops TinyZero's 0.1 format reward",
-        T + "test_countdown_reward"),
+        R + "test_countdown_reward"),
     "parse_keeps_trailing_point": (
         's = s.removesuffix(".").removesuffix("\\\\%").removesuffix("%").strip()',
         's = s.removesuffix("\\\\%").removesuffix("%").strip()',
         "parse_number no longer reads '18.' (the docstring's own example)",
-        T + "test_parse_number_reads_its_docstring_examples"),
+        R + "test_parse_number_reads_its_docstring_examples"),
     "parse_several_slashes": (
         'elif s.count("/") == 1:',
         'elif s.count("/") >= 1:',
         "parse_number reads '1/2/3' as the fraction 1/2",
-        T + "test_parse_number_reads_its_docstring_examples"),
+        R + "test_parse_number_reads_its_docstring_examples"),
     "fraction_unsigned_denominator": (
         "bottom = _decimal(parts[1].strip(), signed=True)",
         "bottom = _decimal(parts[1].strip(), signed=False)",
         "parse_number refuses \\frac{20}{-2}",
-        T + "test_math_reward"),
+        R + "test_math_reward"),
     "fraction_drops_outer_sign": (
         "    return sign * top / bottom",
         "    return top / bottom",
         "parse_number drops the sign in front of a fraction (-\\frac{1}{2})",
-        T + "test_math_reward"),
+        R + "test_math_reward"),
     "last_number_unsigned": (
         'if first > 0 and text[first - 1] == "-":',
         'if False:',
         "math's last bare number loses its minus sign",
-        T + "test_math_reward"),
+        R + "test_math_reward"),
     "logic_named_twice": (
         "if len({name for name, _ in got}) < len(got):  # someone named twice",
         "if False:  # someone named twice",
         "logic_reward accepts an answer that names someone twice",
-        T + "test_logic_reward"),
+        R + "test_logic_reward"),
     "logic_entries_unsplit": (
         "(knight|knave)(?![a-z])",
         "(knight|knave)",
         "logic_reward reads entries run together ('Alice: knightBob: knave') as split",
-        T + "test_logic_reward"),
+        R + "test_logic_reward"),
     "logic_no_answer_gets_format": (
         "    ans = _last_answer(completion)\n    if ans is None:\n        return 0.0",
         "    ans = _last_answer(completion)\n    if ans is None:\n        return 0.1",
         "logic_reward gives 0.1 to a completion without answer tags",
-        T + "test_logic_reward"),
+        R + "test_logic_reward"),
     # ---- group advantages and dynamic sampling
     "adv_no_zero_mask": (
         "return adv.masked_fill(same, 0.0).view(-1)",

@@ -14,7 +14,6 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import errno
 import glob
 import json
-import shutil
 import signal
 import subprocess
 import sys

@@ -1630,7 +1630,7 @@ def check_out(cfg: Config):
         raise ValueError(f"--out {out} is or holds the --model folder {cfg.model}: the run would replace it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file, not a folder")
-    if os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not has_run:
+    if os.path.isdir(out) and set(os.listdir(out)) - {LOCK, "run_config.json.tmp"} and not has_run:
         raise ValueError(f"--out {out} holds files that are not a gmts run; choose another --out")
     if cfg.resume and not checkpoints(out):
         raise ValueError(f"--resume {out}: no checkpoint there to continue; run without --resume")
@@ -1665,6 +1665,8 @@ def start_run(cfg: Config, log=print):
             model, tok = load_model(ckpt, device)
             state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True)
             data.order["drawn"] = state.get("drawn", 0)
+            if state["step"] > cfg.steps:
+                raise ValueError(f"--steps {cfg.steps} is below the run's last saved step {state['step']}")
         else:
             model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
         ref = None

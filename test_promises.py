@@ -183,6 +183,8 @@ def test_resume_takes_only_the_flags_that_keep_the_run(tmp_path, capsys, parity)
                         ("--preset", "smoke"), ("--out", str(tmp_path / "else"))):
         line = fails(capsys, ["--resume", out, flag, *([value] if value else [])], 2)
         assert flag in line and "--resume" in line, line
+    line = fails(capsys, ["--resume", out, "--steps", "1"], 2)  # fewer steps than it has run: no silent end
+    assert "--steps 1 is below the run's last saved step 2" in line, line
     assert snapshot(out) == before
     gmts.main(["--resume", str(out), "--steps", "3", "--eval-every", "3", "--threads", "1"])
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3] and "eval_acc" in metrics(out)[-1]
@@ -240,6 +242,12 @@ def test_a_folder_that_holds_no_run_is_refused_untouched(tmp_path, capsys):
         line = fails(capsys, [*SMALL, "--steps", "1", "--out", mine, *extra], 2)
         assert "not a gmts run" in line, line
     assert snapshot(mine) == before and sorted(os.listdir(mine)) == ["metrics.jsonl", "notes.txt", "sub"]
+    killed = tmp_path / "killed"  # a new run killed as it wrote its config leaves only these: a rerun goes in
+    os.makedirs(killed)
+    (killed / gmts.LOCK).write_text("")
+    (killed / "run_config.json.tmp").write_text("{")
+    gmts.main([*SMALL, "--steps", "1", "--out", str(killed)])
+    assert [r["step"] for r in metrics(killed)] == [0, 1] and not (killed / "run_config.json.tmp").exists()
 
 
 def test_a_run_needs_resume_or_overwrite_and_overwrite_keeps_the_users_files(tmp_path, capsys, parity):

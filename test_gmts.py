@@ -802,7 +802,7 @@ def test_live_counts_a_token_once_under_kl():
     """Hand-computed step-rule count on four tokens, on-policy (r = 1): token 0 kept with A = 1 and
     its log-prob off the reference's; token 1 kept with A = 0, at the reference; token 2 dropped,
     off the reference; token 3 dropped, at it. Live (a gradient): 0 (both terms) and 2 (KL only):
-    2 tokens, token 0 counted once, not twice (the code before issue 43 said 3)."""
+    2 tokens, token 0 counted once, not twice (an earlier version said 3)."""
     logp = torch.tensor([-1.0, -2.0, -0.5, -1.5])
     adv = torch.tensor([1.0, 0.0, 1.0, 1.0])
     kept = torch.tensor([True, True, False, False])
@@ -1203,7 +1203,7 @@ def test_kl_run_with_constant_reward_never_moves(tmp_path, monkeypatch):
 
 
 def test_filter_groups_cli_writes_its_metrics(tmp_path):
-    """The real CLI (issue 14's command, small sizes). The random tiny model never answers, so no group is
+    """The real CLI, at small sizes. The random tiny model never answers, so no group is
     informative: every step draws --max-resample (4) rollout batches and reports all groups filtered."""
     out = tmp_path / "f"
     r = run_gmts("--model", "tiny", "--task", "countdown", "--steps", "2", "--filter-groups", "--prompts-per-step", "2",
@@ -1693,7 +1693,7 @@ def test_the_preset_takes_framework1_s_values():
 
 
 
-# ---- the preset's update is the authors' (issue 42 item 4) ---------------------------------------
+# ---- the preset's update is the authors' -----------------------------------------------------------------------------
 def _preset_batch(tok, informative, B=64, G=16, seed=0):
     """A rollout batch as sample_groups returns it: B prompts x G answers of the byte-level tiny
     tokenizer, every answer 16 (an end token last) or 32 tokens (cut), rewards binary: half of each

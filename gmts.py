@@ -2,7 +2,8 @@
 gmts.py: GRPO with Gradient Magnitude-based Token Selection (GMTS) in one file, to read beside:
   GMTS   Lv et al. 2026, "Gradient Magnitude-based Token Selection Improves RLVR Training for LLM
          Reasoning", arXiv 2608.30632: train on about the top 20% of each prompt's tokens by
-         H_t * |omega_t|, a stand-in for the size of their gradient.
+         H_t * |omega_t|, a stand-in for the size of their gradient. --select gmts follows its
+         authors' code, github.com/outongyiLv/GMTS (GMTS-Framework1's GMTS(); docs/design.md).
   80/20  Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL
          for LLM Reasoning", arXiv 2506.01939: train on the top 20% by entropy H_t.
   RSI-S  Lv et al. 2026, "Which Tokens Matter? Adaptive Token Selection for RLVR with the Relative

@@ -1,7 +1,7 @@
 """Smoke test of bench_gmts.py: --quick runs every section (the GPU step with a tiny config on CPU) and writes
-the JSON the README table comes from. No timing assertions: timings on a shared machine are not a test. What is
+its JSON (docs/results.md's source for GPU figures). No timing assertions: timings on a shared machine are not a test. What is
 asserted: the variants compute the same statistics (to 2e-6), the printed PASS/FAIL verdicts
-are the JSON's, and section e fills issue 16's keys (old vs new rollout path, sampler/learner gap, TRL step).
+are the JSON's, and section e fills the rollout keys (old vs new rollout path, sampler/learner gap, TRL step).
 Below: the memory plan (`bench_gmts.py plan`, moved here from gmts.py) by hand and end to end, and section h's
 main-thread grading."""
 import dataclasses
@@ -33,7 +33,7 @@ def test_bench_quick_writes_every_section(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     R = json.loads(out.read_text())
     assert {"meta", "stats", "loss_head", "select", "step_tiny", "step_model", "targets"} <= set(R)
-    plan = R["memory_plan"]["phases"]  # issue 42: the memory plan's phases beside measured peaks
+    plan = R["memory_plan"]["phases"]  # the memory plan's phases beside measured peaks
     assert {"sampling", "statistics", "update", "AdamW step", "evaluation"} <= set(plan)
     for name in ("sampling", "statistics", "update"):
         r = plan[name]
@@ -51,7 +51,7 @@ def test_bench_quick_writes_every_section(tmp_path):
         assert S["all"]["kept_frac"] == 1.0 and 0 < S["gmts"]["kept_frac"] <= 0.25
         assert {"ms", "peak_mb", "step_ms", "select_ms", "select_share"} <= set(S["gmts"])
 
-    # issue 16: the old and the new rollout path side by side, and the sampler/learner gap
+    # the old and the new rollout path side by side, and the sampler/learner gap
     paths = R["step_model"]["rollout_paths"]
     assert paths["new"]["sampler_dtype"] == "bf16" and paths["new"]["fast_generate"] is True  # --quick: static
     assert R["rollout_speedup"] == paths["speedup"] > 0
@@ -76,7 +76,7 @@ def test_bench_quick_writes_every_section(tmp_path):
 
 
 def test_bench_threads_section_structure(tmp_path):
-    """Section f (issue 31) at its tiny size: 1 step of the smoke preset at --threads 1 and 0, one fresh process
+    """Section f (threads) at its tiny size: 1 step of the smoke preset at --threads 1 and 0, one fresh process
     each. Its figures are the machine's, so only their shape is checked, and that --threads 0 got torch's default
     for this machine although this test's own environment pins OMP_NUM_THREADS=1."""
     out = tmp_path / "threads.json"

@@ -1162,7 +1162,7 @@ def test_every_method_honours_select_and_loss_norm(tmp_path, monkeypatch):
 
 
 def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, monkeypatch):
-    """Issue 14's one step rule: with a constant reward (every advantage 0) no method steps its optimiser, so all
+    """The one step rule (deviation 6): with a constant reward (every advantage 0) no method steps its optimiser, so all
     five end with the starting weights, the same (empty) Adam state and the same lr, which follows GRPO steps.
     Weight decay is on: an optimiser step on a zero gradient would still move the weights. The reward is 0.1 at
     G = 8 (every answer tagged but wrong): an inexact float whose unmasked group advantage would be ~0.007."""
@@ -1190,7 +1190,7 @@ def test_constant_reward_every_method_ends_identical_and_unchanged(tmp_path, mon
 
 
 def test_kl_run_with_constant_reward_never_moves(tmp_path, monkeypatch):
-    """Issue 24 item 4: the warm start, --kl-beta 0.05, lr 1e-4 and a constant reward (every A = 0). The true KL
+    """A KL run on a constant reward: the warm start, --kl-beta 0.05, lr 1e-4 and a constant reward (every A = 0). The true KL
     gradient is 0; the weights stay bit for bit those of the start and the KL is exactly 0 at every step (the old
     code measured a 1e-8 gradient between two log-prob paths and AdamW turned it into 0.1-0.9 lr moves)."""
     monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda t, row: 0.5)

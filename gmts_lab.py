@@ -75,11 +75,9 @@ import random
 import re
 import signal
 import tempfile
-import threading
 import typing
 
 import torch
-from tqdm import tqdm
 
 import gmts
 
@@ -303,12 +301,9 @@ def plot_runs(runs: dict, png: str):
     save_figure(fig, png)
 
 def _train_quietly(job: tuple) -> str:
-    """One run of compare, in a worker process. tqdm's bar lock (gmts.train's step_logger) is a
-    thread lock here: its default, a multiprocessing one, stays registered when the pool kills the
-    worker (Ctrl-C), and the resource tracker then warns of it on stderr."""
+    """One run of compare, in a worker process, on its share of the threads."""
     cfg, threads = job
     torch.set_num_threads(threads)
-    tqdm.set_lock(threading.RLock())
     return gmts.train(cfg, log=lambda *a: None)
 
 SCOPES = typing.get_args(gmts.Config.__annotations__["scope"])  # gmts.py's --scope values

@@ -1615,6 +1615,7 @@ LOCK = ".gmts.lock"  # filelock's file: one process writes a run folder at a tim
 RUN_FILES = ("run_config.json*", "metrics.jsonl*", "metrics.png", "ckpt-*", "final.tmp", "tensorboard",
              "wandb", "config.json", "generation_config.json", "*.safetensors*", "tokenizer*",
              "*_tokens*.json", "vocab.json", "merges.txt", "chat_template.*")  # what --overwrite may remove
+HALF_WRITTEN = ("ckpt-*.tmp", "ckpt-*.old", "final.tmp", "run_config.json.tmp", "metrics.jsonl.tmp")
 
 def checkpoints(out: str) -> list:
     """The complete checkpoint folders in out, oldest first (ckpt-N.tmp, half-written, is not one)."""
@@ -1700,19 +1701,10 @@ def start_run(cfg: Config, log=print):
 def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
     """start_run's writes: an earlier run's files go (a resume keeps metrics.jsonl up to its
     checkpoint), then the config, the tracker, the first line, a new run's step 0 and ckpt-000000."""
-    metrics = os.path.join(cfg.out, "metrics.jsonl")
     kept = read_metrics(cfg.out, run.start - 1) if cfg.resume else []  # later steps will rerun
-    for name in os.listdir(cfg.out):  # a new run: an earlier run's files; a resume: half-written ones
-        ours = any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES)
-        path = os.path.join(cfg.out, name)
-        if not ours or (cfg.resume and not name.endswith((".tmp", ".old"))):
-            continue
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
+    remove_names(cfg.out, HALF_WRITTEN if cfg.resume else RUN_FILES)  # a resume keeps its run
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(vars(cfg), indent=1))
-    write_file(metrics, "".join(json.dumps(r) + "\n" for r in kept))
+    write_file(os.path.join(cfg.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
     run.log_step = step_logger(cfg, log)
     n_params = sum(p.numel() for p in run.model.parameters())
     kernels = torch.backends.cpu.get_cpu_capability()  # CPU digits depend on it (docs/results.md)
@@ -1757,6 +1749,17 @@ def save_final(out: str, model, tok):
     for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
+
+def remove_names(folder: str, patterns):
+    """Remove the entries of folder whose names match one of patterns, and nothing else."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 def write_file(path: str, text: str):
     """A small file written whole: a .tmp beside it, then an atomic rename."""
@@ -1828,11 +1831,9 @@ SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy
 def step_line(rec: dict) -> str:
     """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
     fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
-    if "step_time_s" in rec:
-        fields.append(f"{rec['step_time_s']:.2f} s")
-    else:  # step 0: the evaluation alone
-        fields.append(f"sample: {rec['eval_sample'][:80]!r}")
-    return " | ".join(fields)
+    if "step_time_s" not in rec:  # step 0: the evaluation alone
+        return " | ".join(fields + [f"sample: {rec['eval_sample'][:80]!r}"])
+    return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"])
 
 def step_logger(cfg: Config, log=print):
     """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes."""
@@ -1921,7 +1922,7 @@ def parse_args(argv=None) -> Config:
     from transformers import HfArgumentParser
     p = HfArgumentParser(Config, description="GRPO with GMTS token selection (gmts.py's docstring).")
     p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
-    p.error = _bad_flag
+    p.error = bad_flag
     names = [f.name for f in dataclasses.fields(Config)] + ["preset"]
     unset = object()  # argparse leaves a value it finds in the namespace: unset marks a flag not given
     parsed = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(names, unset)))
@@ -1938,7 +1939,7 @@ def parse_args(argv=None) -> Config:
         values = dict(PRESETS.get(given.pop("preset", None), {}), **given)
     return Config(**values)
 
-def _bad_flag(message: str):  # argparse's error(): a ValueError, so main's one line says it
+def bad_flag(message: str):  # argparse's error(): a ValueError, so run_cli's one line says it
     raise ValueError(message)
 
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens (or set --rollout-rows)"):

@@ -1011,9 +1011,6 @@ def save_figure(fig, png: str, dpi: int = 90):
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=dpi)
 
-def _refuse(message: str):  # argparse's error(): a ValueError, so run_cli's one line says it
-    raise ValueError(message)
-
 def main(argv=None):
     return gmts.run_cli("gmts_lab", lambda: _main(argv))
 
@@ -1024,7 +1021,7 @@ def _main(argv):
                                             "docstring); flags not listed here go to "
                                             "gmts.py's parser.",
                                 allow_abbrev=False)
-    p.error = _refuse
+    p.error = gmts.bad_flag
     p.add_argument("command",
                    choices=["warm", "compare", "analyze", "decoy", "report", "retention",
                             "scatter"])
@@ -1074,7 +1071,7 @@ def _main(argv):
 
 def warm_main(rest: list):
     w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
-    w.error = _refuse
+    w.error = gmts.bad_flag
     w.add_argument("--task", default="countdown", choices=sorted(WARM),
                    help="the warm start to build")
     w.add_argument("--out", default=None,
@@ -1106,7 +1103,7 @@ def figure_main(command: str, rest: list):
     """report, retention, scatter: a figure at --png (checked first: check_writes), tables on
     stdout."""
     r = argparse.ArgumentParser(prog=f"gmts_lab.py {command}", allow_abbrev=False)
-    r.error = _refuse
+    r.error = gmts.bad_flag
     if command != "scatter":
         what = "a compare --out" if command == "report" else "an analyze --rhos --out"
         r.add_argument("panels", nargs="+", help=f"TITLE=FOLDER: {what} folder per panel")

@@ -79,13 +79,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import argparse
 import contextlib
-import fnmatch
 import functools
 import inspect
 import json
 import math
 import re
-import shutil
 import types
 import typing
 import warnings
@@ -504,13 +502,8 @@ def claim_out(out: str, model: str, overwrite: bool):
     except filelock.Timeout:
         raise ValueError(f"--out {out}: another process writes there now") from None
     check_out(out, model, overwrite)
-    for name in os.listdir(out) if overwrite else []:
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_FILES):
-            path = os.path.join(out, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+    if overwrite:
+        gmts.remove_names(out, RUN_FILES)
     return held
 
 
@@ -528,15 +521,11 @@ ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL then goes 
 LOWER = "--per-device-batch-size or --max-completion-length"  # the flags that take less memory
 
 
-def bad_flag(message: str):  # argparse's error(): a ValueError, so run_cli's one line says it (exit 2)
-    raise ValueError(message)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """Flags -> Namespace; every range and the output folder are checked here, before any work."""
     p = argparse.ArgumentParser(prog="gmts_trl.py",
                                 description="GRPO + GMTS token selection on TRL (see the docstring).")
-    p.error = bad_flag
+    p.error = gmts.bad_flag
     a = p.add_argument
     a("--model", default="tiny", help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
     a("--task", default="countdown", choices=sorted(gmts.TASKS))

@@ -922,6 +922,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 class RunError(RuntimeError):
     """A run that cannot go on, not for its input's sake: one line, exit 1 (run_cli)."""
 
+class BadInput(ValueError):
+    """What the user gave (a flag, a file, a path, a folder's state) cannot be used: one line,
+    exit 2, raised by the checks that run before any work (run_cli)."""
+
 # ==== The lr schedule [plumbing]: warm-up and decay over update slots, all methods alike ==========
 def lr_factor(i: int, total: int, warmup: int, decay: bool = True) -> float:
     """lr multiplier at update slot i (0-based) of `total` (one per inner update, stepped or not):

@@ -850,7 +850,7 @@ def plan_model(cfg: gmts.Config) -> tuple:
         except Exception as e:  # no such folder or hub id, no hub, an architecture it lacks
             if gmts.memory_fault(e):
                 raise
-            raise ValueError(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
+            raise gmts.BadInput(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
 
 
 def longest_prompt(cfg: gmts.Config, tok, chunk: int = 1024) -> int:
@@ -1216,7 +1216,7 @@ def main(argv=None):
 def bench(argv: list) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device")
+        raise gmts.BadInput("--device cuda but torch sees no CUDA device")
     if args.threads and args.device == "cpu":
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)

@@ -87,7 +87,7 @@ import gmts
 
 def countdown_reference(row: dict) -> str:
     if "expr" not in row:
-        raise ValueError("a countdown reference needs a generated row (with its 'expr'): "
+        raise gmts.BadInput("a countdown reference needs a generated row (with its 'expr'): "
                          "use --data gen or easy")
     return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
 
@@ -127,7 +127,7 @@ def math_blind(row: dict, rng: random.Random) -> dict:
     steps = row.get("steps", [])
     parts = steps[0].split() if len(steps) == 1 else []
     if len(parts) != 5 or not (parts[0].isdigit() and parts[2].isdigit()):
-        raise ValueError("a blind math warm-up needs one-step rows ('a op b = z'): use --data easy")
+        raise gmts.BadInput("a blind math warm-up needs one-step rows ('a op b = z'): use --data easy")
     a, b, op = int(parts[0]), int(parts[2]), rng.choice(MATH_BLIND_OPS)
     cue = re.findall(rf"([A-Za-z]+) {b}(?![0-9])", row["question"])
     z = gmts._OPS[op](a, b)
@@ -313,7 +313,7 @@ def parse_arm(arm: str, flag: str = "--methods") -> tuple:
     whole-batch GMTS) -> (method, scope or None); ValueError (one line) otherwise."""
     method, _, scope = arm.partition("@")
     if method not in gmts.METHODS or (scope and scope not in SCOPES):
-        raise ValueError(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
+        raise gmts.BadInput(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
                          f"{', '.join(gmts.METHODS)}; scopes: {', '.join(SCOPES)})")
     return method, scope or None
 
@@ -349,13 +349,13 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     for m in methods:
         parse_arm(m, "--methods")
     if not methods:
-        raise ValueError("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
+        raise gmts.BadInput("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
     if not 1 <= seeds <= 1000:
-        raise ValueError(f"--seeds must be in [1, 1000], got {seeds}")
+        raise gmts.BadInput(f"--seeds must be in [1, 1000], got {seeds}")
     if len(set(methods)) < len(methods):  # two runs would write one folder
-        raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
+        raise gmts.BadInput(f"--methods {','.join(methods)!r} names a method twice")
     if workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {workers}")
+        raise gmts.BadInput(f"--workers must be >= 0, got {workers}")
     runs = [dataclasses.replace(cfg, **arm_fields(m, cfg), seed=s,
                                 out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
@@ -427,12 +427,12 @@ def read_json(path: str):
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not readable as JSON ({type(e).__name__})") from None
+        raise gmts.BadInput(f"{path}: not readable as JSON ({type(e).__name__})") from None
 
 def number(value, where: str):
     """value if it is a real number (not a bool), else ValueError (one line) saying where it was."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: {value!r} is not a number")
+        raise gmts.BadInput(f"{where}: {value!r} is not a number")
     return value
 
 # the fields of a run's run_config.json that report and decoy read
@@ -446,7 +446,7 @@ def run_config(path: str) -> dict:
     saved = read_json(file)
     if not (isinstance(saved, dict) and "steps" in saved and all(
             type(saved[k]) is type(getattr(gmts.Config, k)) for k in READ if k in saved)):
-        raise ValueError(f"{file}: not a gmts run's config ({', '.join(READ)} of their types)")
+        raise gmts.BadInput(f"{file}: not a gmts run's config ({', '.join(READ)} of their types)")
     return saved
 
 def finished_runs(folder: str) -> dict:
@@ -558,7 +558,7 @@ def report(panels: dict, png: str, log=print) -> dict:
     fig = Figure(figsize=(5 * len(panels), 3.8))
     for ax, (title, r) in zip(fig.subplots(1, len(panels), squeeze=False)[0], runs.items()):
         if not r:
-            raise ValueError(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
+            raise gmts.BadInput(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
         fixed = fixed_guess_line(panels[title], r)
         tables = report_tables(r, final_truncated(panels[title], r))
         log(f"## {title} ({panels[title]})\n\n{tables}\n\n"
@@ -797,7 +797,7 @@ def _analysis_start(cfg: gmts.Config, batches: int, writes: str) -> tuple:
     """What analyze and retention_curve share: OUT/`writes` checked, then the model loaded
     -> (model, tok, task, draw, chat)."""
     if batches < 1:
-        raise ValueError(f"--batches must be >= 1, got {batches}")
+        raise gmts.BadInput(f"--batches must be >= 1, got {batches}")
     check_writes(cfg.out, (writes,), cfg.overwrite, cfg.model)
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
@@ -853,7 +853,7 @@ def parse_rhos(text: str) -> list:
     except ValueError:
         rhos = []
     if not rhos or not all(0 < r <= 1 for r in rhos):
-        raise ValueError(f"--rhos {text!r}: a comma list of values in (0, 1], e.g. 0.01,0.05,0.2")
+        raise gmts.BadInput(f"--rhos {text!r}: a comma list of values in (0, 1], e.g. 0.01,0.05,0.2")
     return sorted(set(rhos))
 
 def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=ANALYZED) -> dict:
@@ -921,7 +921,7 @@ def read_retention(folder: str) -> dict:
     keys = {frozenset(stats) for by_arm in res.values() for stats in by_arm.values()}
     if len(arms) != 1 or len(keys) != 1 or not {"cos", "ratio"} <= set(*keys) or not all(
             map(is_arm, *arms)):
-        raise ValueError(f"{path}: not a retention curve of analyze --rhos "
+        raise gmts.BadInput(f"{path}: not a retention curve of analyze --rhos "
                          "({rho: {arm: {cos: [...], ratio: [...]}}} alike for every rho)")
     return dict(sorted(res.items()))
 
@@ -989,23 +989,23 @@ def check_writes(out: str, names=(), overwrite=False, model="", only=()):
     anyone's); with `only` (patterns), out holds nothing else (warm rewrites a model, not a run)."""
     real, there = os.path.realpath(out), os.path.abspath(out)
     if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise ValueError(f"--out {out} is or holds the --model folder {model}")
+        raise gmts.BadInput(f"--out {out} is or holds the --model folder {model}")
     while not os.path.isdir(there):  # the nearest folder that exists: the rest is made in it
         if os.path.lexists(there):
-            raise ValueError(f"{there} is not a folder: {out} cannot be made")
+            raise gmts.BadInput(f"{there} is not a folder: {out} cannot be made")
         there = os.path.dirname(there)
     try:  # a real write: os.access says yes to root, even where nothing can be written (/proc)
         tempfile.TemporaryFile(dir=there).close()
     except OSError as e:
-        raise ValueError(f"{out}: {there} cannot be written ({e.strerror})") from None
+        raise gmts.BadInput(f"{out}: {there} cannot be written ({e.strerror})") from None
     for n in sorted(os.listdir(out)) if os.path.isdir(out) else []:
         path = os.path.join(out, n)
         if n in names and (os.path.isdir(path) or not overwrite):
-            raise ValueError(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
+            raise gmts.BadInput(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
                                                  ": pass --overwrite to replace it"))
         warms = any(fnmatch.fnmatchcase(n, pattern) for pattern in only)
         if only and not warms and not n.startswith("."):
-            raise ValueError(f"--out {out} holds {n}, which warm does not write")
+            raise gmts.BadInput(f"--out {out} holds {n}, which warm does not write")
 
 def save_figure(fig, png: str, dpi: int = 90):
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
@@ -1060,10 +1060,10 @@ def _main(argv):
     for arm in arms or [","]:
         method = parse_arm(arm, "--arms")[0]
         if method not in ANALYZED and not lab.rhos:
-            raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
+            raise gmts.BadInput(f"--arms: {arm} is not scored by the one-rho table "
                              f"({', '.join(ANALYZED)}; with --rhos: any top-rho method)")
         if gmts.METHODS[method].band:  # its kept share is set by its interval, not by rho
-            raise ValueError(f"--arms: {arm} keeps an interval, not a top rho: "
+            raise gmts.BadInput(f"--arms: {arm} keeps an interval, not a top rho: "
                              "analyze ranks top-rho methods only")
     if lab.rhos:
         return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), arms=arms)
@@ -1113,9 +1113,9 @@ def figure_main(command: str, rest: list):
     given = vars(a).get("panels", [])
     panels = dict(x.split("=", 1) for x in given if "=" in x)
     if len(panels) < len(given):  # a title given twice would draw one panel
-        raise ValueError(f"{command} takes TITLE=FOLDER arguments, each a title of its own")
+        raise gmts.BadInput(f"{command} takes TITLE=FOLDER arguments, each a title of its own")
     if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write PNG + ".png"
-        raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{command}.png")
+        raise gmts.BadInput(f"--png {a.png!r} must name a .png file, e.g. docs/{command}.png")
     check_writes(os.path.dirname(a.png) or ".", (os.path.basename(a.png),), a.overwrite)
     if command == "scatter":
         return scatter(a.png)
@@ -1130,11 +1130,11 @@ def decoy_main(cfg: gmts.Config):
         try:  # a hand-edited run_config.json can hold any value
             gmts.check_config(cfg)
         except ValueError as e:
-            raise ValueError(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
+            raise gmts.BadInput(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
     if cfg.task != "countdown":
-        raise ValueError(f"decoy is defined for countdown, not --task {cfg.task}")
+        raise gmts.BadInput(f"decoy is defined for countdown, not --task {cfg.task}")
     if cfg.eval_data:  # its table is of held-out rows and their targets
-        raise ValueError("decoy scores the held-out rows of --data (--eval-size), not "
+        raise gmts.BadInput("decoy scores the held-out rows of --data (--eval-size), not "
                          "--eval-data's sets; leave --eval-data out")
     model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden,
                                  cfg.tiny_layers, cfg.seed)

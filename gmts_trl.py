@@ -147,18 +147,18 @@ class GMTSConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.token_selection not in SELECT:
-            raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
+            raise gmts.BadInput(f"token_selection {self.token_selection!r} is not one of: "
                              f"{', '.join(SELECT)}")
         if self.token_scope not in SCOPES:
-            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(SCOPES)}")
+            raise gmts.BadInput(f"token_scope {self.token_scope!r} is not one of: {', '.join(SCOPES)}")
         if not 0.0 < self.token_rho <= 1.0:
-            raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
+            raise gmts.BadInput(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
-            raise ValueError("top_entropy_quantile is TRL's own entropy selection; with "
+            raise gmts.BadInput("top_entropy_quantile is TRL's own entropy selection; with "
                              "GMTSConfig use token_selection='entropy' and token_rho instead")
         why = refusal(self)
         if why:
-            raise ValueError(f"not supported by gmts_trl.py: {why}")
+            raise gmts.BadInput(f"not supported by gmts_trl.py: {why}")
 
 
 def check_trl():
@@ -457,7 +457,7 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
     try:
         prompts = gmts.build_prompts(tok, gmts.get_task(task), rows, chat, short)
     except jinja2.TemplateError as e:  # the model's own template refuses these prompts (e.g. a system role)
-        raise ValueError(f"the model's chat template fails on the prompts ({gmts.error_line(e, 300)})") from None
+        raise gmts.BadInput(f"the model's chat template fails on the prompts ({gmts.error_line(e, 300)})") from None
     return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(prompts, rows)])
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,13 +484,13 @@ def check_out(out: str, model: str, overwrite: bool):
     holding a gmts_trl run (a TRL checkpoint), which only --overwrite replaces."""
     real = os.path.realpath(out)
     if not out or os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} must name a folder")
+        raise gmts.BadInput(f"--out {out!r} must name a folder")
     if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
+        raise gmts.BadInput(f"--out {out} is or holds the --model folder {model}: the run would replace it")
     if os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not checkpoints(out):
-        raise ValueError(f"--out {out} holds files that are not a gmts_trl run; choose another --out")
+        raise gmts.BadInput(f"--out {out} holds files that are not a gmts_trl run; choose another --out")
     if checkpoints(out) and not overwrite:
-        raise ValueError(f"--out {out} holds a gmts_trl run: replace it with --overwrite, or choose another --out")
+        raise gmts.BadInput(f"--out {out} holds a gmts_trl run: replace it with --overwrite, or choose another --out")
 
 
 def claim_out(out: str, model: str, overwrite: bool):
@@ -500,7 +500,7 @@ def claim_out(out: str, model: str, overwrite: bool):
     try:
         held = filelock.FileLock(os.path.join(out, LOCK), timeout=0).acquire()
     except filelock.Timeout:
-        raise ValueError(f"--out {out}: another process writes there now") from None
+        raise gmts.BadInput(f"--out {out}: another process writes there now") from None
     check_out(out, model, overwrite)
     if overwrite:
         gmts.remove_names(out, RUN_FILES)
@@ -554,9 +554,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            ("max-completion-length", args.max_completion_length >= 1, ">= 1"),
                            ("seed", 0 <= args.seed < 2**32, "in [0, 2**32)")]:  # numpy's seed range (TRL seeds it)
         if not ok:
-            raise ValueError(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
+            raise gmts.BadInput(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
     if args.use_vllm and not is_vllm_available():  # else TRL's ImportError, a traceback
-        raise ValueError("--use-vllm: vLLM is not installed (pip install vllm)")
+        raise gmts.BadInput("--use-vllm: vLLM is not installed (pip install vllm)")
     check_out(args.out, args.model, args.overwrite)
     return args
 
@@ -576,30 +576,33 @@ def load_model(path: str, cfg: GMTSConfig) -> tuple:
     except Exception as e:  # no such folder or hub id, no hub, missing or damaged files, an unknown architecture
         if gmts.memory_fault(e):
             raise
-        raise ValueError(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
+        raise gmts.BadInput(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
 
 
 def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
     """Flags -> a GMTSTrainer. ValueError: bad input (data, the model, TRL's own checks). Cheap checks first: the
     config, the data, then the model."""
     cuda = torch.cuda.is_available()
-    with warnings.catch_warnings():  # TRL's default gradient_checkpointing=True trips a transformers deprecation
-        warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
-        cfg = GMTSConfig(
-            output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
-            per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
-            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-            loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
-            lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, then a linear decay
-            use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
-            token_scope=args.scope,
-            use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
-            save_strategy="steps", save_steps=50)
+    try:
+        with warnings.catch_warnings():  # TRL's default gradient_checkpointing=True trips a transformers deprecation
+            warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
+            cfg = GMTSConfig(
+                output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
+                per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
+                num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+                loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: high = low)
+                lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, then a linear decay
+                use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
+                token_scope=args.scope,
+                use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
+                save_strategy="steps", save_steps=50)
+    except ValueError as e:  # TRL's own checks of the flags (a batch not divisible ...): bad input
+        raise gmts.BadInput(gmts.error_line(e)) from None
     per_step = cfg.generation_batch_size // cfg.num_generations  # prompts per optimizer step, all processes
     rows = gmts.load_rows(args.task, args.data, min(max(2000, args.steps * per_step), ROWS_CAP), args.seed)
     distinct = len({gmts.get_task(args.task)["prompt"](r) for r in rows})
     if distinct < per_step:  # TRL's sampler drops an incomplete batch: it would train 0 steps and exit 0
-        raise ValueError(f"--data {args.data}: {distinct} distinct problem(s), but one step takes {per_step} "
+        raise gmts.BadInput(f"--data {args.data}: {distinct} distinct problem(s), but one step takes {per_step} "
                          "(--per-device-batch-size x --grad-accum x processes / --num-generations)")
     if args.model == "tiny":
         model, tok = gmts.build_tiny(seed=args.seed)

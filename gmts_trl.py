@@ -47,7 +47,7 @@ omega is -dloss/dlogp_t of the loss TRL runs (gmts.py's derivation step 1), from
   pi_theta - 1 - k3); times the loss type's per-token normaliser: 1 / |o_i| for grpo and sapo,
   1 / (the micro-batch's valid tokens on its process) for bnpo; the others' are one constant for
   every token of the step, which no ranking sees. Refused before training (GMTSConfig raises
-  ValueError; the CLI: one line, exit 2), because no per-token omega is the gradient then:
+  gmts.BadInput; the CLI: one line, exit 2), because no per-token omega is the gradient then:
   importance_sampling_level="sequence" (the ratio is a mean over all of an answer's tokens, so
   dropped tokens still get a gradient), and for gmts / gradnorm off_policy_mask_threshold and
   the entropy bonus (entropy_coef, use_adaptive_entropy).
@@ -221,18 +221,19 @@ class GMTSConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.token_selection not in SELECT:
-            raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
-                             f"{', '.join(SELECT)}")
+            raise gmts.BadInput(f"token_selection {self.token_selection!r} is not one of: "
+                                f"{', '.join(SELECT)}")
         if self.token_scope not in SCOPES:
-            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(SCOPES)}")
+            raise gmts.BadInput(f"token_scope {self.token_scope!r} is not one of: "
+                                f"{', '.join(SCOPES)}")
         if not 0.0 < self.token_rho <= 1.0:
-            raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
+            raise gmts.BadInput(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
-            raise ValueError("top_entropy_quantile is TRL's own entropy selection; with "
-                             "GMTSConfig use token_selection='entropy' and token_rho instead")
+            raise gmts.BadInput("top_entropy_quantile is TRL's own entropy selection; with "
+                                "GMTSConfig use token_selection='entropy' and token_rho instead")
         why = refusal(self)
         if why:
-            raise ValueError(f"not supported by gmts_trl.py: {why}")
+            raise gmts.BadInput(f"not supported by gmts_trl.py: {why}")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -319,10 +319,9 @@ def stats_command(args, meter, dev) -> tuple:
     if L["all"]["peak_mb"]:
         ratios["loss head peak selected / all"] = L["selected"]["peak_mb"] / L["all"]["peak_mb"]
     for n in args.select_sizes:
-        q = res["select"][f"{n}/quantile"]
+        q, ours = res["select"][f"{n}/quantile"], res["select"][f"{n}/select_tokens"]
         if q["ms"] is not None:
-            ratios[f"quantile / select_tokens ({n})"] = q["ms"] / res["select"][
-                f"{n}/select_tokens"]["ms"]
+            ratios[f"quantile / select_tokens ({n})"] = q["ms"] / ours["ms"]
     loop, fast = (r for k, r in res["select"].items() if k.startswith("group "))
     ratios["authors' loop / select_tokens per group"] = loop["ms"] / fast["ms"]
     rows = [(f"stats {k}", r, f"max|d logp| {r['max_abs_diff_logp']:.1e}, max|d H| "
@@ -922,6 +921,9 @@ def trl_select_command(args, meter, dev) -> tuple:
 
 
 # ==== CLI [plumbing]: one error handler (gmts.run_cli), each command's table and JSON ==========
+# Each measuring command: (args, Meter, device) -> (its results, its table's rows as (what,
+# {ms, peak_mb}, a note), its ratios by name); bench() prints the rows and the ratios, and writes
+# the results and the ratios.
 COMMANDS = {"memory": memory_command, "stats": stats_command, "step": step_command,
             "rollout": rollout_command, "grading": grading_command,
             "trl-select": trl_select_command}

@@ -498,11 +498,11 @@ def test_every_gold_of_the_table_loads_as_latex_math_verify_reads(rows):
 def test_value_unit_and_same_unit_by_hand():
     """The split itself, so that a verdict above is right for the reason its comment gives."""
     assert gmts.value_unit("$5\\,\\text{cm}^2$") == ("5", "cm^2")
-    assert gmts.value_unit("7\\text{ hours}.") == ("7", "hours")
+    assert gmts.value_unit("7\\text{ hours}.") == ("7", "h")  # a unit: its symbol, its power
     assert gmts.value_unit("10\\text{ thousand}") == ("10000", "")
     assert gmts.value_unit("2.5\\text{ million}") == ("2500000", "")
-    assert gmts.value_unit("1+2\\mathrm{i}") == ("1+2i", "i")  # a letter: in the value, and the unit too
-    assert gmts.value_unit("30^\\circ.") == ("30", "")
+    assert gmts.value_unit("1+2\\mathrm{i}") == ("1+2i", "")  # a letter that is no unit: in the value
+    assert gmts.value_unit("30^\\circ.") == ("30", "deg")
     assert gmts.value_unit("\\text{east}") == ("\\text{east}", "")  # no value before it: all of it is text
     assert gmts.same_unit("cm", "centimeters") and gmts.same_unit("h", "hrs") and gmts.same_unit("hours", "hour")
     assert not gmts.same_unit("cm", "m") and not gmts.same_unit("cm^2", "cm^3") and not gmts.same_unit("cm^2", "cm")
@@ -644,10 +644,19 @@ def test_competition_table_holds_both_verdicts_and_the_named_forms():
     assert {"\\dfrac{7}{20}", "0.5", "2", "[2,5)", "\\text{(C)}", "90^\\circ", "50\\%", "1011_2"} <= golds
 
 
-def test_a_known_miss_of_math_verify(verifier):
-    """math-verify 0.9.0 reads 8.7 \\times 10^{8} as 8.7 (a float) times 10^8 and misses that 870000000 is equal
-    (NOTES, "The paper's setting"): pinned, so that a version that fixes it shows here."""
-    assert math_reward(box("870000000"), "8.7 \\times 10^{8}", True) == 0.0
+def test_a_power_of_ten_is_a_number_where_math_verify_misses_it(verifier):
+    """math-verify 0.9.0 reads 8.7 \\times 10^{8} as 8.7 (a float) times 10^8 and misses that 870000000 is equal, and
+    reads Minerva's 4.5e33 as 4.5 * e * 33 (Euler's e): pinned, so that a version that fixes it shows here. gmts
+    reads both as exact numbers (read_number) before math-verify sees them."""
+    gmts.latex_equal.cache_clear()
+    assert not gmts.latex_equal("8.7 \\times 10^{8}", "870000000")
+    assert gmts.latex_equal("3e8", "8e3")  # both 24e to it
+    assert math_reward(box("870000000"), "8.7 \\times 10^{8}", True) == 1.0
+    assert math_reward(box("8e3"), "3e8", True) == 0.0
+    read = {"4.5e33": 45 * 10 ** 32, "1.2E-5": Fraction(12, 10 ** 6), "6.02 \\times 10^{23}": 602 * 10 ** 21,
+            "10^{-5}": Fraction(1, 10 ** 5), "0.1\\overline{6}": Fraction(1, 6),
+            "-1.\\overline{27}": Fraction(-14, 11), "+2": 2}
+    assert {s: gmts.read_number(s) for s in read} == read
 
 
 def test_gsm8k_rows_never_ask_math_verify(monkeypatch):

@@ -809,9 +809,9 @@ def sample_groups(run: Run, cfg: Config, step: int) -> tuple:
         # 2. G answers per prompt from the sampler, with its own log-probs (answer n answers
         # prompt n // G), in generate() calls of --rollout-rows answers (sample_answers)
         batch = sample_answers(run, prompts, cfg)
-        # 3. one reward per answer from the task's verifier (the Rewards section)
-        rewards = torch.tensor([float(run.task["reward"](text, rows[n // G]))
-                                for n, text in enumerate(batch["texts"])])  # (N,)
+        # 3. one reward per answer from the task's verifier (the Rewards section), each timed
+        rewards, batch["grade_s"], batch["grade_timeout"] = grade_answers(
+            run.task["reward"], batch["texts"], rows, G)  # (N,) each
         # 4. group advantages
         adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
         parts.append((batch, rewards, adv))
@@ -1401,6 +1401,19 @@ def latex_equal(gold: str, got: str = None) -> bool:
         return any(not isinstance(x, str) for x in g)  # sympy read it, not only the string
     a = _verify_parse(got)
     return any(_verify_pair(x, y) for x, y in itertools.product(g, a))  # verify's own loop
+
+def grade_answers(reward, texts: list, rows: list, group_size: int) -> tuple:
+    """Algorithm step 3, timed: reward(texts[n], rows[n // group_size]) for each answer n ->
+    (rewards (N,), the seconds each took (N,), whether each hit a math-verify timeout (N,))."""
+    rewards, seconds, timed_out = [], [], []
+    for n, text in enumerate(texts):
+        t, before = time.perf_counter(), sum(TIMEOUTS.values())
+        rewards.append(float(reward(text, rows[n // group_size])))
+        seconds.append(time.perf_counter() - t)
+        timed_out.append(sum(TIMEOUTS.values()) > before)
+    return (torch.tensor(rewards), torch.tensor(seconds, dtype=torch.float64),
+            torch.tensor(timed_out, dtype=torch.bool))
+
 
 # ==== Problem generators [plumbing]: each task's offline data ====================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
@@ -2074,6 +2087,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
     sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])
     zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
     gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
+    graded = [part[0] for part in parts]  # every answer graded this step, kept or filtered out
     dt = time.time() - t0
     return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
                 selected_frac=int(sel_mask.sum()) / max(int(valid.sum()), 1),
@@ -2085,6 +2099,8 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
                 groups_filtered_frac=1.0 - sampled.float().mean().item(), lr=opt.param_groups[0]["lr"],
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
+                grade_time_s=sum(float(b["grade_s"].sum()) for b in graded),
+                grade_timeouts=sum(int(b["grade_timeout"].sum()) for b in graded),
                 sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
 
 def plot_metrics(out: str):
@@ -2100,12 +2116,17 @@ def plot_metrics(out: str):
 
 # ==== Step lines and trackers [plumbing] ==========================================================
 SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
+GRADING_SHOWN = 0.2  # the line names the grading time when it is this share of the step or more
 
 def step_line(rec: dict) -> str:
-    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
+    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has, and the
+    grading time where it is GRADING_SHOWN of the step or more or an answer's grading timed out."""
     fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
     if "step_time_s" not in rec:  # step 0: the evaluation alone
         return " | ".join(fields + [f"sample: {rec['eval_sample'][:80]!r}"])
+    grading, timed_out = rec.get("grade_time_s", 0.0), rec.get("grade_timeouts", 0)
+    if grading >= GRADING_SHOWN * rec["step_time_s"] or timed_out:
+        fields.append(f"grading {grading:.2f} s" + f" ({timed_out} timed out)" * bool(timed_out))
     return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"])
 
 def step_logger(cfg: Config, log=print):

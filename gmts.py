@@ -1056,8 +1056,9 @@ def _answer_line(text: str):
 _SCI = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)[eE]([-+]?[0-9]{1,3})")  # 4.5e33, 1.2E-5
 _TIMES_TEN = re.compile(  # 4.5 \times 10^{33}, 6 \cdot 10^8, 10^{-5}
     r"(?:(.+?)\s*(?:\\times|\\cdot|\*)\s*)?10\s*\^\s*(?:\{\s*([-+]?[0-9]{1,3})\s*\}|([0-9]))")
-_REPEATING = re.compile(r"([0-9]*)\.([0-9]*)\s*\\(?:overline|bar)\s*\{([0-9]{1,30})\}")  # 0.1\overline{6}
-_MIXED = re.compile(r"([0-9]{1,30})\s*\\[dt]?frac\s*\{([0-9]{1,30})\}\s*\{([0-9]{1,30})\}")  # 4\frac{2}{3}
+# 0.1\overline{6}, 4\frac{2}{3}
+_REPEATING = re.compile(r"([0-9]*)\.([0-9]*)\s*\\(?:overline|bar)\s*\{([0-9]{1,30})\}")
+_MIXED = re.compile(r"([0-9]{1,30})\s*\\[dt]?frac\s*\{([0-9]{1,30})\}\s*\{([0-9]{1,30})\}")
 
 def read_number(s: str):
     """Exact value of a LaTeX answer's number: parse_number's forms, e-notation (4.5e33, read as a
@@ -1112,7 +1113,8 @@ _UNITS = {
     "gal": ("volume", "gallon"),
     "$": ("money", "dollar usd"), "cent": ("money", "¢ \\textcent"), "%": ("percent", "percent"),
     "deg": ("angle", "degree"), "rad": ("angle", "radian"),
-    "K": ("temperature", "kelvin"), "C": ("temperature", "celsius"), "F": ("temperature", "fahrenheit"),
+    "K": ("temperature", "kelvin"), "C": ("temperature", "celsius"),
+    "F": ("temperature", "fahrenheit"),
     "J": ("energy", "joule"), "eV": ("energy", "electronvolt"), "erg": ("energy", ""),
     "cal": ("energy", "calorie"), "kcal": ("energy", "kilocalorie"), "N": ("force", "newton"),
     "W": ("power", "watt"), "V": ("voltage", "volt"), "M": ("concentration", "molar"),
@@ -1127,7 +1129,8 @@ _POWER_WORD = {"square": 2, "sq": 2, "cubic": 3, "cu": 3, "squared": 2, "cubed":
 _NUMBER_WORD = dict(zip(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
     "sixteen seventeen eighteen nineteen twenty".split(), range(21)))
-_NUMBER_WORD.update(zip("thirty forty fifty sixty seventy eighty ninety".split(), range(30, 100, 10)))
+_NUMBER_WORD.update(zip("thirty forty fifty sixty seventy eighty ninety".split(),
+                        range(30, 100, 10)))
 
 def _singular(w: str) -> str:
     """An English plural's singular, roughly: boxes -> box, pennies -> penny, hours -> hour."""
@@ -1178,7 +1181,7 @@ def _unit_of(text: str) -> tuple:
     return exp10, " ".join(s if p == 1 else f"{s}^{p}" for s, p in sorted(unit.items()) if p)
 
 def unit_kind(unit: str) -> str:
-    """A canonical unit's kind: 'km h^-1' -> 'length time^-1' (an unknown symbol is its own kind)."""
+    """A canonical unit's kind: 'h^-1 km' -> 'length time^-1'; an unknown symbol is its own."""
     kinds = collections.Counter()
     for part in unit.split():
         sym, _, p = part.partition("^")
@@ -1191,7 +1194,7 @@ def same_unit(a: str, b: str) -> bool:
 
 _TEXT = r"\\(?:text|textnormal|textrm|textup|textsf|mathrm|mbox|operatorname)"
 _TOKEN = re.compile(  # an answer's pieces, for value_unit to read its unit from the end
-    rf"(?P<text>{_TEXT}\s*\{{(?:[^{{}}]|\{{[^{{}}]*\}})*\}}|\{{\s*~\s*[A-Za-z]+\s*\}})"  # \text{ cm}
+    rf"(?P<text>{_TEXT}\s*\{{(?:[^{{}}]|\{{[^{{}}]*\}})*\}}|\{{\s*~\s*[A-Za-z]+\s*\}})"
     r"|(?P<deg>\^\s*\{?\s*\\circ\s*\}?|°)"
     r"|(?P<power>\^\s*(?:\{\s*-?\s*[0-9]\s*\}|-?[0-9]))"
     r"|(?P<word>[A-Za-z]+|\\%|%|\\AA(?![A-Za-z])|¢|µ|\\mu(?![A-Za-z]))"
@@ -1233,12 +1236,13 @@ def _number_words(s: str) -> str:
 
 @functools.lru_cache(maxsize=1 << 12)  # a gold is split again for each answer graded against it
 def value_unit(s: str, letters: bool = False) -> tuple:
-    """A LaTeX answer -> (its value, its unit: a canonical string, "" for none). No $...$ around it,
-    no trailing . , ;, a leading number word as digits. The unit: what ends it after a value: \\text{},
-    \\mathrm{}, \\mbox{}, \\textnormal{} ... words (a one-letter one that is no unit, \\mathrm{i}, stays
-    in the value), ^\\circ, \\%, a leading \\$, bare unit words (5 miles, 60 mph), powers, / and per,
-    the spacing before it; bare single letters (5 m, 5 m/s) only with letters=True. Magnitude words
-    (10\\text{ thousand}, 5 million, 3 tenths) are no unit: they multiply the value."""
+    """A LaTeX answer -> (its value, its unit: a canonical string, "" for none). No $...$ around
+    it, no trailing . , ;, a leading number word as digits. The unit: what ends it after a value:
+    the words of \\text{}, \\mathrm{}, \\mbox{}, \\textnormal{} ... (a one-letter one that is no
+    unit, \\mathrm{i}, stays in the value), ^\\circ, \\%, a leading \\$, bare unit words (5 miles,
+    60 mph), powers, / and per, the spacing before it; bare single letters (5 m, 5 m/s) only with
+    letters=True. Magnitude words (10\\text{ thousand}, 5 million, 3 tenths) are no unit: they
+    multiply the value."""
     s = s.strip().rstrip(".,; ")
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
@@ -1279,15 +1283,17 @@ def value_unit(s: str, letters: bool = False) -> tuple:
     words = _DEGREE.sub(" deg ", words) + " $" * bool(money)
     exp10, unit = _unit_of(words)
     value = _LETTER.sub(r"\1", value)
-    if exp10:
-        n = read_number(value)
-        value = _exact(n * Fraction(10) ** exp10) if n is not None else f"{value}\\times10^{{{exp10}}}"
+    n = read_number(value) if exp10 else None
+    if n is not None:
+        value = _exact(n * Fraction(10) ** exp10)
+    elif exp10:
+        value = f"{value}\\times10^{{{exp10}}}"
     return value or s, unit
 
 def _pair_units(gold: str, got: str) -> tuple:
-    """value_unit of both sides, a bare letter after a value (5 m, 5 m/s) decided by the pair: a unit
-    where the other side's unit is of its kind, or in the answer where the gold has no unit and no
-    such letter; else a variable (Minerva's '\\frac{37}{4} m' is not '\\frac{37}{4}')."""
+    """value_unit of both sides, a bare letter after a value (5 m, 5 m/s) decided by the pair: a
+    unit where the other side's unit is of its kind, or in the answer where the gold has no unit
+    and no such letter; else a variable (Minerva's '\\frac{37}{4} m' is not '\\frac{37}{4}')."""
     g, a = value_unit(gold), value_unit(got)
     g_letter, a_letter = value_unit(gold, True), value_unit(got, True)
     if g_letter != g and a[1] and unit_kind(g_letter[1]) == unit_kind(a[1]):
@@ -1298,8 +1304,8 @@ def _pair_units(gold: str, got: str) -> tuple:
     return g, a
 
 def _brackets(s: str) -> str:
-    """'set' for \\{1, 2\\} (not a set of tuples); 'tuple' for one (..) or [..] group with a comma in
-    it (a tuple, an interval); else ''."""
+    """'set' for \\{1, 2\\} (not a set of tuples); 'tuple' for one (..) or [..] group with a comma
+    in it (a tuple, an interval); else ''."""
     s = s.replace("\\left", "").replace("\\right", "").replace("\\lbrace", "\\{")
     s = s.replace("\\rbrace", "\\}").strip()
     if s.startswith("\\{") and s.endswith("\\}"):

@@ -1716,7 +1716,8 @@ def _preset_batch(tok, informative, B=64, G=16, seed=0):
         rewards[b * G:b * G + G // 2] = 1.0
     batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, comp_ids=comp, resp_mask=resp_mask,
                  truncated=truncated, texts=[""] * N, sampler_logp=torch.zeros(N, T),
-                 grade_s=torch.zeros(N, dtype=torch.float64), grade_timeout=torch.zeros(N, dtype=torch.bool))
+                 grade_s=torch.zeros(N, dtype=torch.float64),
+                 grade_timeout=torch.zeros(N, dtype=torch.bool))
     return batch, rewards
 
 

@@ -1110,7 +1110,7 @@ _UNITS = {
     "g": ("mass", "gram"), "kg": ("mass", "kilogram"), "mg": ("mass", "milligram"),
     "lb": ("mass", "pound"), "oz": ("mass", "ounce"), "ton": ("mass", "tonne"),
     "L": ("volume", "l liter litre"), "mL": ("volume", "ml milliliter millilitre"),
-    "gal": ("volume", "gallon"),
+    "gal": ("volume", "gallon"), "unit": ("unit", ""),
     "$": ("money", "dollar usd"), "cent": ("money", "¢ \\textcent"), "%": ("percent", "percent"),
     "deg": ("angle", "degree"), "rad": ("angle", "radian"),
     "K": ("temperature", "kelvin"), "C": ("temperature", "celsius"),
@@ -1157,8 +1157,10 @@ def _magnitude(word: str):
 def _unit_of(text: str) -> tuple:
     """Unit words ('hundred thousand', 'square feet', 'km/h', 'm s^{-1}', 'miles per hour', '\\%')
     -> (the power of 10 of their leading magnitude words, the unit as a canonical string)."""
-    text = re.sub(r"(?:\\mu|µ|μ)\s*", "µ", text.replace("\\$", "$").replace("\\%", "%"))
-    text = text.replace("\\AA", "Å").replace("\\textcent", "¢")
+    text = re.sub(r"(?:\\mu|µ|μ)\s*", "µ", _DEGREE.sub(" deg ", text))
+    for latex, symbol in (("\\$", "$"), ("\\%", "%"), ("\\AA", "Å"), ("\\textcent", "¢")):
+        text = text.replace(latex, symbol)
+    text = re.sub(r"\\[A-Za-z]+", " ", text)  # \cdot, \quad, \text: no unit words
     exp10, unit, last, sign, power = 0, collections.Counter(), None, 1, 1
     for word in re.findall(r"\^\s*\{?\s*-?\s*[0-9]|/|[A-Za-z$%¢µÅ]+", text):
         w = word.lower()
@@ -1192,18 +1194,30 @@ def same_unit(a: str, b: str) -> bool:
     """Whether two units' words ('cm', 'centimeters'; 'mph', 'miles per hour') are one unit."""
     return _unit_of(a)[1] == _unit_of(b)[1]
 
-_TEXT = r"\\(?:text|textnormal|textrm|textup|textsf|mathrm|mbox|operatorname)"
+_TEXT = r"\\(?:text|textnormal|textrm|textup|textsf|textit|textbf|mathrm|mbox|operatorname)"
+_GROUP = r"\{(?:[^{}]|\{[^{}]*\})*\}"  # {...}, one level of braces inside
+_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![A-Za-z])")
 _TOKEN = re.compile(  # an answer's pieces, for value_unit to read its unit from the end
-    rf"(?P<text>{_TEXT}\s*\{{(?:[^{{}}]|\{{[^{{}}]*\}})*\}}|\{{\s*~\s*[A-Za-z]+\s*\}})"
-    r"|(?P<deg>\^\s*\{?\s*\\circ\s*\}?|°)"
+    rf"(?P<text>{_TEXT}\s*{_GROUP}|\{{\s*~\s*[A-Za-z]+\s*\}})"  # \text{ cm}, Minerva's {~m}
+    rf"|(?P<frac>\\[dt]?frac\s*{_GROUP}\s*{_GROUP})"  # \frac{\text{m}}{\text{s}}
+    rf"|(?P<deg>{_DEGREE.pattern})"
     r"|(?P<power>\^\s*(?:\{\s*-?\s*[0-9]\s*\}|-?[0-9]))"
-    r"|(?P<word>[A-Za-z]+|\\%|%|\\AA(?![A-Za-z])|¢|µ|\\mu(?![A-Za-z]))"
+    r"|(?P<sign>\\%|%|\\AA(?![A-Za-z])|¢|µ|μ|\\mu(?![A-Za-z]))"
+    r"|(?P<word>[A-Za-z]+)"
     r"|(?P<op>/|\\cdot(?![A-Za-z]))"
     r"|(?P<gap>\s+|\\[,;:! ]|~|\\q?quad(?![A-Za-z]))"
     r"|\\[A-Za-z]+|.", re.S)
 _LETTER = re.compile(rf"{_TEXT}\{{ *([A-Za-z]) *\}}")  # \mathrm{i}: the letter i
-_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 _MONEY = re.compile(r"(-?)\s*\\?\$\s*(?=[0-9.]|\\[dt]?frac)")  # \$5, $5, -\$5, \$\frac{1}{2}
+
+def _unit_text(token) -> str:
+    """A unit token's words: a \\text{}'s content, a \\frac{}{}'s as 'top / bottom', else itself."""
+    if token.lastgroup == "frac":
+        top, bottom = re.match(rf"\\[dt]?frac\s*({_GROUP})\s*({_GROUP})", token[0]).groups()
+        return f" {top[1:-1]} / {bottom[1:-1]} "
+    if token.lastgroup == "text":
+        return " " + token[0].split("{", 1)[1][:-1] + " "
+    return token[0]
 
 def _is_unit_word(word: str) -> bool:
     """A bare word (no \\text{}) read as a unit: a symbol or spelling of one (not 2-letter ones
@@ -1254,33 +1268,27 @@ def value_unit(s: str, letters: bool = False) -> tuple:
     tokens = list(_TOKEN.finditer(s))
     i, explicit = len(tokens), bool(money)
     while i > 0:
-        tok = tokens[i - 1]
-        kind, word = tok.lastgroup, tok.group()
-        if kind == "text":
-            letter = _LETTER.fullmatch(word)
-            if letter and letter[1] not in _UNITS:  # \mathrm{i}, \mathrm{e}: a letter of the value
-                break
-            explicit = True
-        elif kind == "deg" or (kind == "word" and not word.isalpha()):
-            explicit = True
-        elif kind == "word":
-            if not _is_unit_word(word):
-                break
-            explicit = explicit or len(word) > 1
-        elif kind not in ("power", "op", "gap"):
+        kind, word = tokens[i - 1].lastgroup, tokens[i - 1].group()
+        letter = _LETTER.fullmatch(word)
+        if kind == "text" and letter and letter[1] not in _UNITS:  # \mathrm{i}: the value's
             break
+        if kind == "frac" and (not re.search(_TEXT, word) or re.search("[0-9]", word)):
+            break  # \frac{1}{2}: a number, not \frac{\text{m}}{\text{s}}
+        if kind == "word" and not _is_unit_word(word):
+            break
+        if kind not in ("text", "frac", "deg", "sign", "word", "power", "op", "gap"):
+            break
+        explicit = explicit or kind in ("text", "frac", "deg", "sign") or len(word) > 1
         i -= 1
-    while i < len(tokens) and tokens[i].lastgroup in ("power", "op"):  # x^2 cm: ^2 is the value's
+    while i < len(tokens) and tokens[i].lastgroup == "power":  # x^2 cm: ^2 is the value's
         i += 1
     start = tokens[i].start() if i < len(tokens) else len(s)
     value = _DEGREE.sub("", s[:start]).strip()
     tail = s[start:]
-    bare = not any(t.lastgroup in ("text", "deg") for t in tokens[i:])
+    bare = not any(t.lastgroup in ("text", "frac", "deg") for t in tokens[i:])
     if not value or (bare and not re.search(r"[0-9})]$", value)) or not (explicit or letters):
         value, tail = _DEGREE.sub("", s).strip(), ""
-    words = "".join(t[0] if t.lastgroup != "text" else " " + t[0].split("{", 1)[1][:-1] + " "
-                    for t in _TOKEN.finditer(tail))
-    words = _DEGREE.sub(" deg ", words) + " $" * bool(money)
+    words = "".join(_unit_text(t) for t in _TOKEN.finditer(tail)) + " $" * bool(money)
     exp10, unit = _unit_of(words)
     value = _LETTER.sub(r"\1", value)
     n = read_number(value) if exp10 else None

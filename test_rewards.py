@@ -285,7 +285,8 @@ VERIFIERS = {
 }
 FRAGMENTS = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "\\frac{", "{", "}", "(", ")", "####", "**",
              "//", ",", ".", "$", "-", "+", "*", "/", "=", ":", ";", " ", "\n", "\t", "0", "3", "5", "2", "16", "72",
-             "99999999999", "knight", "knave", "Alice:", "Bob:", "Carol:", "\u0663", "1e9", "_", "'", "x"]
+             "99999999999", "knight", "knave", "Alice:", "Bob:", "Carol:", "\u0663", "1e9", "_", "'", "x",
+             "\\fbox{", "\\text{ cm}", "\\overline{", "\\%"]
 adversarial = st.builds(lambda parts, k: "".join(parts) * k,
                         st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=40), st.integers(1, 2000))
 
@@ -546,13 +547,19 @@ def test_splitting_a_unit_takes_no_time_on_a_gold_of_any_length():
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(st.lists(st.sampled_from(["\\text{", "\\mathrm{", "\\mbox{", "{", "}", " ", "cm", "s", "i",
-                                 "\\,", "\\", "~", "5", "thousand", "^2", "^{3}", "$", ".", "x"]),
+                                 "\\,", "\\", "~", "5", "thousand", "^2", "^{3}", "$", ".", "x",
+                                 "\\frac{", "/", "per", "square", "\\%", "\\$", "^\\circ", "\\mu",
+                                 "e5", "\\times 10^{", "\\overline{", "four", "-", "hundredths", "m"]),
                 max_size=30))
 def test_splitting_a_unit_never_raises(parts):
     s = "".join(parts)
-    value, unit = gmts.value_unit(s)
-    assert isinstance(value, str) and isinstance(unit, str)
-    gmts.same_unit(unit, gmts.value_unit(s[::-1])[1])
+    for letters in (False, True):
+        value, unit = gmts.value_unit(s, letters)
+        assert isinstance(value, str) and isinstance(unit, str)
+        assert isinstance(gmts.same_unit(unit, gmts.value_unit(s[::-1])[1]), bool)
+        assert isinstance(gmts.unit_kind(unit), str)
+    assert gmts._brackets(s) in ("set", "tuple", "") and len(gmts._pair_units(s, s[::-1])) == 2
+    assert gmts.read_number(s) is None or isinstance(gmts.read_number(s), Fraction)
 
 
 # ---- competition answers: (gold as MATH-500 writes it, completion, verdict), latex rows ----

@@ -1097,6 +1097,9 @@ def _exact(n: Fraction) -> str:
     return "-" * (n < 0) + f"\\frac{{{abs(n.numerator)}}}{{{n.denominator}}}"
 
 # -- units: one table of spellings; an answer's unit read from its end (value_unit) --
+_TEXT = r"\\(?:text|textnormal|textrm|textup|textsf|textit|textbf|mathrm|mbox|operatorname)"
+_GROUP = r"\{(?:[^{}]|\{[^{}]*\})*\}"  # {...}, one level of braces inside
+_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![A-Za-z])")
 # A unit's symbol: (its kind, its other spellings); a spelling's plural in -s or -es reads too
 _UNITS = {
     "m": ("length", "meter metre"), "cm": ("length", "centimeter centimetre"),
@@ -1194,9 +1197,6 @@ def same_unit(a: str, b: str) -> bool:
     """Whether two units' words ('cm', 'centimeters'; 'mph', 'miles per hour') are one unit."""
     return _unit_of(a)[1] == _unit_of(b)[1]
 
-_TEXT = r"\\(?:text|textnormal|textrm|textup|textsf|textit|textbf|mathrm|mbox|operatorname)"
-_GROUP = r"\{(?:[^{}]|\{[^{}]*\})*\}"  # {...}, one level of braces inside
-_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![A-Za-z])")
 _TOKEN = re.compile(  # an answer's pieces, for value_unit to read its unit from the end
     rf"(?P<text>{_TEXT}\s*{_GROUP}|\{{\s*~\s*[A-Za-z]+\s*\}})"  # \text{ cm}, Minerva's {~m}
     rf"|(?P<frac>\\[dt]?frac\s*{_GROUP}\s*{_GROUP})"  # \frac{\text{m}}{\text{s}}
@@ -1220,8 +1220,8 @@ def _unit_text(token) -> str:
     return token[0]
 
 def _is_unit_word(word: str) -> bool:
-    """A bare word (no \\text{}) read as a unit: a symbol or spelling of one (not 2-letter ones
-    outside _BARE, mg: m g), a magnitude or power word, per."""
+    """A bare word (no \\text{}) read as a unit: a symbol or spelling of one (a two-letter one
+    only from _BARE: mg may be m times g), a magnitude or power word, per."""
     w = word.lower()
     if len(word) == 2 and _unit_word(word) not in _BARE and w not in _BARE:
         return False
@@ -1278,7 +1278,8 @@ def value_unit(s: str, letters: bool = False) -> tuple:
             break
         if kind not in ("text", "frac", "deg", "sign", "word", "power", "op", "gap"):
             break
-        explicit = explicit or kind in ("text", "frac", "deg", "sign") or len(word) > 1
+        explicit = explicit or kind in ("text", "frac", "deg", "sign")
+        explicit = explicit or (kind == "word" and len(word) > 1)  # 5 cm; 5 m: a letter
         i -= 1
     while i < len(tokens) and tokens[i].lastgroup == "power":  # x^2 cm: ^2 is the value's
         i += 1
@@ -1427,7 +1428,6 @@ def grade_answers(reward, texts: list, rows: list, group_size: int) -> tuple:
         timed_out.append(sum(TIMEOUTS.values()) > before)
     return (torch.tensor(rewards), torch.tensor(seconds, dtype=torch.float64),
             torch.tensor(timed_out, dtype=torch.bool))
-
 
 # ==== Problem generators [plumbing]: each task's offline data ====================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]

@@ -903,6 +903,7 @@ def test_a_bare_letter_after_a_value_is_a_unit_only_of_the_other_side_s_kind():
     assert pair(k + " m", k) == ((k + " m", ""), (k, ""))
     assert pair(k + " m", k + " m")[1] == (k + " m", "")
     assert pair("5", "5 m") == (("5", ""), ("5", "m"))
+    assert gmts.value_unit("5  m^2") == ("5  m^2", "") and gmts.value_unit("5  m^2", True) == ("5", "m^2")
     assert gmts.unit_kind("h^-1 km") == "length time^-1" and gmts.unit_kind("erg") == "energy"
 
 

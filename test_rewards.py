@@ -23,6 +23,7 @@ import ast
 import collections
 import csv
 import dataclasses
+import gc
 import inspect
 import itertools
 import json
@@ -285,8 +286,8 @@ VERIFIERS = {
 }
 FRAGMENTS = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "\\frac{", "{", "}", "(", ")", "####", "**",
              "//", ",", ".", "$", "-", "+", "*", "/", "=", ":", ";", " ", "\n", "\t", "0", "3", "5", "2", "16", "72",
-             "99999999999", "knight", "knave", "Alice:", "Bob:", "Carol:", "\u0663", "1e9", "_", "'", "x",
-             "\\fbox{", "\\text{ cm}", "\\overline{", "\\%"]
+             "99999999999", "knight", "knave", "Alice:", "Bob:", "Carol:", "\u0663", "1e9", "_", "'", "x"]
+FRAGMENTS += ["\\fbox{", "\\text{ cm}", "\\overline{", "\\%"]  # the answer forms grading reads too
 adversarial = st.builds(lambda parts, k: "".join(parts) * k,
                         st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=40), st.integers(1, 2000))
 
@@ -549,7 +550,8 @@ def test_splitting_a_unit_takes_no_time_on_a_gold_of_any_length():
 @given(st.lists(st.sampled_from(["\\text{", "\\mathrm{", "\\mbox{", "{", "}", " ", "cm", "s", "i",
                                  "\\,", "\\", "~", "5", "thousand", "^2", "^{3}", "$", ".", "x",
                                  "\\frac{", "/", "per", "square", "\\%", "\\$", "^\\circ", "\\mu",
-                                 "e5", "\\times 10^{", "\\overline{", "four", "-", "hundredths", "m"]),
+                                 "e5", "\\times 10^{", "\\overline{", "four", "-", "hundredths",
+                                 "m"]),
                 max_size=30))
 def test_splitting_a_unit_never_raises(parts):
     s = "".join(parts)
@@ -678,7 +680,19 @@ def test_gsm8k_rows_never_ask_math_verify(monkeypatch):
 
 
 @pytest.fixture
-def one_second(monkeypatch):
+def no_gc_callbacks():
+    """None of the gc callbacks hypothesis registers after its first test: math-verify's alarm
+    raises its timeout in whatever Python code runs, and one raised inside a gc callback is
+    swallowed (the computation runs on). A run has none: gc.callbacks is empty with gmts, torch,
+    transformers and datasets imported."""
+    kept = gc.callbacks[:]
+    gc.callbacks.clear()
+    yield
+    gc.callbacks[:] = kept
+
+
+@pytest.fixture
+def one_second(monkeypatch, no_gc_callbacks):
     """math-verify's bound at 1 s, and no verdict remembered from before (latex_equal's lru_cache) or kept after."""
     monkeypatch.setattr(gmts, "VERIFY_TIMEOUT_S", 1)
     gmts.latex_equal.cache_clear()
@@ -710,7 +724,7 @@ def test_competition_answers_are_bounded_in_time(verifier, one_second, text):
     assert math_reward(box("\\frac{\\sqrt{2}}{2}"), "\\frac{1}{\\sqrt{2}}", True) == 1.0
 
 
-def test_the_power_tower_is_bounded_by_the_default_timeout(verifier):
+def test_the_power_tower_is_bounded_by_the_default_timeout(verifier, no_gc_callbacks):
     """The same with the VERIFY_TIMEOUT_S a run uses: \\boxed{9^{9^{9^{9}}}} is a 0 well under twice it."""
     gmts.latex_equal.cache_clear()  # a verdict remembered from another test would take no time
     t = time.perf_counter()
@@ -903,7 +917,8 @@ def test_a_bare_letter_after_a_value_is_a_unit_only_of_the_other_side_s_kind():
     assert pair(k + " m", k) == ((k + " m", ""), (k, ""))
     assert pair(k + " m", k + " m")[1] == (k + " m", "")
     assert pair("5", "5 m") == (("5", ""), ("5", "m"))
-    assert gmts.value_unit("5  m^2") == ("5  m^2", "") and gmts.value_unit("5  m^2", True) == ("5", "m^2")
+    assert gmts.value_unit("5  m^2") == ("5  m^2", "")
+    assert gmts.value_unit("5  m^2", True) == ("5", "m^2")
     assert gmts.unit_kind("h^-1 km") == "length time^-1" and gmts.unit_kind("erg") == "energy"
 
 

@@ -51,7 +51,6 @@ Run:  python gmts.py --preset cpu                             (offline, CPU: a t
 """
 import argparse, ast, collections, contextlib, copy, dataclasses, fnmatch, functools, glob
 import importlib.util, itertools, json, math, operator, os, random, re, shutil, sys, threading, time
-import traceback
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal, get_args, get_origin, get_type_hints
@@ -2480,9 +2479,9 @@ def run_cli(prog: str, command, kept=lambda: "", lower: str = None):
       1    a fault while running: out of memory (with the flags to lower), an OSError (a full
            disk), a RunError (a checkpoint or final model that could not be written, whatever
            raised it); the line adds kept(), the checkpoint kept;
-      1    anything else is a bug, a plain ValueError too: the same line, then its traceback;
+      1    anything else is a bug, a plain ValueError too: the same line, then the exception goes
+           on (Python prints its traceback under the line; a caller gets the exception);
       130  Ctrl-C, with kept()."""
-    bug = None
     try:
         return command()
     except KeyboardInterrupt:
@@ -2491,13 +2490,12 @@ def run_cli(prog: str, command, kept=lambda: "", lower: str = None):
         code, why = 2, error_line(e)
     except Exception as e:
         fault = memory_fault(e, lower) if lower else memory_fault(e)
-        code, why = 1, fault or error_line(e)
         if not (fault or isinstance(e, (OSError, RunError))):
-            bug, why = e, f"{type(e).__name__}: {error_line(e, 300)}"
-    note = " (a bug, not bad input: its traceback follows)" if bug else ""
-    print(f"{prog}: error: {why}{kept() if code != 2 else ''}{note}", file=sys.stderr, flush=True)
-    if bug is not None:
-        traceback.print_exception(bug, file=sys.stderr)
+            print(f"{prog}: error: {type(e).__name__}: {error_line(e, 300)}{kept()} (a bug, not "
+                  "bad input: its traceback follows)", file=sys.stderr, flush=True)
+            raise
+        code, why = 1, fault or error_line(e)
+    print(f"{prog}: error: {why}{kept() if code != 2 else ''}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 def main(argv=None):

@@ -82,7 +82,8 @@ def fails(capsys, argv, code):
 # "metrics" right after step 3's metrics line (before its checkpoint), "checkpoint" once ckpt-000004.tmp is complete
 # (before its rename), "interrupt" sends itself SIGINT (Ctrl-C) after step 2's line; "none" runs to the end;
 # "fsize=N" runs with a real limit of N bytes on any file it writes (RLIMIT_FSIZE; SIGXFSZ ignored, so a write past it
-# fails with EFBIG as on a full disk, in whichever library writes).
+# fails with EFBIG as on a full disk, in whichever library writes); "bug": step_record raises a plain ValueError at
+# step 2, as a bug a reader put in would.
 DRIVER = """
 import os, resource, signal, sys
 sys.path.insert(0, {here!r})
@@ -106,7 +107,13 @@ def save_then(obj, path, *a, **k):
     if where == "checkpoint" and os.path.basename(os.path.dirname(str(path))) == "ckpt-000004.tmp":
         os.kill(os.getpid(), signal.SIGKILL)
 
-gmts.log_metrics, torch.save = log_then, save_then
+def record_then(step, *a, **k):
+    if where == "bug" and step == 2:
+        raise ValueError("a reader's bug")
+    return record(step, *a, **k)
+
+record = gmts.step_record
+gmts.log_metrics, torch.save, gmts.step_record = log_then, save_then, record_then
 if where.startswith("fsize="):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(where[6:]), resource.RLIM_INFINITY))
@@ -675,28 +682,26 @@ def test_ctrl_c_in_a_real_process_is_one_line_and_exit_130(tmp_path):
                                              f"--resume {out}"], r.stderr
 
 
-@pytest.mark.parametrize("where", ["step_record", "read_data"])
-def test_a_bug_is_no_bad_input_and_keeps_its_traceback(tmp_path, capsys, monkeypatch, parity, where):
-    """A plain ValueError from the code (a bug a reader put into step_record, met at step 2 after ckpt-000001; or
-    into read_data, before any checkpoint) is not the user's mistake: exit 1, the one line names the error and the
-    checkpoint kept, and the traceback follows it on stderr. Never exit 2."""
-    real = getattr(gmts, where)
-
-    def buggy(*a, **k):
-        if where == "read_data" or a[0] == 2:
-            raise ValueError("a reader's bug")
-        return real(*a, **k)
-    monkeypatch.setattr(gmts, where, buggy)
+def test_a_bug_is_no_bad_input_and_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    """A plain ValueError from the code (a bug a reader put into step_record, met at step 2 after ckpt-000001) is
+    not the user's mistake: exit 1, the one line names the error and the checkpoint kept, and Python's traceback
+    follows it on stderr. In this process (a bug in read_data, before any checkpoint): the same line, and the
+    exception reaches the caller instead of an exit. Never exit 2."""
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as e:
-        gmts.main([*SMALL, "--steps", "3", "--save-every", "1", "--out", str(out)])
-    err = capsys.readouterr().err
-    kept = f"{out} keeps ckpt-000001: continue with --resume {out}" if where == "step_record" else \
-        f"{out} holds no checkpoint of this run"
-    first = err.splitlines()[0]
-    assert e.value.code == 1 and first == (f"gmts: error: ValueError: a reader's bug; {kept} (a bug, not bad input: "
-                                           "its traceback follows)"), err
-    assert "Traceback (most recent call last)" in err and "in buggy" in err, err
+    r = child(tmp_path, "bug", *SMALL, "--steps", "3", "--save-every", "1", "--out", out)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and lines[0] == (f"gmts: error: ValueError: a reader's bug; {out} keeps ckpt-000001: "
+                                              f"continue with --resume {out} (a bug, not bad input: its traceback "
+                                              "follows)"), r.stderr
+    assert lines[1] == "Traceback (most recent call last):" and lines[-1] == "ValueError: a reader's bug", r.stderr
+
+    def buggy(cfg):
+        raise ValueError("a reader's bug")
+    monkeypatch.setattr(gmts, "read_data", buggy)
+    with pytest.raises(ValueError, match="a reader's bug"):
+        gmts.main([*SMALL, "--steps", "1", "--out", str(tmp_path / "o")])
+    assert capsys.readouterr().err == (f"gmts: error: ValueError: a reader's bug; {tmp_path / 'o'} holds no checkpoint "
+                                       "of this run (a bug, not bad input: its traceback follows)\n")
 
 
 def test_a_full_disk_in_a_checkpoint_write_is_one_line_naming_the_checkpoint_kept(tmp_path):

@@ -143,9 +143,11 @@ PRESETS = {
                 prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256,
                 eval_every=10, eval_size=256, save_every=20, filter_groups=False, threads=1,
                 out="out/cpu"),
-    # A seconds-long version of the same path, for tests.
+    # A seconds-long version of the same path, for tests: it trains. The warm start's answers are
+    # about 50 tokens (byte-level), so 64 lets them end; they earn rewards, groups split, and
+    # the update moves the weights (seed 0: selected_frac 0.2, grad_norm 0.37 and 2.1).
     "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
-                  prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
+                  prompts_per_step=2, group_size=4, max_new_tokens=64, eval_every=1, eval_size=4,
                   lr=1e-4, threads=1, out="out/smoke"),
     # GMTS Framework1's values (docs/design.md: what is theirs, what not). One pass over math12k's
     # 12,000 rows: 187 steps of 64 and a last one of 32, each row once.

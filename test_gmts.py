@@ -53,6 +53,18 @@ def test_preset_then_explicit_flag_wins():
     assert gmts.parse_args(["--preset", "smoke"]).model == gmts.WARM_CPU
 
 
+def test_the_smoke_preset_trains(tmp_path):
+    """--preset smoke, the tests' short path, reaches the update: its answers end within --max-new-tokens, earn
+    rewards that split groups, the selection keeps tokens, and the weights move from the warm start."""
+    out = tmp_path / "smoke"
+    recs = train_main("--preset", "smoke", "--out", out)
+    steps = recs[1:]
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert all(r["truncated_frac"] < 1 and r["reward_mean"] > 0 and r["groups_filtered_frac"] < 1 for r in steps)
+    assert all(r["selected_frac"] > 0 and r["grad_norm"] > 0 for r in steps), steps
+    assert not _same_weights(out, out / "ckpt-000000")  # the final weights are not the warm start's
+
+
 def test_every_config_field_is_a_flag_with_help(capsys):
     """HfArgumentParser makes each field a flag (--a-b and --a_b) whose help is the field's own text."""
     with pytest.raises(SystemExit):
@@ -1487,6 +1499,7 @@ def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
                 if not k.startswith("_"):
                     got[k, h["_step"]] = v
     assert got.keys() == want.keys() and ("eval_acc", 0) in got and len(recs) == 3
+    assert all(r["selected_frac"] > 0 for r in recs[1:])  # the smoke preset trains: real updates are sent
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-30), k  # tensorboard stores float32
 

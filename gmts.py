@@ -82,8 +82,9 @@ class Config:
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: Literal["countdown", "math", "logic"] = arg("countdown", "the task (TASKS)")
-    data: str = arg("gen", "gen, easy (generated), hf:ID[:CONFIG][:SPLIT] (a hub set or a dataset "
-                           "folder), or a .jsonl, .json, .csv or .parquet file")
+    data: str = arg("gen", "gen, easy (generated), hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT (a "
+                           "hub set or a dataset folder; split train if none), or a .jsonl, .json, "
+                           ".csv or .parquet file")
     data_order: Literal["draw", "epoch"] = arg("draw", "draw: rows drawn afresh each step; "
                                                "epoch: seeded passes over a file's rows")
     prompt_style: Literal["ours", "qwen-math"] = arg(
@@ -1262,11 +1263,39 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 p
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 
-# ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG][:SPLIT] or a file =========================
+# ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG]:SPLIT or a file ===========================
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
     return "hf" if data.startswith("hf:") else "file"
+
+def hf_spec(data: str) -> tuple:
+    """hf:ID -> (ID, None, None); hf:ID:SPLIT -> (ID, None, SPLIT); hf:ID:CONFIG:SPLIT -> (ID,
+    CONFIG, SPLIT). Two parts name a split, as every set of the paper-math preset does; a config
+    is always followed by its split (hf:openai/gsm8k:main:train). ID: a hub id or a folder."""
+    parts = data.removeprefix("hf:").split(":")
+    if len(parts) > 3 or not all(parts):
+        raise BadInput(f"{data}: write hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT")
+    return parts[0], parts[1] if len(parts) == 3 else None, parts[-1] if len(parts) > 1 else None
+
+def _read_hf(data: str):
+    """The rows of hf:... as a datasets.Dataset: a folder saved by save_to_disk through
+    load_from_disk (a DatasetDict: its SPLIT, train if none), else load_dataset(ID[, CONFIG],
+    split=SPLIT or train): a hub set, or a folder laid out as one (data files by split)."""
+    import datasets
+    name, config, split = hf_spec(data)
+    if not any(os.path.isfile(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+        return datasets.load_dataset(name, *[config] if config else [], split=split or "train")
+    ds = datasets.load_from_disk(name)  # a Dataset, or a DatasetDict of splits
+    if isinstance(ds, datasets.Dataset):
+        if split:
+            raise BadInput(f"{data}: {name} holds one dataset (save_to_disk), no splits: write "
+                           f"hf:{name}")
+        return ds
+    if config or (split or "train") not in ds:
+        raise BadInput(f"{data}: {name} holds the splits {', '.join(ds)} (save_to_disk): write "
+                       f"hf:{name}:SPLIT")
+    return ds[split or "train"]
 
 def _gsm8k_row(question: str, solution) -> dict:
     """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the bare number."""
@@ -1326,24 +1355,28 @@ def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     return out
 
 def _read_set(data: str, task: str) -> list:
-    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] or a data file, read by `datasets`."""
+    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] (_read_hf) or a data file, read by
+    `datasets`."""
     import datasets
     kind = data_kind(data)
-    name, *rest = data.split(":")[1:] if kind == "hf" else [data]
     fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if kind == "file" and os.path.splitext(data)[1] not in fmt:
         raise ValueError(f"--data {data}: not a .jsonl, .json, .csv or .parquet file")
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failure: our one line
     try:
         if kind == "hf":
-            ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
+            ds = _read_hf(data)
         else:
             ds = datasets.load_dataset(fmt[os.path.splitext(data)[1]], data_files=data,
                                        split="train")
+    except BadInput:
+        raise
     except Exception as e:  # no such file, set or split; no hub; a file it cannot parse
         if memory_fault(e):
             raise
         hint = "; offline: --data gen or a data file" if kind == "hf" else ""
+        if kind == "hf" and data.count(":") == 2:
+            hint += f" (two parts name a split; a config: hf:{data[3:]}:train)"
         raise ValueError(f"{data}: cannot read it ({error_line(e, 300)}){hint}") from None
     return [_check_row(row, task, f"{data} row {i}") for i, row in enumerate(ds, 1)]
 
@@ -1908,7 +1941,9 @@ def check_config(cfg: Config):
     if METHODS[cfg.select].band and (cfg.scope != "auto" or cfg.loss_norm == "selected"):
         raise ValueError(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
                          "group/batch or --loss-norm selected")
-    eval_sets(cfg.eval_data)
+    for data in [cfg.data] + [d for _, d in eval_sets(cfg.eval_data)]:
+        if data_kind(data) == "hf":
+            hf_spec(data)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise ValueError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
     if cfg.prompt_style != "ours" and cfg.task != "math":

@@ -482,7 +482,8 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
-        out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos)
+        out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                  use_cache=False)  # no KV cache to fill: one pass
     h = out.last_hidden_state  # (n, P + T, d)
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
@@ -1493,6 +1494,15 @@ def pick_device(name: str = "auto") -> torch.device:  # auto: the accelerator th
         return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     return torch.device(name)
 
+def guard_cuda(device: torch.device):
+    """On CUDA, cuDNN's attention backend is kept out of training: its backward returns NaN dQ when
+    an explicit attention mask is passed (left padding passes one), the sequence length is 64 mod
+    128 and a query's logsumexp is below about -88.7, as in Qwen2.5's massive-activation heads
+    (torch >= 2.11 on H100/H200; pytorch/pytorch#196678, huggingface/trl#7181, whose workaround
+    for torch 2.13 this is). SDPA then picks flash or memory-efficient attention."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
     use = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -1696,6 +1706,7 @@ def start_run(cfg: Config, log=print):
     try:
         check_out(cfg)  # again, alone: a run may have ended there meanwhile
         device = pick_device(cfg.device)
+        guard_cuda(device)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         set_seed(cfg.seed)
@@ -1714,8 +1725,8 @@ def start_run(cfg: Config, log=print):
         if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts
             ref = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)[0]
             ref = ref.eval().requires_grad_(False)
-        if cfg.grad_ckpt:
-            model.gradient_checkpointing_enable()
+        if cfg.grad_ckpt:  # transformers 5's name (gradient_checkpointing_enable is deprecated)
+            model.activation_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         if cfg.resume:
             opt.load_state_dict(state["opt"])

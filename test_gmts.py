@@ -1420,6 +1420,61 @@ def test_tiny_tokenizer_round_trip(tmp_path):
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen2ForCausalLM"
 
 
+def test_on_cuda_the_run_keeps_cudnn_attention_out(tmp_path, monkeypatch):
+    """cuDNN's SDPA backward returns NaN gradients under an attention mask at some lengths
+    (pytorch#196678, trl#7181): guard_cuda turns that backend off on a CUDA device, leaves other
+    devices alone, and start_run applies it to the run's device (recorded here on the CPU)."""
+    flags = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", flags.append)
+    gmts.guard_cuda(torch.device("cpu"))
+    gmts.guard_cuda(torch.device("mps"))
+    assert flags == []
+    gmts.guard_cuda(torch.device("cuda"))
+    gmts.guard_cuda(torch.device("cuda", 1))
+    assert flags == [False, False]
+    seen, real = [], gmts.guard_cuda
+    monkeypatch.setattr(gmts, "pick_device", lambda name: torch.device("cuda"))  # torch sees a GPU
+    monkeypatch.setattr(gmts, "guard_cuda", lambda device: seen.append(device) or real(device))
+    monkeypatch.setattr(gmts, "read_data", lambda cfg: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # stop before any tensor would have to go to the GPU
+        with gmts.start_run(gmts.Config(out=str(tmp_path / "run"))):
+            pass
+    assert seen == [torch.device("cuda")] and flags[-1] is False
+
+
+def test_grad_ckpt_trains_with_the_exact_gradient(tmp_path):
+    """--grad-ckpt: transformers 5's activation_checkpointing_enable (the deprecated
+    gradient_checkpointing_enable warned); the loss's gradient with checkpointing equals the one
+    without, bit for bit, and a run trains with it, no warning raised."""
+    import copy
+    import warnings
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    prompts = gmts.build_prompts(tok, gmts.get_task("countdown"),
+                                 gmts.load_rows("countdown", "easy", 2, 0), True, short=True)
+    gmts.set_seed(0)
+    batch = gmts.rollout(model, tok, prompts, 4, 12)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -1.0, -1.0])
+    old, _, _ = gmts.batch_token_stats(model, batch, 1.0, 8, 64)
+    objective = gmts.Objective(0.2, 0.28, 0.0, 1.0, **gmts.loss_weights("all", batch["resp_mask"], 0))
+    grads = []
+    for ckpt in (False, True):
+        m = copy.deepcopy(model).train()
+        if ckpt:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m.activation_checkpointing_enable()
+            assert m.model.gradient_checkpointing
+        gmts.loss_backward(m, batch, adv, batch["resp_mask"], old, objective, micro_batch=3, chunk=7)
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads)) and any(g.abs().sum() > 0 for g in grads[0])
+    out = tmp_path / "gc"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        recs = train_main("--preset", "smoke", "--grad-ckpt", "--out", out)
+    assert all(r["grad_norm"] > 0 for r in recs[1:]) and not _same_weights(out, out / "ckpt-000000")
+
+
 def test_model_name_resolution():
     assert gmts.resolve_model_name("Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     assert gmts.resolve_model_name("Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -911,7 +911,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy,
                               sel_mask, stats, opt, run.skipped, t0, t_roll)
             if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-                rec.update(evaluate_run(run, cfg))
+                rec.update(evaluate_run(run, cfg, log))
             run.log_step(rec)
             if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
                 save_checkpoint(cfg.out, step, run)
@@ -919,8 +919,15 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 
 # Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
 
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when transformers is imported
-os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+def hub_bars(stream=sys.stderr, environ=os.environ):
+    """The hub's and datasets' download bars where a person watches (stream a terminal: a first
+    paper-math run downloads a model and six data sets); off in logs, CI and tests. A variable
+    the user set wins. The libraries read these when they are imported, after this runs."""
+    if not stream.isatty():
+        environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+hub_bars()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 class RunError(RuntimeError):
@@ -1633,8 +1640,9 @@ def refresh_sampler(sampler, model):
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
              samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-             style: str = "ours") -> dict:
-    """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample."""
+             style: str = "ours", progress=None) -> dict:
+    """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a
+    sample. progress(done, total): called with the answers done after each rollout."""
     k = max(samples, 1)
     per = max(batch_size // k, 1)  # problems per rollout
     correct, length, sample = 0, 0, ""
@@ -1645,16 +1653,39 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         correct += sum(task["reward"](text, chunk[j // k]) == 1.0 for j, text in enumerate(b["texts"]))
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
+        if progress:
+            progress((i + len(chunk)) * k, len(rows) * k)
     n = max(len(rows) * k, 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
-def evaluate_run(run, cfg: Config) -> dict:
-    """evaluate() on the held-out rows, or on each --eval-data set as eval_NAME (eval_acc: their mean)."""
+EVAL_EVERY_S = 30  # an evaluation that runs longer says where it is, at most this often
+
+def eval_progress(name: str, log=print):
+    """progress(done, total) for evaluate(): a long set (over EVAL_EVERY_S) logs 'eval aime24 (set
+    1/5): 960/1,920 answers (50%) | 0:01:02 | eta 0:01:02' every EVAL_EVERY_S, and when done."""
+    start = time.time()
+    last = [start]  # when it last logged
+
+    def progress(done: int, total: int):
+        now = time.time()
+        if now - last[0] < EVAL_EVERY_S and not (done == total and last[0] > start):
+            return
+        last[0] = now
+        log(f"eval {name}: {done:,}/{total:,} answers ({done / total:.0%}) | {clock(now - start)} "
+            f"| eta {clock((now - start) / done * (total - done))}")
+    return progress
+
+def evaluate_run(run, cfg: Config, log=print) -> dict:
+    """evaluate() on the held-out rows, or on each --eval-data set as eval_NAME (eval_acc: their
+    mean). A long set logs how far it is (eval_progress)."""
     sets = run.data.held if isinstance(run.data.held, dict) else {"acc": run.data.held}
-    recs = [evaluate(run.model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
-                     batch_size=cfg.rollout_rows or 64, samples=cfg.eval_samples,
-                     temperature=cfg.temperature, top_p=cfg.top_p, style=cfg.prompt_style)
-            for rows in sets.values()]
+    recs = []
+    for i, (name, rows) in enumerate(sets.items(), 1):
+        shown = "held-out rows" if name == "acc" else f"{name} (set {i}/{len(sets)})"
+        recs.append(evaluate(run.model, run.tok, run.task, rows, run.chat, cfg.short_prompt,
+                             cfg.max_new_tokens, batch_size=cfg.rollout_rows or 64,
+                             samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
+                             style=cfg.prompt_style, progress=eval_progress(shown, log)))
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
                 eval_sample=recs[0]["eval_sample"])
@@ -1764,7 +1795,7 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
         f"{len(run.data.held)} held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed from {os.path.basename(checkpoints(cfg.out)[-1])}" if cfg.resume else ""))
     if not cfg.resume:
-        run.log_step(dict(step=0, **evaluate_run(run, cfg)))
+        run.log_step(dict(step=0, **evaluate_run(run, cfg, log)))
         save_checkpoint(cfg.out, 0, run)
 
 def save_checkpoint(out: str, step: int, run: Run, keep: int = 2):
@@ -1878,23 +1909,39 @@ def plot_metrics(out: str):
 # ==== Step lines and trackers [plumbing] ==========================================================
 SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
 
-def step_line(rec: dict) -> str:
-    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
-    fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
+def step_line(rec: dict, steps: int = 0, eta_s: float = None) -> str:
+    """'step 7/200 | reward_mean 0.412 | ... | 1.52 s | eta 0:04:51': the keys of SHOWN that the
+    record has; /steps and the eta when given."""
+    fields = [f"step {rec['step']}" + (f"/{steps}" if steps else "")]
+    fields += [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
     if "step_time_s" not in rec:  # step 0: the evaluation alone
         return " | ".join(fields + [f"sample: {rec['eval_sample'][:80]!r}"])
-    return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"])
+    eta = [] if eta_s is None else [f"eta {clock(eta_s)}"]
+    return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"] + eta)
+
+def clock(seconds: float) -> str:
+    """3725.4 -> '1:02:05' (h:mm:ss)."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 def step_logger(cfg: Config, log=print):
-    """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes."""
+    """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes.
+    The eta: the steps left times the mean wall time per step since this process's first step
+    began (evaluations and checkpoints between steps included; the last evaluation not)."""
     report = open_tracker(cfg)
+    first = []  # (step before it, its start time) of the first step this process ran
 
     def log_step(rec):
         if rec is None:
             return report(None)
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         report(rec)
-        log(step_line(rec))
+        eta = None
+        if "step_time_s" in rec:
+            first[:] = first or [rec["step"] - 1, time.time() - rec["step_time_s"]]
+            per_step = (time.time() - first[1]) / (rec["step"] - first[0])
+            eta = per_step * (cfg.steps - rec["step"])
+        log(step_line(rec, cfg.steps, eta))
     return log_step
 
 def open_tracker(cfg: Config):

@@ -13,6 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
+import dataclasses
 import itertools
 import json
 import math
@@ -1527,6 +1528,86 @@ def _wandb_history(folder):
             if rec.WhichOneof("record_type") == "history":
                 history.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item})
     return history
+
+
+def test_step_line_says_k_of_n_and_an_eta():
+    """The step line: 'step k/N', SHOWN's keys to 3 decimals, the step's seconds and an eta in
+    h:mm:ss; step 0's line (the evaluation alone) shows a sample instead."""
+    rec = dict(step=7, reward_mean=0.4123, acc=0.25, selected_frac=0.2, step_time_s=1.524,
+               loss=-0.1, eval_sample="x")
+    assert gmts.step_line(rec, 200, 3725.4) == ("step 7/200 | reward_mean 0.412 | acc 0.250 | "
+                                                "selected_frac 0.200 | 1.52 s | eta 1:02:05")
+    assert gmts.step_line(rec) == ("step 7 | reward_mean 0.412 | acc 0.250 | selected_frac 0.200 | "
+                                   "1.52 s")
+    assert gmts.step_line(dict(step=0, eval_acc=0.5, eval_sample="12 + 3"), 200) == (
+        "step 0/200 | eval_acc 0.500 | sample: '12 + 3'")
+    assert [gmts.clock(t) for t in (0, 59.6, 3600, 90061)] == ["0:00:00", "0:01:00", "1:00:00",
+                                                               "25:01:01"]
+
+
+def test_a_run_logs_k_of_n_an_eta_and_the_progress_of_a_long_evaluation(tmp_path, monkeypatch):
+    """A run's lines: 'step k/N' on every step line and an eta, the steps left times the mean
+    time per step so far (a fake clock: 10 s a step -> 'eta 0:00:20' after step 1 of 3). An
+    evaluation longer than EVAL_EVERY_S (0 here) logs its set, answers done of all, and its
+    eta after each rollout; at the default (30 s) these short ones log nothing."""
+    lines = []
+    cfg = gmts.parse_args(["--preset", "smoke", "--steps", "3", "--eval-every", "0",
+                           "--rollout-rows", "4", "--out", str(tmp_path / "a")])
+    gmts.train(cfg, log=lines.append)
+    assert not [x for x in lines if x.startswith("eval ")]
+    steps = [x for x in lines if x.startswith("step ")]
+    assert [x.split(" | ")[0] for x in steps] == ["step 0/3", "step 1/3", "step 2/3", "step 3/3"]
+    assert all(re.search(r" s \| eta \d+:\d\d:\d\d$", x) for x in steps[1:]), steps
+    now = [1000.0]
+    monkeypatch.setattr(gmts.time, "time", lambda: now[0])
+    real_sample = gmts.sample_groups
+
+    def ten_seconds(run, cfg, step):  # every step takes 10 s on the fake clock
+        now[0] += 10
+        return real_sample(run, cfg, step)
+    monkeypatch.setattr(gmts, "sample_groups", ten_seconds)
+    monkeypatch.setattr(gmts, "EVAL_EVERY_S", 0)
+    lines.clear()
+    gmts.train(dataclasses.replace(cfg, out=str(tmp_path / "b")), log=lines.append)
+    steps = [x for x in lines if x.startswith("step ")]
+    etas = [x.rsplit(" | ", 1)[-1] for x in steps[1:]]
+    assert etas == ["eta 0:00:20", "eta 0:00:10", "eta 0:00:00"]
+    evals = [x for x in lines if x.startswith("eval ")]
+    # 4 held-out rows, greedy, 4 answers a rollout (--rollout-rows 4): one line each, twice
+    want = ["eval held-out rows: 4/4 answers (100%) | 0:00:00 | eta 0:00:00"]
+    assert evals == want * 2 and lines.index(evals[0]) < lines.index(steps[0])
+
+
+def test_hub_download_bars_show_on_a_terminal_only():
+    """gmts sets the hub's and datasets' progress bars off unless stderr is a terminal (a user's
+    own setting wins), before either library is imported: seen through their own switches in a
+    child whose stderr is a pseudo-terminal, and in one whose stderr is a pipe."""
+    import pty
+
+    class Stream:
+        def __init__(self, tty):
+            self.isatty = lambda: tty
+    env = {}
+    gmts.hub_bars(Stream(True), env)
+    assert env == {}
+    gmts.hub_bars(Stream(False), env)
+    assert env == {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "0"}
+    gmts.hub_bars(Stream(False), env)
+    assert env["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+    code = ("import gmts, huggingface_hub.utils as h, datasets.utils as d; "
+            "print(h.are_progress_bars_disabled(), d.are_progress_bars_disabled())")
+    child = {k: v for k, v in ENV1.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    main, sub = pty.openpty()
+    try:
+        tty = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=sub,
+                             text=True, cwd=HERE, env=child, timeout=120)
+    finally:
+        os.close(sub)
+        os.close(main)
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                           env=child, timeout=120)
+    assert tty.stdout.split() == ["False", "False"] and piped.stdout.split() == ["True", "True"]
 
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])

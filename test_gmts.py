@@ -1842,6 +1842,105 @@ def test_the_preset_takes_framework1_s_values():
         "aime24", "amc23", "math500", "minerva", "olympiadbench"]
 
 
+# The paper preset's benchmarks, each read from its published layout in testdata/ instead of the hub
+REHEARSAL_SETS = {"aime24": "aime24.jsonl", "amc23": "amc23.jsonl", "math500": "math500.jsonl",
+                  "minerva": "minerva_math.jsonl", "olympiadbench": "olympiadbench.jsonl"}
+# A child: gmts.main(argv) with the rehearsal's reward, SIGKILLed once ckpt-000002.tmp is complete
+REHEARSAL_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import torch
+import gmts
+real = gmts.TASKS["math"]["reward"]
+gmts.TASKS["math"]["reward"] = lambda text, row: real(text, row) or 0.5 * (sum(map(ord, text)) % 2)
+save = torch.save
+
+def save_then_kill(obj, path, *a, **k):
+    save(obj, path, *a, **k)
+    if os.path.basename(os.path.dirname(str(path))) == "ckpt-000002.tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save_then_kill
+gmts.main(sys.argv[1:])
+"""
+
+
+def rehearsal_argv(model, out, data=os.path.join(HERE, "testdata")):
+    """docs/design.md's rehearsal: --preset paper-math, only the shape (the model folder's layers
+    and width; prompts and answers per step, answer length, samples, steps) and the data (files in
+    testdata/'s published layouts for the hub's sets) changed; a checkpoint every step."""
+    benches = ",".join(f"{name}={os.path.join(data, f)}" for name, f in REHEARSAL_SETS.items())
+    return ["--preset", "paper-math", "--model", str(model),
+            "--data", os.path.join(data, "math_train_layout.jsonl"), "--eval-data", benches,
+            "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "16", "--eval-samples", "2", "--save-every", "1", "--threads", "1",
+            "--out", str(out)]
+
+
+def test_the_paper_preset_rehearses_on_a_cpu(tmp_path, monkeypatch, capsys):
+    """--preset paper-math end to end as on a GPU, at a CPU's shape: a Qwen2.5-shaped folder with
+    the real Qwen2.5 tokenizer (dev/qwen_folder.py), MATH's train layout and the five benchmarks'
+    published files (their first 2 rows: sampling from 151,936 logits is slow on a CPU), avg@2 on
+    all five at the start and the end, the KL reference, a checkpoint per step. The run is
+    SIGKILLed inside its last checkpoint's write, after step 2 and the final evaluation; --resume
+    alone reruns step 2 from ckpt-000001 to the killed run's metrics, weights and AdamW state,
+    bit for bit. Random weights earn no math reward, so training adds half a point for an answer
+    of odd character sum (evaluation counts only the verifier's 1.0): the update moves weights."""
+    sys.path.insert(0, os.path.join(HERE, "dev"))
+    try:
+        import qwen_folder
+    finally:
+        sys.path.remove(os.path.join(HERE, "dev"))
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    names = [n for n, _ in gmts.eval_sets(gmts.PRESETS["paper-math"]["eval_data"])]
+    assert names == list(REHEARSAL_SETS)
+    data = tmp_path / "testdata"
+    data.mkdir()
+    for f in [*REHEARSAL_SETS.values(), "math_train_layout.jsonl"]:
+        lines = open(os.path.join(HERE, "testdata", f)).readlines()
+        (data / f).write_text("".join(lines[:2] if f in REHEARSAL_SETS.values() else lines))
+    model = qwen_folder.build(str(tmp_path / "qwen"), layers=2, hidden=64)
+    out = tmp_path / "run"
+    child = tmp_path / "child.py"
+    child.write_text(REHEARSAL_CHILD.format(here=HERE))
+    r = subprocess.run([sys.executable, str(child), *rehearsal_argv(model, out, str(data))],
+                       capture_output=True, text=True, timeout=600, cwd=HERE,
+                       env=dict(ENV1, PYTHONUNBUFFERED="1"))
+    assert r.returncode == -9, r.stderr[-2000:]
+    steps = [x.split(" | ")[0] for x in r.stdout.splitlines() if x.startswith("step ")]
+    assert steps == ["step 0/2", "step 1/2", "step 2/2"], r.stdout
+    want = [{k: v for k, v in rec.items() if k not in VOLATILE}
+            for rec in gmts.read_metrics(str(out))]
+    assert [rec["step"] for rec in want] == [0, 1, 2]
+    for rec in (want[0], want[2]):  # avg@2 of the verifier's 1.0 on each set, eval_acc their mean
+        assert rec["eval_acc"] == pytest.approx(sum(rec[f"eval_{n}"] for n in names) / 5)
+    assert all(rec["lr"] == 3e-5 and rec["selected_frac"] > 0 for rec in want[1:])
+    assert want[1]["grad_norm"] > 0 and want[2]["kl"] > 0  # a real step; then pi moved off pi_ref
+    tok = AutoTokenizer.from_pretrained(out / "ckpt-000001")  # checkpoints: model folders
+    assert tok("Hello, world!").input_ids == [9707, 11, 1879, 0] and len(tok) == 151665
+    assert "<|im_start|>system\nPlease reason step by step" in gmts.render_prompt(
+        tok, "1+1?", True, style="qwen-math")
+    killed = out / "ckpt-000002.tmp"  # the killed run's step-2 weights and AdamW state
+    weights = load_file(str(killed / "model.safetensors"))
+    state = torch.load(killed / "state.pt", weights_only=True)
+    kept = [os.path.basename(c) for c in gmts.checkpoints(str(out))]
+    assert kept == ["ckpt-000000", "ckpt-000001"]
+    real = gmts.TASKS["math"]["reward"]
+    monkeypatch.setitem(gmts.TASKS["math"], "reward",
+                        lambda text, row: real(text, row) or 0.5 * (sum(map(ord, text)) % 2))
+    gmts.main(["--resume", str(out)])
+    assert "resumed from ckpt-000001" in capsys.readouterr().out
+    assert [{k: v for k, v in rec.items() if k not in VOLATILE}
+            for rec in gmts.read_metrics(str(out))] == want
+    resumed = load_file(str(out / "model.safetensors"))
+    assert resumed.keys() == weights.keys()
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    assert not all(torch.equal(resumed[k], v) for k, v in _weights(out / "ckpt-000001").items())
+    again = torch.load(out / "ckpt-000002" / "state.pt", weights_only=True)
+    moments = [(a, b) for p, was in state["opt"]["state"].items()
+               for a, b in zip(was.values(), again["opt"]["state"][p].values())]
+    assert again["drawn"] == state["drawn"] == 4 and moments
+    assert all(torch.equal(a, b) for a, b in moments)
 
 
 # ---- the preset's update is the authors' -----------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Config and presets, rollouts, group advantages and dynamic sampling, token stati
 autograd and a slow loop), scores and selection (against the literal references of the authors' rule and ours),
 loss and update (against autograd and REINFORCE), the training loop (the lr schedule and short runs through
 gmts.main in this process), model and evaluation, trackers, RSI-S, the fast rollout path and the bf16 sampler,
-and the paper-math preset: Framework1's values and one step against a literal reading of their update.
+and the paper-math preset: Framework1's values, its CPU rehearsal (the real Qwen2.5 tokenizer, the
+published files, a kill and an exact resume), and one step against a literal reading of their
+update.
 The verifiers and data: test_rewards.py; the seven promises of a run: test_promises.py.
 """
 import os

@@ -1642,7 +1642,7 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
              samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              style: str = "ours", progress=None) -> dict:
     """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a
-    sample. progress(done, total): called with the answers done after each rollout."""
+    sample. progress(done): called with the answers done so far after each rollout."""
     k = max(samples, 1)
     per = max(batch_size // k, 1)  # problems per rollout
     correct, length, sample = 0, 0, ""
@@ -1654,38 +1654,48 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
         if progress:
-            progress((i + len(chunk)) * k, len(rows) * k)
+            progress((i + len(chunk)) * k)
     n = max(len(rows) * k, 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
-EVAL_EVERY_S = 30  # an evaluation that runs longer says where it is, at most this often
+EVAL_EVERY_S = 30  # an evaluation that will run longer says where it is, at most this often
 
-def eval_progress(name: str, log=print):
-    """progress(done, total) for evaluate(): a long set (over EVAL_EVERY_S) logs 'eval aime24 (set
-    1/5): 960/1,920 answers (50%) | 0:01:02 | eta 0:01:02' every EVAL_EVERY_S, and when done."""
+def eval_progress(total: int, log=print):
+    """progress(name, done) for an evaluation of `total` answers over one or more sets: silent if
+    it projects to end within EVAL_EVERY_S; else a line as soon as it projects past it, then
+    every EVAL_EVERY_S and at the end: 'eval aime24 (set 1/5): 960/24,272 answers (4%) |
+    0:01:02 | eta 0:25:10', the set it is on, the answers done of all and the time left."""
     start = time.time()
-    last = [start]  # when it last logged
+    last = [None]  # when it last logged
 
-    def progress(done: int, total: int):
+    def progress(name: str, done: int):
         now = time.time()
-        if now - last[0] < EVAL_EVERY_S and not (done == total and last[0] > start):
+        elapsed = now - start
+        eta = elapsed / done * (total - done)
+        if last[0] is None and elapsed + eta < EVAL_EVERY_S:
+            return
+        if last[0] is not None and now - last[0] < EVAL_EVERY_S and done < total:
             return
         last[0] = now
-        log(f"eval {name}: {done:,}/{total:,} answers ({done / total:.0%}) | {clock(now - start)} "
-            f"| eta {clock((now - start) / done * (total - done))}")
+        log(f"eval {name}: {done:,}/{total:,} answers ({done / total:.0%}) | {clock(elapsed)} "
+            f"| eta {clock(eta)}")
     return progress
 
 def evaluate_run(run, cfg: Config, log=print) -> dict:
     """evaluate() on the held-out rows, or on each --eval-data set as eval_NAME (eval_acc: their
-    mean). A long set logs how far it is (eval_progress)."""
+    mean). A long evaluation logs how far it is (eval_progress)."""
     sets = run.data.held if isinstance(run.data.held, dict) else {"acc": run.data.held}
-    recs = []
+    k = max(cfg.eval_samples, 1)
+    report = eval_progress(sum(len(rows) for rows in sets.values()) * k, log)
+    recs, before = [], 0  # before: the answers of the sets already evaluated
     for i, (name, rows) in enumerate(sets.items(), 1):
         shown = "held-out rows" if name == "acc" else f"{name} (set {i}/{len(sets)})"
         recs.append(evaluate(run.model, run.tok, run.task, rows, run.chat, cfg.short_prompt,
                              cfg.max_new_tokens, batch_size=cfg.rollout_rows or 64,
                              samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
-                             style=cfg.prompt_style, progress=eval_progress(shown, log)))
+                             style=cfg.prompt_style,
+                             progress=lambda done, s=shown, b=before: report(s, b + done)))
+        before += len(rows) * k
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
                 eval_sample=recs[0]["eval_sample"])

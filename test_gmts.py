@@ -1580,6 +1580,32 @@ def test_a_run_logs_k_of_n_an_eta_and_the_progress_of_a_long_evaluation(tmp_path
     assert evals == want * 2 and lines.index(evals[0]) < lines.index(steps[0])
 
 
+def test_evaluation_progress_over_its_sets(monkeypatch):
+    """eval_progress over an evaluation of 100 answers in two sets (a fake clock, EVAL_EVERY_S 30):
+    silent while the projected time stays under 30 s, a line as soon as it projects past 30 s,
+    then none until 30 s after that line, and one at the end; an evaluation projected to end
+    within 30 s says nothing at all."""
+    now = [0.0]
+    monkeypatch.setattr(gmts.time, "time", lambda: now[0])
+    lines = []
+    report = gmts.eval_progress(100, lines.append)
+    a, b = "a (set 1/2)", "b (set 2/2)"
+    for t, name, done in ((1, a, 10), (5, a, 20), (8, a, 25), (20, a, 60), (37.5, b, 90),
+                          (38.2, b, 95), (40, b, 100)):
+        now[0] = t
+        report(name, done)
+    assert lines == ["eval a (set 1/2): 25/100 answers (25%) | 0:00:08 | eta 0:00:24",
+                     "eval b (set 2/2): 95/100 answers (95%) | 0:00:38 | eta 0:00:02",
+                     "eval b (set 2/2): 100/100 answers (100%) | 0:00:40 | eta 0:00:00"]
+    lines.clear()
+    now[0] = 0.0
+    report = gmts.eval_progress(100, lines.append)
+    for t, done in ((10, 50), (25, 100)):
+        now[0] = t
+        report("a", done)
+    assert lines == []
+
+
 def test_hub_download_bars_show_on_a_terminal_only():
     """gmts sets the hub's and datasets' progress bars off unless stderr is a terminal (a user's
     own setting wins), before either library is imported: seen through their own switches in a

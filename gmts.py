@@ -82,8 +82,9 @@ class Config:
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
     task: Literal["countdown", "math", "logic"] = arg("countdown", "the task (TASKS)")
-    data: str = arg("gen", "gen, easy (generated), hf:ID[:CONFIG][:SPLIT] (a hub set or a dataset "
-                           "folder), or a .jsonl, .json, .csv or .parquet file")
+    data: str = arg("gen", "gen, easy (generated), hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT (a "
+                           "hub set or a dataset folder; split train if none), or a .jsonl, .json, "
+                           ".csv or .parquet file")
     data_order: Literal["draw", "epoch"] = arg("draw", "draw: rows drawn afresh each step; "
                                                "epoch: seeded passes over a file's rows")
     prompt_style: Literal["ours", "qwen-math"] = arg(
@@ -143,9 +144,11 @@ PRESETS = {
                 prompts_per_step=32, group_size=8, max_new_tokens=64, lr=3e-4, micro_batch=256,
                 eval_every=10, eval_size=256, save_every=20, filter_groups=False, threads=1,
                 out="out/cpu"),
-    # A seconds-long version of the same path, for tests.
+    # A seconds-long version of the same path, for tests: it trains. The warm start's answers are
+    # about 50 tokens (byte-level), so 64 lets them end; they earn rewards, groups split, and
+    # the update moves the weights (seed 0: selected_frac 0.2, grad_norm 0.37 and 2.1).
     "smoke": dict(model=WARM_CPU, task="countdown", data="easy", short_prompt=True, steps=2,
-                  prompts_per_step=2, group_size=4, max_new_tokens=16, eval_every=1, eval_size=4,
+                  prompts_per_step=2, group_size=4, max_new_tokens=64, eval_every=1, eval_size=4,
                   lr=1e-4, threads=1, out="out/smoke"),
     # GMTS Framework1's values (docs/design.md: what is theirs, what not). One pass over math12k's
     # 12,000 rows: 187 steps of 64 and a last one of 32, each row once.
@@ -480,7 +483,8 @@ def response_hidden(model, batch: dict, rows=slice(None)) -> torch.Tensor:
     attn = torch.cat([batch["prompt_mask"][rows], batch["resp_mask"][rows]], dim=1).long()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # (n, P + T)
     with autocast(ids.device):
-        out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos)
+        out = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                  use_cache=False)  # no KV cache to fill: one pass
     h = out.last_hidden_state  # (n, P + T, d)
     P, T = batch["prompt_ids"].shape[1], batch["comp_ids"].shape[1]
     return h[:, P - 1:P + T - 1]  # (n, T, d)
@@ -908,7 +912,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
             rec = step_record(step, cfg, parts, batch, valid, rewards, adv, old_logp, entropy,
                               sel_mask, stats, opt, run.skipped, t0, t_roll)
             if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.steps:
-                rec.update(evaluate_run(run, cfg))
+                rec.update(evaluate_run(run, cfg, log))
             run.log_step(rec)
             if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.steps:
                 save_checkpoint(cfg.out, step, run)
@@ -916,8 +920,15 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
 
 # Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
 
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when transformers is imported
-os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+def hub_bars(stream=sys.stderr, environ=os.environ):
+    """The hub's and datasets' download bars where a person watches (stream a terminal: a first
+    paper-math run downloads a model and six data sets); off in logs, CI and tests. A variable
+    the user set wins. The libraries read these when they are imported, after this runs."""
+    if not stream.isatty():
+        environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+hub_bars()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 class RunError(RuntimeError):
@@ -1556,11 +1567,39 @@ _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 p
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
 }
 
-# ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG][:SPLIT] or a file =========================
+# ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG]:SPLIT or a file ===========================
 def data_kind(data: str) -> str:  # gen (gen, easy), hf (a hub set, a local dataset folder) or file
     if data in ("gen", "easy"):
         return "gen"
     return "hf" if data.startswith("hf:") else "file"
+
+def hf_spec(data: str) -> tuple:
+    """hf:ID -> (ID, None, None); hf:ID:SPLIT -> (ID, None, SPLIT); hf:ID:CONFIG:SPLIT -> (ID,
+    CONFIG, SPLIT). Two parts name a split, as every set of the paper-math preset does; a config
+    is always followed by its split (hf:openai/gsm8k:main:train). ID: a hub id or a folder."""
+    parts = data.removeprefix("hf:").split(":")
+    if len(parts) > 3 or not all(parts):
+        raise BadInput(f"{data}: write hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT")
+    return parts[0], parts[1] if len(parts) == 3 else None, parts[-1] if len(parts) > 1 else None
+
+def _read_hf(data: str):
+    """The rows of hf:... as a datasets.Dataset: a folder saved by save_to_disk through
+    load_from_disk (a DatasetDict: its SPLIT, train if none), else load_dataset(ID[, CONFIG],
+    split=SPLIT or train): a hub set, or a folder laid out as one (data files by split)."""
+    import datasets
+    name, config, split = hf_spec(data)
+    if not any(os.path.isfile(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+        return datasets.load_dataset(name, *[config] if config else [], split=split or "train")
+    ds = datasets.load_from_disk(name)  # a Dataset, or a DatasetDict of splits
+    if isinstance(ds, datasets.Dataset):
+        if split:
+            raise BadInput(f"{data}: {name} holds one dataset (save_to_disk), no splits: write "
+                           f"hf:{name}")
+        return ds
+    if config or (split or "train") not in ds:
+        raise BadInput(f"{data}: {name} holds the splits {', '.join(ds)} (save_to_disk): write "
+                       f"hf:{name}:SPLIT")
+    return ds[split or "train"]
 
 def _gsm8k_row(question: str, solution) -> dict:
     """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the bare number."""
@@ -1640,10 +1679,10 @@ def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     return out
 
 def _read_set(data: str, task: str) -> list:
-    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] or a data file, read by `datasets`."""
+    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] (_read_hf) or a data file, read by
+    `datasets`."""
     import datasets
     kind = data_kind(data)
-    name, *rest = data.split(":")[1:] if kind == "hf" else [data]
     fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if kind == "file" and os.path.splitext(data)[1] not in fmt:
         raise BadInput(f"--data {data}: not a .jsonl, .json, .csv or .parquet file")
@@ -1654,14 +1693,18 @@ def _read_set(data: str, task: str) -> list:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failure: our one line
     try:
         if kind == "hf":
-            ds = datasets.load_dataset(name, *rest[:-1], split=(rest or ["train"])[-1])
+            ds = _read_hf(data)
         else:
             ds = datasets.load_dataset(fmt[os.path.splitext(data)[1]], split="train",
                                        data_files=glob.escape(os.path.abspath(data)))  # that file
+    except BadInput:
+        raise
     except Exception as e:  # no such file, set or split; no hub; a file it cannot parse
         if memory_fault(e):
             raise
         hint = "; offline: --data gen or a data file" if kind == "hf" else ""
+        if kind == "hf" and data.count(":") == 2:
+            hint += f" (two parts name a split; a config: hf:{data[3:]}:train)"
         raise BadInput(f"{data}: cannot read it ({error_line(e, 300)}){hint}") from None
     return [_check_row(row, task, f"{data} row {i}") for i, row in enumerate(ds, 1)]
 
@@ -1777,6 +1820,15 @@ def pick_device(name: str = "auto") -> torch.device:  # auto: the accelerator th
     if name == "auto":
         return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     return torch.device(name)
+
+def guard_cuda(device: torch.device):
+    """On CUDA, cuDNN's attention backend is kept out of training: its backward returns NaN dQ when
+    an explicit attention mask is passed (left padding passes one), the sequence length is 64 mod
+    128 and a query's logsumexp is below about -88.7, as in Qwen2.5's massive-activation heads
+    (torch >= 2.11 on H100/H200; pytorch/pytorch#196678, huggingface/trl#7181, whose workaround
+    for torch 2.13 this is). SDPA then picks flash or memory-efficient attention."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 def autocast(device: torch.device):
     """bf16 compute on CUDA (weights stay fp32, deviation 8); a no-op elsewhere."""
@@ -1908,8 +1960,9 @@ def refresh_sampler(sampler, model):
 @torch.no_grad()
 def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
              samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-             style: str = "ours") -> dict:
-    """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a sample."""
+             style: str = "ours", progress=None) -> dict:
+    """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a
+    sample. progress(done): called with the answers done so far after each rollout."""
     k = max(samples, 1)
     per = max(batch_size // k, 1)  # problems per rollout
     correct, length, sample = 0, 0, ""
@@ -1920,16 +1973,49 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         correct += sum(task["reward"](text, chunk[j // k]) == 1.0 for j, text in enumerate(b["texts"]))
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
+        if progress:
+            progress((i + len(chunk)) * k)
     n = max(len(rows) * k, 1)
     return dict(eval_acc=correct / n, eval_len=length / n, eval_sample=sample[:200])
 
-def evaluate_run(run, cfg: Config) -> dict:
-    """evaluate() on the held-out rows, or on each --eval-data set as eval_NAME (eval_acc: their mean)."""
+EVAL_EVERY_S = 30  # an evaluation that will run longer says where it is, at most this often
+
+def eval_progress(total: int, log=print):
+    """progress(name, done) for an evaluation of `total` answers over one or more sets: silent if
+    it projects to end within EVAL_EVERY_S; else a line as soon as it projects past it, then
+    every EVAL_EVERY_S and at the end: 'eval aime24 (set 1/5): 960/24,272 answers (4%) |
+    0:01:02 | eta 0:25:10', the set it is on, the answers done of all and the time left."""
+    start = time.time()
+    last = [None]  # when it last logged
+
+    def progress(name: str, done: int):
+        now = time.time()
+        elapsed = now - start
+        eta = elapsed / done * (total - done)
+        if last[0] is None and elapsed + eta < EVAL_EVERY_S:
+            return
+        if last[0] is not None and now - last[0] < EVAL_EVERY_S and done < total:
+            return
+        last[0] = now
+        log(f"eval {name}: {done:,}/{total:,} answers ({done / total:.0%}) | {clock(elapsed)} "
+            f"| eta {clock(eta)}")
+    return progress
+
+def evaluate_run(run, cfg: Config, log=print) -> dict:
+    """evaluate() on the held-out rows, or on each --eval-data set as eval_NAME (eval_acc: their
+    mean). A long evaluation logs how far it is (eval_progress)."""
     sets = run.data.held if isinstance(run.data.held, dict) else {"acc": run.data.held}
-    recs = [evaluate(run.model, run.tok, run.task, rows, run.chat, cfg.short_prompt, cfg.max_new_tokens,
-                     batch_size=cfg.rollout_rows or 64, samples=cfg.eval_samples,
-                     temperature=cfg.temperature, top_p=cfg.top_p, style=cfg.prompt_style)
-            for rows in sets.values()]
+    k = max(cfg.eval_samples, 1)
+    report = eval_progress(sum(len(rows) for rows in sets.values()) * k, log)
+    recs, before = [], 0  # before: the answers of the sets already evaluated
+    for i, (name, rows) in enumerate(sets.items(), 1):
+        shown = "held-out rows" if name == "acc" else f"{name} (set {i}/{len(sets)})"
+        recs.append(evaluate(run.model, run.tok, run.task, rows, run.chat, cfg.short_prompt,
+                             cfg.max_new_tokens, batch_size=cfg.rollout_rows or 64,
+                             samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
+                             style=cfg.prompt_style,
+                             progress=lambda done, s=shown, b=before: report(s, b + done)))
+        before += len(rows) * k
     means = {key: sum(rec[key] for rec in recs) / len(recs) for key in ("eval_acc", "eval_len")}
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
                 eval_sample=recs[0]["eval_sample"])
@@ -2079,6 +2165,7 @@ def start_run(cfg: Config, log=print):
     (open_folder). After the loop: metrics.png and the final model in --out itself."""
     with claim_folder(cfg.out, RUN_FILES, "gmts", **folder_rules(cfg)):
         device = pick_device(cfg.device)
+        guard_cuda(device)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         set_seed(cfg.seed)
@@ -2094,8 +2181,8 @@ def start_run(cfg: Config, log=print):
         if cfg.kl_beta > 0:  # pi_ref: the model --model loads, where RL starts
             ref = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)[0]
             ref = ref.eval().requires_grad_(False)
-        if cfg.grad_ckpt:
-            model.gradient_checkpointing_enable()
+        if cfg.grad_ckpt:  # transformers 5's name (gradient_checkpointing_enable is deprecated)
+            model.activation_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         if cfg.resume:
             try:
@@ -2179,7 +2266,7 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
         f"{len(run.data.held)} held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | resumed from {os.path.basename(checkpoints(cfg.out)[-1])}" if cfg.resume else ""))
     if not cfg.resume:
-        run.log_step(dict(step=0, **evaluate_run(run, cfg)))
+        run.log_step(dict(step=0, **evaluate_run(run, cfg, log)))
         save_checkpoint(cfg.out, 0, run)
 
 def save_checkpoint(out: str, step: int, run: Run, keep: int = 2):
@@ -2322,27 +2409,43 @@ def plot_metrics(out: str):
 SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
 GRADING_SHOWN = 0.2  # the line names the grading time when it is this share of the step or more
 
-def step_line(rec: dict) -> str:
-    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has, and the
-    grading time where it is GRADING_SHOWN of the step or more or an answer's grading timed out."""
-    fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
+def step_line(rec: dict, steps: int = 0, eta_s: float = None) -> str:
+    """'step 7/200 | reward_mean 0.412 | ... | 1.52 s | eta 0:04:51': the keys of SHOWN that the
+    record has, the grading time where it is GRADING_SHOWN of the step or more or an answer's
+    grading timed out; /steps and the eta when given."""
+    fields = [f"step {rec['step']}" + (f"/{steps}" if steps else "")]
+    fields += [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
     if "step_time_s" not in rec:  # step 0: the evaluation alone
         return " | ".join(fields + [f"sample: {rec['eval_sample'][:80]!r}"])
     grading, timed_out = rec.get("grade_time_s", 0.0), rec.get("grade_timeouts", 0)
     if grading >= GRADING_SHOWN * rec["step_time_s"] or timed_out:
         fields.append(f"grading {grading:.2f} s" + f" ({timed_out} timed out)" * bool(timed_out))
-    return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"])
+    eta = [] if eta_s is None else [f"eta {clock(eta_s)}"]
+    return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"] + eta)
+
+def clock(seconds: float) -> str:
+    """3725.4 -> '1:02:05' (h:mm:ss)."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 def step_logger(cfg: Config, log=print):
-    """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes."""
+    """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes.
+    The eta: the steps left times the mean wall time per step since this process's first step
+    began (evaluations and checkpoints between steps included; the last evaluation not)."""
     report = open_tracker(cfg)
+    first = []  # (step before it, its start time) of the first step this process ran
 
     def log_step(rec):
         if rec is None:
             return report(None)
         log_metrics(os.path.join(cfg.out, "metrics.jsonl"), rec)
         report(rec)
-        log(step_line(rec))
+        eta = None
+        if "step_time_s" in rec:
+            first[:] = first or [rec["step"] - 1, time.time() - rec["step_time_s"]]
+            per_step = (time.time() - first[1]) / (rec["step"] - first[0])
+            eta = per_step * (cfg.steps - rec["step"])
+        log(step_line(rec, cfg.steps, eta))
     return log_step
 
 def open_tracker(cfg: Config):
@@ -2400,7 +2503,9 @@ def check_config(cfg: Config):
     if METHODS[cfg.select].band and (cfg.scope != "auto" or cfg.loss_norm == "selected"):
         raise BadInput(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
                          "group/batch or --loss-norm selected")
-    eval_sets(cfg.eval_data)
+    for data in [cfg.data] + [d for _, d in eval_sets(cfg.eval_data)]:
+        if data_kind(data) == "hf":
+            hf_spec(data)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise BadInput(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
     if cfg.prompt_style != "ours" and cfg.task != "math":

@@ -4,7 +4,9 @@ Config and presets, rollouts, group advantages and dynamic sampling, token stati
 autograd and a slow loop), scores and selection (against the literal references of the authors' rule and ours),
 loss and update (against autograd and REINFORCE), the training loop (the lr schedule and short runs through
 gmts.main in this process), model and evaluation, trackers, RSI-S, the fast rollout path and the bf16 sampler,
-and the paper-math preset: Framework1's values and one step against a literal reading of their update.
+and the paper-math preset: Framework1's values, its CPU rehearsal (the real Qwen2.5 tokenizer, the
+published files, a kill and an exact resume), and one step against a literal reading of their
+update.
 The verifiers and data: test_rewards.py; the seven promises of a run: test_promises.py.
 """
 import os
@@ -13,6 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
+import dataclasses
 import itertools
 import json
 import math
@@ -51,6 +54,18 @@ def test_preset_then_explicit_flag_wins():
     assert gmts.WARM_CPU == os.path.join(HERE, "warm", "cpu")
     assert gmts.parse_args([]).rho == 0.2 and gmts.parse_args(["--no-std-normalize"]).std_normalize is False
     assert gmts.parse_args(["--preset", "smoke"]).model == gmts.WARM_CPU
+
+
+def test_the_smoke_preset_trains(tmp_path):
+    """--preset smoke, the tests' short path, reaches the update: its answers end within --max-new-tokens, earn
+    rewards that split groups, the selection keeps tokens, and the weights move from the warm start."""
+    out = tmp_path / "smoke"
+    recs = train_main("--preset", "smoke", "--out", out)
+    steps = recs[1:]
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert all(r["truncated_frac"] < 1 and r["reward_mean"] > 0 and r["groups_filtered_frac"] < 1 for r in steps)
+    assert all(r["selected_frac"] > 0 and r["grad_norm"] > 0 for r in steps), steps
+    assert not _same_weights(out, out / "ckpt-000000")  # the final weights are not the warm start's
 
 
 def test_every_config_field_is_a_flag_with_help(capsys):
@@ -1408,6 +1423,63 @@ def test_tiny_tokenizer_round_trip(tmp_path):
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen2ForCausalLM"
 
 
+def test_on_cuda_the_run_keeps_cudnn_attention_out(tmp_path, monkeypatch):
+    """cuDNN's SDPA backward returns NaN gradients under an attention mask at some lengths
+    (pytorch#196678, trl#7181): guard_cuda turns that backend off on a CUDA device, leaves other
+    devices alone, and start_run applies it to the run's device (recorded here on the CPU)."""
+    flags = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", flags.append)
+    gmts.guard_cuda(torch.device("cpu"))
+    gmts.guard_cuda(torch.device("mps"))
+    assert flags == []
+    gmts.guard_cuda(torch.device("cuda"))
+    gmts.guard_cuda(torch.device("cuda", 1))
+    assert flags == [False, False]
+    seen, real = [], gmts.guard_cuda
+    monkeypatch.setattr(gmts, "pick_device", lambda name: torch.device("cuda"))  # torch sees a GPU
+    monkeypatch.setattr(gmts, "guard_cuda", lambda device: seen.append(device) or real(device))
+    monkeypatch.setattr(gmts, "read_data", lambda cfg: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # stop before any tensor would have to go to the GPU
+        with gmts.start_run(gmts.Config(out=str(tmp_path / "run"))):
+            pass
+    assert seen == [torch.device("cuda")] and flags[-1] is False
+
+
+def test_grad_ckpt_trains_with_the_exact_gradient(tmp_path):
+    """--grad-ckpt: transformers 5's activation_checkpointing_enable (the deprecated
+    gradient_checkpointing_enable warned); the loss's gradient with checkpointing equals the one
+    without, bit for bit, and a run trains with it, no warning raised."""
+    import copy
+    import warnings
+    model, tok = gmts.build_tiny(hidden=32, layers=2, seed=0)
+    prompts = gmts.build_prompts(tok, gmts.get_task("countdown"),
+                                 gmts.load_rows("countdown", "easy", 2, 0), True, short=True)
+    gmts.set_seed(0)
+    batch = gmts.rollout(model, tok, prompts, 4, 12)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -1.0, -1.0])
+    old, _, _ = gmts.batch_token_stats(model, batch, 1.0, 8, 64)
+    mask = batch["resp_mask"]
+    objective = gmts.Objective(0.2, 0.28, 0.0, 1.0, **gmts.loss_weights("all", mask, 0))
+    grads = []
+    for ckpt in (False, True):
+        m = copy.deepcopy(model).train()
+        if ckpt:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m.activation_checkpointing_enable()
+            assert m.model.gradient_checkpointing
+        gmts.loss_backward(m, batch, adv, mask, old, objective, micro_batch=3, chunk=7)
+        grads.append([p.grad for p in m.parameters()])
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    out = tmp_path / "gc"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        recs = train_main("--preset", "smoke", "--grad-ckpt", "--out", out)
+    assert all(r["grad_norm"] > 0 for r in recs[1:]) and not _same_weights(out, out / "ckpt-000000")
+
+
 def test_model_name_resolution():
     assert gmts.resolve_model_name("Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     assert gmts.resolve_model_name("Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
@@ -1460,6 +1532,112 @@ def _wandb_history(folder):
     return history
 
 
+def test_step_line_says_k_of_n_and_an_eta():
+    """The step line: 'step k/N', SHOWN's keys to 3 decimals, the step's seconds and an eta in
+    h:mm:ss; step 0's line (the evaluation alone) shows a sample instead."""
+    rec = dict(step=7, reward_mean=0.4123, acc=0.25, selected_frac=0.2, step_time_s=1.524,
+               loss=-0.1, eval_sample="x")
+    assert gmts.step_line(rec, 200, 3725.4) == ("step 7/200 | reward_mean 0.412 | acc 0.250 | "
+                                                "selected_frac 0.200 | 1.52 s | eta 1:02:05")
+    assert gmts.step_line(rec) == ("step 7 | reward_mean 0.412 | acc 0.250 | selected_frac 0.200 | "
+                                   "1.52 s")
+    assert gmts.step_line(dict(step=0, eval_acc=0.5, eval_sample="12 + 3"), 200) == (
+        "step 0/200 | eval_acc 0.500 | sample: '12 + 3'")
+    assert [gmts.clock(t) for t in (0, 59.6, 3600, 90061)] == ["0:00:00", "0:01:00", "1:00:00",
+                                                               "25:01:01"]
+
+
+def test_a_run_logs_k_of_n_an_eta_and_the_progress_of_a_long_evaluation(tmp_path, monkeypatch):
+    """A run's lines: 'step k/N' on every step line and an eta, the steps left times the mean
+    time per step so far (a fake clock: 10 s a step -> 'eta 0:00:20' after step 1 of 3). An
+    evaluation longer than EVAL_EVERY_S (0 here) logs its set, answers done of all, and its
+    eta after each rollout; at the default (30 s) these short ones log nothing."""
+    lines = []
+    cfg = gmts.parse_args(["--preset", "smoke", "--steps", "3", "--eval-every", "0",
+                           "--rollout-rows", "4", "--out", str(tmp_path / "a")])
+    gmts.train(cfg, log=lines.append)
+    assert not [x for x in lines if x.startswith("eval ")]
+    steps = [x for x in lines if x.startswith("step ")]
+    assert [x.split(" | ")[0] for x in steps] == ["step 0/3", "step 1/3", "step 2/3", "step 3/3"]
+    assert all(re.search(r" s \| eta \d+:\d\d:\d\d$", x) for x in steps[1:]), steps
+    now = [1000.0]
+    monkeypatch.setattr(gmts.time, "time", lambda: now[0])
+    real_sample = gmts.sample_groups
+
+    def ten_seconds(run, cfg, step):  # every step takes 10 s on the fake clock
+        now[0] += 10
+        return real_sample(run, cfg, step)
+    monkeypatch.setattr(gmts, "sample_groups", ten_seconds)
+    monkeypatch.setattr(gmts, "EVAL_EVERY_S", 0)
+    lines.clear()
+    gmts.train(dataclasses.replace(cfg, out=str(tmp_path / "b")), log=lines.append)
+    steps = [x for x in lines if x.startswith("step ")]
+    etas = [x.rsplit(" | ", 1)[-1] for x in steps[1:]]
+    assert etas == ["eta 0:00:20", "eta 0:00:10", "eta 0:00:00"]
+    evals = [x for x in lines if x.startswith("eval ")]
+    # 4 held-out rows, greedy, 4 answers a rollout (--rollout-rows 4): one line each, twice
+    want = ["eval held-out rows: 4/4 answers (100%) | 0:00:00 | eta 0:00:00"]
+    assert evals == want * 2 and lines.index(evals[0]) < lines.index(steps[0])
+
+
+def test_evaluation_progress_over_its_sets(monkeypatch):
+    """eval_progress over an evaluation of 100 answers in two sets (a fake clock, EVAL_EVERY_S 30):
+    silent while the projected time stays under 30 s, a line as soon as it projects past 30 s,
+    then none until 30 s after that line, and one at the end; an evaluation projected to end
+    within 30 s says nothing at all."""
+    now = [0.0]
+    monkeypatch.setattr(gmts.time, "time", lambda: now[0])
+    lines = []
+    report = gmts.eval_progress(100, lines.append)
+    a, b = "a (set 1/2)", "b (set 2/2)"
+    for t, name, done in ((1, a, 10), (5, a, 20), (8, a, 25), (20, a, 60), (37.5, b, 90),
+                          (38.2, b, 95), (40, b, 100)):
+        now[0] = t
+        report(name, done)
+    assert lines == ["eval a (set 1/2): 25/100 answers (25%) | 0:00:08 | eta 0:00:24",
+                     "eval b (set 2/2): 95/100 answers (95%) | 0:00:38 | eta 0:00:02",
+                     "eval b (set 2/2): 100/100 answers (100%) | 0:00:40 | eta 0:00:00"]
+    lines.clear()
+    now[0] = 0.0
+    report = gmts.eval_progress(100, lines.append)
+    for t, done in ((10, 50), (25, 100)):
+        now[0] = t
+        report("a", done)
+    assert lines == []
+
+
+def test_hub_download_bars_show_on_a_terminal_only():
+    """gmts sets the hub's and datasets' progress bars off unless stderr is a terminal (a user's
+    own setting wins), before either library is imported: seen through their own switches in a
+    child whose stderr is a pseudo-terminal, and in one whose stderr is a pipe."""
+    import pty
+
+    class Stream:
+        def __init__(self, tty):
+            self.isatty = lambda: tty
+    env = {}
+    gmts.hub_bars(Stream(True), env)
+    assert env == {}
+    gmts.hub_bars(Stream(False), env)
+    assert env == {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "0"}
+    gmts.hub_bars(Stream(False), env)
+    assert env["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+    code = ("import gmts, huggingface_hub.utils as h, datasets.utils as d; "
+            "print(h.are_progress_bars_disabled(), d.are_progress_bars_disabled())")
+    child = {k: v for k, v in ENV1.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    main, sub = pty.openpty()
+    try:
+        tty = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=sub,
+                             text=True, cwd=HERE, env=child, timeout=120)
+    finally:
+        os.close(sub)
+        os.close(main)
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                           env=child, timeout=120)
+    assert tty.stdout.split() == ["False", "False"] and piped.stdout.split() == ["True", "True"]
+
+
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
 def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
     """--report-to: every number of every metrics.jsonl record (step 0's evaluation included) reaches the tracker at
@@ -1487,6 +1665,7 @@ def test_report_to_sends_every_step_record(tmp_path, monkeypatch, tracker):
                 if not k.startswith("_"):
                     got[k, h["_step"]] = v
     assert got.keys() == want.keys() and ("eval_acc", 0) in got and len(recs) == 3
+    assert all(r["selected_frac"] > 0 for r in recs[1:])  # the smoke preset trains: real updates are sent
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-30), k  # tensorboard stores float32
 
@@ -1691,6 +1870,105 @@ def test_the_preset_takes_framework1_s_values():
         "aime24", "amc23", "math500", "minerva", "olympiadbench"]
 
 
+# The paper preset's benchmarks, each read from its published layout in testdata/ instead of the hub
+REHEARSAL_SETS = {"aime24": "aime24.jsonl", "amc23": "amc23.jsonl", "math500": "math500.jsonl",
+                  "minerva": "minerva_math.jsonl", "olympiadbench": "olympiadbench.jsonl"}
+# A child: gmts.main(argv) with the rehearsal's reward, SIGKILLed once ckpt-000002.tmp is complete
+REHEARSAL_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import torch
+import gmts
+real = gmts.TASKS["math"]["reward"]
+gmts.TASKS["math"]["reward"] = lambda text, row: real(text, row) or 0.5 * (sum(map(ord, text)) % 2)
+save = torch.save
+
+def save_then_kill(obj, path, *a, **k):
+    save(obj, path, *a, **k)
+    if os.path.basename(os.path.dirname(str(path))) == "ckpt-000002.tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+torch.save = save_then_kill
+gmts.main(sys.argv[1:])
+"""
+
+
+def rehearsal_argv(model, out, data=os.path.join(HERE, "testdata")):
+    """docs/design.md's rehearsal: --preset paper-math, only the shape (the model folder's layers
+    and width; prompts and answers per step, answer length, samples, steps) and the data (files in
+    testdata/'s published layouts for the hub's sets) changed; a checkpoint every step."""
+    benches = ",".join(f"{name}={os.path.join(data, f)}" for name, f in REHEARSAL_SETS.items())
+    return ["--preset", "paper-math", "--model", str(model),
+            "--data", os.path.join(data, "math_train_layout.jsonl"), "--eval-data", benches,
+            "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "16", "--eval-samples", "2", "--save-every", "1", "--threads", "1",
+            "--out", str(out)]
+
+
+def test_the_paper_preset_rehearses_on_a_cpu(tmp_path, monkeypatch, capsys):
+    """--preset paper-math end to end as on a GPU, at a CPU's shape: a Qwen2.5-shaped folder with
+    the real Qwen2.5 tokenizer (dev/qwen_folder.py), MATH's train layout and the five benchmarks'
+    published files (their first 2 rows: sampling from 151,936 logits is slow on a CPU), avg@2 on
+    all five at the start and the end, the KL reference, a checkpoint per step. The run is
+    SIGKILLed inside its last checkpoint's write, after step 2 and the final evaluation; --resume
+    alone reruns step 2 from ckpt-000001 to the killed run's metrics, weights and AdamW state,
+    bit for bit. Random weights earn no math reward, so training adds half a point for an answer
+    of odd character sum (evaluation counts only the verifier's 1.0): the update moves weights."""
+    sys.path.insert(0, os.path.join(HERE, "dev"))
+    try:
+        import qwen_folder
+    finally:
+        sys.path.remove(os.path.join(HERE, "dev"))
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    names = [n for n, _ in gmts.eval_sets(gmts.PRESETS["paper-math"]["eval_data"])]
+    assert names == list(REHEARSAL_SETS)
+    data = tmp_path / "testdata"
+    data.mkdir()
+    for f in [*REHEARSAL_SETS.values(), "math_train_layout.jsonl"]:
+        lines = open(os.path.join(HERE, "testdata", f)).readlines()
+        (data / f).write_text("".join(lines[:2] if f in REHEARSAL_SETS.values() else lines))
+    model = qwen_folder.build(str(tmp_path / "qwen"), layers=2, hidden=64)
+    out = tmp_path / "run"
+    child = tmp_path / "child.py"
+    child.write_text(REHEARSAL_CHILD.format(here=HERE))
+    r = subprocess.run([sys.executable, str(child), *rehearsal_argv(model, out, str(data))],
+                       capture_output=True, text=True, timeout=600, cwd=HERE,
+                       env=dict(ENV1, PYTHONUNBUFFERED="1"))
+    assert r.returncode == -9, r.stderr[-2000:]
+    steps = [x.split(" | ")[0] for x in r.stdout.splitlines() if x.startswith("step ")]
+    assert steps == ["step 0/2", "step 1/2", "step 2/2"], r.stdout
+    want = [{k: v for k, v in rec.items() if k not in VOLATILE}
+            for rec in gmts.read_metrics(str(out))]
+    assert [rec["step"] for rec in want] == [0, 1, 2]
+    for rec in (want[0], want[2]):  # avg@2 of the verifier's 1.0 on each set, eval_acc their mean
+        assert rec["eval_acc"] == pytest.approx(sum(rec[f"eval_{n}"] for n in names) / 5)
+    assert all(rec["lr"] == 3e-5 and rec["selected_frac"] > 0 for rec in want[1:])
+    assert want[1]["grad_norm"] > 0 and want[2]["kl"] > 0  # a real step; then pi moved off pi_ref
+    tok = AutoTokenizer.from_pretrained(out / "ckpt-000001")  # checkpoints: model folders
+    assert tok("Hello, world!").input_ids == [9707, 11, 1879, 0] and len(tok) == 151665
+    assert "<|im_start|>system\nPlease reason step by step" in gmts.render_prompt(
+        tok, "1+1?", True, style="qwen-math")
+    killed = out / "ckpt-000002.tmp"  # the killed run's step-2 weights and AdamW state
+    weights = load_file(str(killed / "model.safetensors"))
+    state = torch.load(killed / "state.pt", weights_only=True)
+    kept = [os.path.basename(c) for c in gmts.checkpoints(str(out))]
+    assert kept == ["ckpt-000000", "ckpt-000001"]
+    real = gmts.TASKS["math"]["reward"]
+    monkeypatch.setitem(gmts.TASKS["math"], "reward",
+                        lambda text, row: real(text, row) or 0.5 * (sum(map(ord, text)) % 2))
+    gmts.main(["--resume", str(out)])
+    assert "resumed from ckpt-000001" in capsys.readouterr().out
+    assert [{k: v for k, v in rec.items() if k not in VOLATILE}
+            for rec in gmts.read_metrics(str(out))] == want
+    resumed = load_file(str(out / "model.safetensors"))
+    assert resumed.keys() == weights.keys()
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    assert not all(torch.equal(resumed[k], v) for k, v in _weights(out / "ckpt-000001").items())
+    again = torch.load(out / "ckpt-000002" / "state.pt", weights_only=True)
+    moments = [(a, b) for p, was in state["opt"]["state"].items()
+               for a, b in zip(was.values(), again["opt"]["state"][p].values())]
+    assert again["drawn"] == state["drawn"] == 4 and moments
+    assert all(torch.equal(a, b) for a, b in moments)
 
 
 # ---- the preset's update is the authors' -----------------------------------------------------------------------------

@@ -504,9 +504,8 @@ def test_gmts_retains_more_of_the_gradient_than_random(tiny):
     assert min(cos["gmts"]) >= max(cos["random"]), cos
 
 
-def test_analyze_cli_prints_the_table(tmp_path, capsys, monkeypatch):
-    # smoke's 16 tokens never finish an answer (A = 0 everywhere: nothing to analyse); a parity reward splits groups
-    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", lambda text, row: float(sum(map(ord, text)) % 2))
+def test_analyze_cli_prints_the_table(tmp_path, capsys):
+    # the smoke preset's answers end and earn rewards that split groups: the verifier's own advantages
     lab.main(["analyze", "--preset", "smoke", "--batches", "1", "--out", str(tmp_path / "a")])
     table = [x for x in capsys.readouterr().out.splitlines() if x.startswith("|")]
     assert "cos(g_S, g_all) filter off" in table[0] and "filter on" in table[0] and "Spearman" in table[0]

@@ -965,7 +965,7 @@ def test_a_step_logs_its_grading_time_and_timeouts(tmp_path, monkeypatch, capsys
     batches = rec["rollout_batches"]
     assert rec["grade_timeouts"] == 4 * batches
     assert 0.4 * batches <= rec["grade_time_s"] <= rec["rollout_time_s"]
-    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 1 ")][0]
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 1/1 ")][0]
     assert f"grading {rec['grade_time_s']:.2f} s ({4 * batches} timed out)" in line, line
     quiet = dict(rec, grade_time_s=0.1 * rec["step_time_s"], grade_timeouts=0)
     assert "grading" not in gmts.step_line(quiet)
@@ -1197,9 +1197,9 @@ def test_our_own_layout_takes_latex_golds_and_keeps_gsm8k_rows(tmp_path, verifie
 
 
 def test_a_hub_id_and_a_dataset_folder_take_the_same_datasets_call(tmp_path, monkeypatch):
-    """hf:ID[:CONFIG][:SPLIT] -> datasets.load_dataset(ID[, CONFIG], split=SPLIT, train without one): a local
-    folder laid out as a hub repository (data/test-*.parquet) loads through it, in order; an id it cannot reach
-    offline is one line naming it."""
+    """hf:ID[:CONFIG]:SPLIT -> datasets.load_dataset(ID[, CONFIG], split=SPLIT; train without one):
+    a local folder laid out as a hub repository (data/test-*.parquet) loads through it, in order;
+    an id it cannot reach offline is one line naming it."""
     import datasets
     os.makedirs(tmp_path / "MATH-500" / "data")
     write_dapo(tmp_path / "MATH-500" / "data", "test-00000-of-00001.parquet")
@@ -1215,6 +1215,55 @@ def test_a_hub_id_and_a_dataset_folder_take_the_same_datasets_call(tmp_path, mon
     with pytest.raises(ValueError):
         load_rows("math", "hf:someone/sets", 0)
     assert calls[-1] == (("someone/sets",), {"split": "train"})
+
+
+def test_hf_specs_read_as_the_help_says(tmp_path, monkeypatch, capsys):
+    """--data's help: hf:ID (split train), hf:ID:SPLIT, hf:ID:CONFIG:SPLIT. Two parts name a split,
+    never a config (hf:openai/gsm8k:main asks for split "main", and its error line shows the
+    three-part form); other forms are bad input before any work. A folder saved by save_to_disk
+    reads through load_from_disk: a DatasetDict by its split, a single Dataset whole."""
+    import datasets
+    assert gmts.hf_spec("hf:openai/gsm8k") == ("openai/gsm8k", None, None)
+    assert gmts.hf_spec("hf:H4/MATH-500:test") == ("H4/MATH-500", None, "test")
+    assert gmts.hf_spec("hf:openai/gsm8k:main:train") == ("openai/gsm8k", "main", "train")
+    for bad in ("hf:", "hf:a::b", "hf:a:b:", "hf:a:b:c:d"):
+        with pytest.raises(gmts.BadInput, match="hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT"):
+            gmts.hf_spec(bad)
+    calls = []
+
+    def fake(*a, **k):  # the hub as load_dataset sees it: one set with two configs
+        calls.append((a, k))
+        if a[1:] != ("main",):
+            raise ValueError("Config name is missing. Please pick one among the configs: ['main']")
+        return datasets.Dataset.from_list([{"question": "q", "answer": "1 #### 5"}])
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert load_rows("math", "hf:openai/gsm8k:main:test", 0)[0]["answer"] == "5"
+    assert calls[-1] == (("openai/gsm8k", "main"), {"split": "test"})
+    with pytest.raises(ValueError) as e:
+        load_rows("math", "hf:openai/gsm8k:main", 0)
+    assert calls[-1] == (("openai/gsm8k",), {"split": "main"})
+    assert "a config: hf:openai/gsm8k:main:train" in str(e.value) and "\n" not in str(e.value)
+    # bad forms are refused by check_config, with the one line and exit 2, before any work
+    for argv in (["--task", "math", "--data", "hf:a:b:c:d"], ["--eval-data", "x=hf:a::b"]):
+        with pytest.raises(SystemExit) as e:
+            gmts.main(argv + ["--out", str(tmp_path / "never")])
+        assert e.value.code == 2 and "hf:ID:CONFIG:SPLIT" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+    # folders saved by save_to_disk (load_from_disk, not the fake load_dataset)
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(3)]
+    whole, splits = str(tmp_path / "whole"), str(tmp_path / "splits")
+    datasets.Dataset.from_list(rows).save_to_disk(whole)
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows),
+                         test=datasets.Dataset.from_list(rows[:1])).save_to_disk(splits)
+    n = len(calls)
+    assert [r["answer"] for r in load_rows("math", f"hf:{whole}", 0)] == ["0", "1", "2"]
+    assert [r["answer"] for r in load_rows("math", f"hf:{splits}", 0)] == ["0", "1", "2"]
+    assert [r["answer"] for r in load_rows("math", f"hf:{splits}:test", 0)] == ["0"]
+    assert len(calls) == n
+    for spec, words in ((f"hf:{whole}:test", "no splits"),
+                        (f"hf:{splits}:dev", "holds the splits train, test")):
+        with pytest.raises(gmts.BadInput, match=words):
+            load_rows("math", spec, 0)
 
 
 def write(tmp_path, name, lines):

@@ -49,11 +49,11 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
 """
-import argparse, ast, collections, contextlib, copy, dataclasses, fnmatch, functools, importlib.util
-import itertools, json, math, operator, os, random, re, shutil, sys, threading, time
+import argparse, ast, collections, contextlib, copy, dataclasses, fnmatch, functools, glob
+import importlib.util, itertools, json, math, operator, os, random, re, shutil, sys, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -1622,7 +1622,7 @@ def _cell(row: dict, key: str):
     return row
 
 def _math_layout(row: dict, where: str) -> dict:
-    """{question, answer} of a math row: the first of LAYOUTS it has; else ValueError naming it."""
+    """{question, answer} of a math row: the first of LAYOUTS it has; else BadInput naming it."""
     for q, a in LAYOUTS.values():
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
         if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat
@@ -1636,18 +1636,38 @@ def _math_layout(row: dict, where: str) -> dict:
     has_question = any(_cell(row, q) is not None for q, _ in LAYOUTS.values())
     what = "answer" if has_question else "question"
     looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in LAYOUTS.values()]
-    raise ValueError(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
+    raise BadInput(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
+
+def _words(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+ROW_TYPES = {  # what a data row's key holds (a key not here: being there is enough)
+    "nums": ("a list of whole numbers", lambda v: isinstance(v, list) and v != []
+             and all(type(x) is int for x in v)),
+    "target": ("a whole number", lambda v: type(v) is int),
+    "question": ("text", lambda v: isinstance(v, str)),
+    "answer": ("text or a number", lambda v: type(v) in (str, int, float)),
+    "names": ("a list of names", _words),
+    "statements": ("a list of sentences", _words),
+    "solution": ("an object of name: true or false", lambda v: isinstance(v, dict)
+                 and all(type(x) is bool for x in v.values())),
+}
 
 def _check_row(row: dict, task: str, where: str = "a row") -> dict:
-    """A row as read -> the row the task trains on, or ValueError naming `where` if it lacks one of
-    the task's keys (TASKS). math: a gold given as a GSM8K solution ('... #### N') keeps GSM8K's
-    rule; any other is "latex" (the last \\boxed{} is graded), with "answer_line" where the question
-    asks for a last line 'Answer: N' (DAPO's)."""
+    """A row as read -> the row the task trains on, or BadInput naming `where` if it lacks one of
+    the task's keys (TASKS) or holds a value not of its type (ROW_TYPES). math: a gold given as a
+    GSM8K solution ('... #### N') keeps GSM8K's rule; any other is "latex" (the last \\boxed{} is
+    graded), with "answer_line" where the question asks for a last line 'Answer: N' (DAPO's)."""
     if task == "math":
         row = _math_layout(row, where)
     missing = [k for k in TASKS[task]["keys"] if row.get(k) is None]
     if missing:
-        raise ValueError(f'{where} has no "{missing[0]}"')
+        raise BadInput(f'{where} has no "{missing[0]}"')
+    for key in TASKS[task]["keys"]:
+        want, ok = ROW_TYPES.get(key, ("", lambda v: True))
+        if not ok(row[key]):
+            value = json.dumps(row[key], default=str)[:60]
+            raise BadInput(f'{where} has "{key}": {value}, not {want}')
     if task != "math":
         return row
     gsm8k = _gsm8k_row(row["question"], row["answer"])
@@ -1665,14 +1685,18 @@ def _read_set(data: str, task: str) -> list:
     kind = data_kind(data)
     fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if kind == "file" and os.path.splitext(data)[1] not in fmt:
-        raise ValueError(f"--data {data}: not a .jsonl, .json, .csv or .parquet file")
+        raise BadInput(f"--data {data}: not a .jsonl, .json, .csv or .parquet file")
+    if kind == "file" and not os.path.isfile(data):
+        raise BadInput(f"{data}: cannot read it (no such file)")
+    if kind == "file" and "::" in data:  # datasets (fsspec) reads a:: as a chain of file systems
+        raise BadInput(f"{data}: datasets cannot read a path with '::' in it; rename the file")
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failure: our one line
     try:
         if kind == "hf":
             ds = _read_hf(data)
         else:
-            ds = datasets.load_dataset(fmt[os.path.splitext(data)[1]], data_files=data,
-                                       split="train")
+            ds = datasets.load_dataset(fmt[os.path.splitext(data)[1]], split="train",
+                                       data_files=glob.escape(os.path.abspath(data)))  # that file
     except BadInput:
         raise
     except Exception as e:  # no such file, set or split; no hub; a file it cannot parse
@@ -1681,7 +1705,7 @@ def _read_set(data: str, task: str) -> list:
         hint = "; offline: --data gen or a data file" if kind == "hf" else ""
         if kind == "hf" and data.count(":") == 2:
             hint += f" (two parts name a split; a config: hf:{data[3:]}:train)"
-        raise ValueError(f"{data}: cannot read it ({error_line(e, 300)}){hint}") from None
+        raise BadInput(f"{data}: cannot read it ({error_line(e, 300)}){hint}") from None
     return [_check_row(row, task, f"{data} row {i}") for i, row in enumerate(ds, 1)]
 
 def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
@@ -1695,7 +1719,7 @@ def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
 
 def get_task(name: str) -> dict:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
+        raise BadInput(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
     return TASKS[name]
 
 @dataclass
@@ -1719,7 +1743,7 @@ def read_data(cfg: Config) -> Data:
     held = bench or held
     pool = [r for r in rows[n_held:] if task["prompt"](r) not in seen]
     if not gen and len(pool) < cfg.prompts_per_step:
-        raise ValueError(f"--data {cfg.data}: {len(pool)} training rows after the {len(rows) - len(pool)} "
+        raise BadInput(f"--data {cfg.data}: {len(pool)} training rows after the {len(rows) - len(pool)} "
                          f"held-out and benchmark ones, fewer than --prompts-per-step {cfg.prompts_per_step}")
     order = {"drawn": 0}
 
@@ -1742,17 +1766,17 @@ def read_data(cfg: Config) -> Data:
                 out.append(row)
             if len(out) == n:
                 return out
-        raise ValueError(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
+        raise BadInput(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
     return Data(draw=draw, held=held, order=order)
 
 def eval_sets(spec: str) -> list:
-    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; ValueError for a malformed entry."""
+    """--eval-data 'NAME=DATA,...' -> [(NAME, DATA), ...]; BadInput for a malformed entry."""
     pairs = [part.partition("=")[::2] for part in spec.split(",") if part]
     names = [name for name, _ in pairs]
     for name, d in pairs:
         bad_name = not re.fullmatch(r"[\w.-]+", name) or name in ("acc", "len", "sample")
         if bad_name or names.count(name) > 1 or data_kind(d) == "gen":
-            raise ValueError(f"--eval-data {spec}: NAME=DATA entries, each NAME once (letters, digits, "
+            raise BadInput(f"--eval-data {spec}: NAME=DATA entries, each NAME once (letters, digits, "
                              "_ . -; not acc, len, sample), each DATA a file or a hub set")
     return pairs
 
@@ -1841,7 +1865,7 @@ def resolve_model_name(name: str) -> str:
     return "Qwen/" + name
 
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
-    """(model, tokenizer) on device in fp32. A model that cannot load is bad input: ValueError."""
+    """(model, tokenizer) on device in fp32. A model that cannot load is bad input: BadInput."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if name == "tiny":
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
@@ -1853,7 +1877,7 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         except Exception as e:  # no such folder or hub id, no hub, damaged files
             if memory_fault(e):
                 raise
-            raise ValueError(f"cannot load model {path!r}: {error_line(e, 300)}") from None
+            raise BadInput(f"cannot load model {path!r}: {error_line(e, 300)}") from None
     tok.padding_side = "left"  # generate() appends to the right end of every row
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -1996,52 +2020,150 @@ def evaluate_run(run, cfg: Config, log=print) -> dict:
     return dict({f"eval_{name}": rec["eval_acc"] for name, rec in zip(sets, recs)}, **means,
                 eval_sample=recs[0]["eval_sample"])
 
+# ==== The folder rule [plumbing]: where a command may write, and what --overwrite removes =========
+# A command's --out holds one run of it, marked by .KIND.run (written before the run's first file;
+# nothing else writes that name), or nothing of anyone's. Every other folder, and every name in it
+# the command does not write, stays as it is. gmts.py's run folder below is one user of the rule.
+def check_folder(out: str, names, kind: str = "gmts", resume=False, overwrite=False,
+                 model: str = "", reads=(), scratch=()):
+    """BadInput (one line), before any work, unless a command `kind` that writes the entries `names`
+    (regexes, each matching a whole name: re.fullmatch) may write in the folder out: out names a
+    folder, or one not made yet; it is not, nor holds, the --model folder; no file it reads
+    (`reads`) lies in one of its names there; and out holds nothing but the lock, the mark and
+    half-written `scratch` names, or holds a run of `kind` (the mark), which --resume continues or
+    --overwrite replaces (resume=None: a command with no --resume)."""
+    if not out:
+        raise BadInput("--out must name a folder")
+    real = os.path.realpath(out)
+    if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
+        raise BadInput(f"--out {out} is or holds the --model folder {model}: the run would "
+                       "replace it")
+    for path in reads:  # --data OUT/metrics.jsonl: the run would remove or rewrite what it reads
+        first = os.path.relpath(os.path.realpath(path), real).split(os.sep)[0]
+        if any(re.fullmatch(name, first) for name in names):
+            raise BadInput(f"{path} is in {os.path.join(out, first)}, which the run writes: move it "
+                           "out of --out")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise BadInput(f"--out {out} is a file, not a folder")
+    try:
+        entries = os.listdir(out) if os.path.isdir(out) else []
+    except OSError as e:
+        raise BadInput(f"--out {out} cannot be read ({e.strerror})") from None
+    marked = f".{kind}.run" in entries
+    held = sorted(n for n in entries if n not in (f".{kind}.lock", f".{kind}.run", f".{kind}.trash")
+                  and not any(re.fullmatch(name, n) for name in scratch))
+    if resume and not marked:
+        raise BadInput(f"--resume {out}: no {kind} run there")
+    if held and not marked:
+        raise BadInput(f"--out {out} holds files that are not a {kind} run ({held[0]} ...); choose "
+                       "another --out")
+    if held and not (resume or overwrite):
+        how = "replace it" if resume is None else f"continue it with --resume {out}, or replace it"
+        raise BadInput(f"--out {out} holds a {kind} run: {how} with --overwrite")
+
+@contextlib.contextmanager
+def claim_folder(out: str, names, kind: str = "gmts", **rules):
+    """The folder rule: check_folder(out, names, kind, **rules); then out made and locked for this
+    process (filelock: out/.KIND.lock) and checked again under the lock (a run may have ended there
+    meanwhile); the lock goes when the with ends. Inside it, with its input loaded and before its
+    first write, the command calls clear_folder. A satellite, with its own names and kind:
+
+        with gmts.claim_folder(args.out, RUN_NAMES, "gmts_trl", resume=None,
+                               overwrite=args.overwrite, model=args.model, reads=[args.data]):
+            trainer = build(args)  # a BadInput here: nothing in --out has changed
+            gmts.clear_folder(args.out, RUN_NAMES, "gmts_trl")  # the old run's names go; marked
+            trainer.train()
+    """
+    from filelock import FileLock, Timeout
+    check_folder(out, names, kind, **rules)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:  # under a file or /proc, a name too long
+        raise BadInput(f"--out {out} cannot be made ({e.strerror})") from None
+    lock = FileLock(os.path.join(out, f".{kind}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:  # filelock says Timeout where it cannot make the file too (/proc)
+        if os.path.exists(lock.lock_file):
+            raise BadInput(f"--out {out}: another process writes there now") from None
+        raise BadInput(f"--out {out} cannot be written") from None
+    except OSError as e:
+        raise BadInput(f"--out {out} cannot be written ({e.strerror})") from None
+    try:
+        check_folder(out, names, kind, **rules)
+        yield
+    finally:
+        lock.release()
+
+def clear_folder(out: str, names, kind: str = "gmts"):
+    """Remove exactly the entries of out that fullmatch one of names, all or nothing, then mark out
+    as a run of kind (.KIND.run). Each entry is first renamed into out/.KIND.trash (a link moves as
+    a link: its target is never touched); if one cannot be, those moved go back and nothing is
+    removed (BadInput naming it); then the trash goes."""
+    trash = os.path.join(out, f".{kind}.trash")
+    _remove(trash)  # a removal that a kill cut short
+    doomed = sorted(n for n in os.listdir(out) if any(re.fullmatch(name, n) for name in names))
+    os.mkdir(trash)
+    moved = []
+    try:
+        for name in doomed:
+            os.rename(os.path.join(out, name), os.path.join(trash, name))
+            moved.append(name)
+    except OSError as e:
+        for n in reversed(moved):
+            os.rename(os.path.join(trash, n), os.path.join(out, n))
+        os.rmdir(trash)
+        raise BadInput(f"--out {out}: {name} cannot be removed ({e.strerror}); nothing was"
+                       ) from None
+    _remove(trash)
+    with open(os.path.join(out, f".{kind}.run"), "w") as f:
+        f.write(f"{kind} marks its run folders with this file; its --overwrite removes only the "
+                "names it writes\n")
+
+def _remove(path: str):
+    """A file or link (not its target), or a folder with all in it."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
 # ==== The run folder [plumbing]: one writer, checkpoints, resume, metrics =========================
-LOCK = ".gmts.lock"  # filelock's file: one process writes a run folder at a time
-RUN_FILES = ("run_config.json*", "metrics.jsonl*", "metrics.png", "ckpt-*", "final.tmp", "tensorboard",
-             "wandb", "config.json", "generation_config.json", "*.safetensors*", "tokenizer*",
-             "*_tokens*.json", "vocab.json", "merges.txt", "chat_template.*")  # what --overwrite may remove
-HALF_WRITTEN = ("ckpt-*.tmp", "ckpt-*.old", "final.tmp", "run_config.json.tmp", "metrics.jsonl.tmp")
+LOCK = ".gmts.lock"  # claim_folder's lock (kind "gmts"): one process writes a run folder at a time
+CKPT = r"ckpt-(\d{6}|[1-9]\d{6,})"  # f"ckpt-{step:06d}": a checkpoint's exact name
+RUN_FILES = (  # every name a run writes in OUT (re.fullmatch): all that --overwrite removes
+    r"run_config\.json(\.tmp)?", r"metrics\.jsonl(\.tmp)?", r"metrics\.png", "tensorboard", "wandb",
+    CKPT + r"(\.tmp|\.old)?", r"final\.tmp",
+    # the final model: what save_pretrained writes for a Qwen model and its tokenizer
+    r"config\.json", r"generation_config\.json", r"model(-\d{5}-of-\d{5})?\.safetensors",
+    r"model\.safetensors\.index\.json", r"tokenizer(_config)?\.json", r"special_tokens_map\.json",
+    r"added_tokens\.json", r"vocab\.json", r"merges\.txt", r"chat_template\.(jinja|json)")
+HALF_WRITTEN = (CKPT + r"\.(tmp|old)", r"final\.tmp", r"run_config\.json\.tmp",
+                r"metrics\.jsonl\.tmp")
 
 def checkpoints(out: str) -> list:
-    """The complete checkpoint folders in out, oldest first (ckpt-N.tmp, half-written, is not one)."""
+    """The complete checkpoint folders in out (named exactly CKPT; ckpt-N.tmp is half-written),
+    oldest first by step."""
     names = os.listdir(out) if os.path.isdir(out) else []
-    return sorted(os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d+", n))
+    done = [n for n in names if re.fullmatch(CKPT, n) and os.path.isdir(os.path.join(out, n))]
+    return [os.path.join(out, n) for n in sorted(done, key=lambda n: int(n[len("ckpt-"):]))]
+
+def folder_rules(cfg: Config) -> dict:
+    """check_folder's rules for a run of cfg: --resume, --overwrite, --model, the files it reads."""
+    specs = [cfg.data] + [data for _, data in eval_sets(cfg.eval_data)]
+    return dict(resume=bool(cfg.resume), overwrite=cfg.overwrite, model=cfg.model,
+                reads=[d for d in specs if data_kind(d) == "file"], scratch=HALF_WRITTEN)
 
 def check_out(cfg: Config):
-    """ValueError unless the run may write in cfg.out: not the --model folder nor one holding it;
-    a new or empty folder, or a gmts run's (run_config.json), with --resume or --overwrite if it
-    holds a checkpoint (a run with none lost nothing: it is replaced)."""
-    out, has_run = cfg.out, os.path.isfile(os.path.join(cfg.out, "run_config.json"))
-    real = os.path.realpath(out)
-    if os.path.isdir(cfg.model) and os.path.commonpath([real, os.path.realpath(cfg.model)]) == real:
-        raise ValueError(f"--out {out} is or holds the --model folder {cfg.model}: the run would replace it")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} is a file, not a folder")
-    if os.path.isdir(out) and set(os.listdir(out)) - {LOCK, "run_config.json.tmp"} and not has_run:
-        raise ValueError(f"--out {out} holds files that are not a gmts run; choose another --out")
-    if cfg.resume and not checkpoints(out):
-        raise ValueError(f"--resume {out}: no checkpoint there to continue; run without --resume")
-    if checkpoints(out) and not (cfg.resume or cfg.overwrite):
-        raise ValueError(f"--out {out} holds a run: continue it with --resume {out}, or replace it "
-                         "with --overwrite")
+    """BadInput unless the run may write in cfg.out: the folder rule, check_folder with RUN_FILES."""
+    check_folder(cfg.out, RUN_FILES, "gmts", **folder_rules(cfg))
 
 @contextlib.contextmanager
 def start_run(cfg: Config, log=print):
-    """The Run a step starts from, cfg.out locked (filelock) until the loop ends: the data, the model
-    (a resume: the newest checkpoint's, with state.pt's step, optimiser and rows drawn), the
-    optimiser, the KL reference, the sampler; only then does --out change (open_folder). After the
-    loop: metrics.png and the final model in --out itself."""
-    from filelock import FileLock, Timeout
-    check_out(cfg)
-    os.makedirs(cfg.out, exist_ok=True)
-    lock = FileLock(os.path.join(cfg.out, LOCK))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise ValueError(f"--out {cfg.out}: another process writes there now") from None
-    try:
-        check_out(cfg)  # again, alone: a run may have ended there meanwhile
+    """The Run a step starts from, cfg.out claimed (claim_folder: checked, locked) until the loop
+    ends: the data, the model (a resume: the newest checkpoint's, with state.pt's step, optimiser
+    and rows drawn), the optimiser, the KL reference, the sampler; only then does --out change
+    (open_folder). After the loop: metrics.png and the final model in --out itself."""
+    with claim_folder(cfg.out, RUN_FILES, "gmts", **folder_rules(cfg)):
         device = pick_device(cfg.device)
         guard_cuda(device)
         if cfg.threads > 0:
@@ -2050,12 +2172,9 @@ def start_run(cfg: Config, log=print):
         data = read_data(cfg)
         state = dict(step=0, skipped=0, drawn=0)
         if cfg.resume:
-            ckpt = checkpoints(cfg.out)[-1]
-            model, tok = load_model(ckpt, device)
-            state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True)
-            data.order["drawn"] = state.get("drawn", 0)
-            if state["step"] > cfg.steps:
-                raise ValueError(f"--steps {cfg.steps} is below the run's last saved step {state['step']}")
+            ckpt, model, tok, state = read_checkpoint(cfg.out, device)
+            data.order["drawn"] = state["drawn"]
+            check_steps(cfg, read_run_config(cfg.out)["steps"], state["step"])
         else:
             model, tok = load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
         ref = None
@@ -2066,7 +2185,10 @@ def start_run(cfg: Config, log=print):
             model.activation_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         if cfg.resume:
-            opt.load_state_dict(state["opt"])
+            try:
+                opt.load_state_dict(state["opt"])
+            except (ValueError, KeyError, TypeError, IndexError) as e:  # another model's optimiser
+                raise unreadable(ckpt, f"state.pt's optimiser: {error_line(e, 200)}") from None
         sampler = model
         if cfg.sampler_dtype == "bf16" or (cfg.sampler_dtype == "auto" and device.type == "cuda"):
             sampler = copy.deepcopy(model).eval().requires_grad_(False)
@@ -2082,14 +2204,57 @@ def start_run(cfg: Config, log=print):
         plot_metrics(cfg.out)
         save_final(cfg.out, run.model, run.tok)  # last: its config.json marks the run finished
         log(f"done: {cfg.out} (metrics.jsonl, metrics.png, the model)")
-    finally:
-        lock.release()
+
+def read_checkpoint(out: str, device: torch.device) -> tuple:
+    """--resume: (the newest checkpoint, its model, tokenizer and state.pt: the step, skipped, rows
+    drawn, the optimiser's state); one that cannot be read: BadInput naming it and the one before."""
+    done = checkpoints(out)
+    if not done:
+        raise BadInput(f"--resume {out}: no checkpoint there to continue (start again with "
+                       "--overwrite)")
+    ckpt = done[-1]
+    try:
+        model, tok = load_model(ckpt, device)
+    except BadInput as e:
+        raise unreadable(ckpt, str(e)) from None
+    try:
+        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch reads a cut or overwritten file as many kinds of errors
+        if memory_fault(e):
+            raise
+        raise unreadable(ckpt, f"state.pt: {error_line(e, 200)}") from None
+    kinds = dict(step=int, skipped=int, drawn=int, opt=dict)
+    if not (isinstance(state, dict) and all(type(state.get(k)) is t for k, t in kinds.items())
+            and state["step"] == int(os.path.basename(ckpt)[len("ckpt-"):])):
+        raise unreadable(ckpt, "state.pt holds no step, skipped, drawn and opt of this checkpoint")
+    return ckpt, model, tok, state
+
+def unreadable(ckpt: str, why: str) -> BadInput:
+    """A checkpoint --resume cannot use: one line naming it, and the checkpoint before it."""
+    older = [c for c in checkpoints(os.path.dirname(ckpt)) if c != ckpt]
+    how = (f"remove it to resume from {os.path.basename(older[-1])}" if older
+           else "no checkpoint before it: start again with --overwrite")
+    return BadInput(f"--resume: {ckpt} cannot be read ({why}); {how}")
+
+def check_steps(cfg: Config, saved_steps: int, done: int):
+    """--steps with --resume: at least the steps done, and another value only where steps 1..done
+    had the lrs a run of the new length gives them (the decay's horizon is --steps): with
+    --no-lr-decay, or within the warm-up. Then the run is that uninterrupted run."""
+    if cfg.steps < done:
+        raise BadInput(f"--steps {cfg.steps} is below the run's last saved step {done}")
+    old = dataclasses.replace(cfg, steps=saved_steps)
+    slots = itertools.product(range(1, done + 1), range(cfg.inner_updates))  # (step, inner)
+    if saved_steps != cfg.steps and any(step_lr(old, *s) != step_lr(cfg, *s) for s in slots):
+        raise BadInput(f"--steps {cfg.steps} would change the lr of steps 1-{done}, trained with "
+                       f"--steps {saved_steps} (the lr decays to 0 at --steps): keep --steps "
+                       f"{saved_steps}, or start a new run from --model {cfg.out}/ckpt-N")
 
 def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
-    """start_run's writes: an earlier run's files go (a resume keeps metrics.jsonl up to its
-    checkpoint), then the config, the tracker, the first line, a new run's step 0 and ckpt-000000."""
+    """start_run's writes: an earlier run's files go (clear_folder; a resume keeps its run, and
+    metrics.jsonl up to its checkpoint), then the config, the tracker, the first line, a new run's
+    step 0 and ckpt-000000."""
     kept = read_metrics(cfg.out, run.start - 1) if cfg.resume else []  # later steps will rerun
-    remove_names(cfg.out, HALF_WRITTEN if cfg.resume else RUN_FILES)  # a resume keeps its run
+    clear_folder(cfg.out, HALF_WRITTEN if cfg.resume else RUN_FILES, "gmts")
     write_file(os.path.join(cfg.out, "run_config.json"), json.dumps(vars(cfg), indent=1))
     write_file(os.path.join(cfg.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
     run.log_step = step_logger(cfg, log)
@@ -2118,16 +2283,22 @@ def save_checkpoint(out: str, step: int, run: Run, keep: int = 2):
         shutil.rmtree(old + ".old", ignore_errors=True)
 
 def _save_model(tmp: str, model, tok, state=None):
-    """model, tokenizer (and state.pt) into a fresh folder tmp; a failed write removes it."""
+    """model, tokenizer (and state.pt) into a fresh folder tmp; a failed write removes it, and is a
+    fault of the run (RunError) whatever raised it: a full disk is torch's RuntimeError,
+    safetensors' SafetensorError, the tokenizer's Exception or an OSError."""
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if state is not None:
             torch.save(state, os.path.join(tmp, "state.pt"))
-    except BaseException:  # a full disk, Ctrl-C: no half folder left to fill it
+    except BaseException as e:  # a full disk, Ctrl-C: no half folder left to fill it
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not isinstance(e, Exception) or memory_fault(e):
+            raise
+        free = shutil.disk_usage(os.path.dirname(tmp)).free
+        raise RunError(f"writing {tmp} failed ({error_line(e, 300)}; {free / 2**20:.1f} MiB free "
+                       "there)") from e
 
 def save_final(out: str, model, tok):
     """save_pretrained into OUT itself via final.tmp, config.json renamed in last: never torn."""
@@ -2155,12 +2326,31 @@ def write_file(path: str, text: str):
     os.replace(path + ".tmp", path)
 
 def read_run_config(out: str) -> dict:
-    """The saved config of the run in `out`, or ValueError with one line."""
+    """The saved config of the run in `out` (Config's fields in it): BadInput (one line) unless
+    run_config.json is an object whose values have their fields' types."""
+    path = os.path.join(out, "run_config.json")
     try:
-        with open(os.path.join(out, "run_config.json")) as f:
-            return dict(json.load(f))
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"--resume {out}: no readable run_config.json there ({type(e).__name__})") from None
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--resume {out}: no readable run_config.json there ({type(e).__name__})"
+                       ) from None
+    fields = get_type_hints(Config)
+    if not isinstance(saved, dict):
+        raise BadInput(f"{path}: not an object of settings")
+    for key, value in saved.items():
+        if key in fields and not _of_type(value, fields[key], getattr(Config, key)):
+            raise BadInput(f"{path}: {key} is {value!r}, not of its type ({fields[key]})")
+    return {key: value for key, value in saved.items() if key in fields}
+
+def _of_type(value, kind, default) -> bool:
+    """Whether a JSON value fits a Config field: one of a Literal's choices, a number for a float,
+    exactly the type otherwise (true is no int); None only where None is the default."""
+    if value is None:
+        return default is None
+    if get_origin(kind) is Literal:
+        return value in get_args(kind)
+    return type(value) in ((int, float) if kind is float else (kind,))
 
 def log_metrics(path: str, rec: dict):
     """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
@@ -2271,7 +2461,7 @@ def open_tracker(cfg: Config):
             tracker = wandb.init(project="gmts", name=os.path.basename(cfg.out), dir=cfg.out,
                                  config=dataclasses.asdict(cfg))
     except Exception as e:  # not installed; wandb not logged in (WANDB_MODE=offline needs no login)
-        raise ValueError(f"--report-to {cfg.report_to} cannot start: {error_line(e, 300)}") from None
+        raise BadInput(f"--report-to {cfg.report_to} cannot start: {error_line(e, 300)}") from None
 
     def report(rec):
         if rec is None:
@@ -2300,38 +2490,37 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
 ]
 
 def check_config(cfg: Config):
-    """ValueError, in one line, for a value no run can use: before any work."""
+    """BadInput, in one line, for a value no run can use: before any work."""
     for names, ok, want in RULES:
         for name in names:
             if not ok(getattr(cfg, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
+                raise BadInput(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
     if cfg.select not in METHODS:
-        raise ValueError(f"--select must be one of {', '.join(METHODS)}, got {cfg.select!r}")
+        raise BadInput(f"--select must be one of {', '.join(METHODS)}, got {cfg.select!r}")
     if cfg.rsi_low >= cfg.rsi_high:
-        raise ValueError(f"--rsi-low {cfg.rsi_low} must be below --rsi-high {cfg.rsi_high} "
+        raise BadInput(f"--rsi-low {cfg.rsi_low} must be below --rsi-high {cfg.rsi_high} "
                          "(an interval of one value keeps no token)")
     if METHODS[cfg.select].band and (cfg.scope != "auto" or cfg.loss_norm == "selected"):
-        raise ValueError(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
+        raise BadInput(f"--select {cfg.select} keeps an interval, with no budget: not with --scope "
                          "group/batch or --loss-norm selected")
     for data in [cfg.data] + [d for _, d in eval_sets(cfg.eval_data)]:
         if data_kind(data) == "hf":
             hf_spec(data)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
-        raise ValueError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
+        raise BadInput(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
     if cfg.prompt_style != "ours" and cfg.task != "math":
-        raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
+        raise BadInput(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
     if data_kind(cfg.data) == "gen" and cfg.data_order == "epoch":
-        raise ValueError(f"--data-order epoch passes over a file's or set's rows; --data {cfg.data} draws "
+        raise BadInput(f"--data-order epoch passes over a file's or set's rows; --data {cfg.data} draws "
                          "fresh problems")
     if cfg.device != "auto" and pick_device("auto").type != cfg.device and cfg.device != "cpu":
-        raise ValueError(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
+        raise BadInput(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
 
 RESUME_FLAGS = ("resume", "steps", "eval_every", "save_every", "device", "threads", "report_to")
 
 def parse_args(argv=None) -> Config:
     """Config from the command line (HfArgumentParser: a --flag per field): the defaults, then
-    --preset NAME's, then the flags given. --resume OUT: the run's saved config, where only
-    RESUME_FLAGS may be given (a changed run is a new run from --model OUT/ckpt-N)."""
+    --preset NAME's, then the flags given. --resume OUT: the run's saved config (resume_config)."""
     from transformers import HfArgumentParser
     p = HfArgumentParser(Config, description="GRPO with GMTS token selection (gmts.py's docstring).")
     p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
@@ -2340,20 +2529,32 @@ def parse_args(argv=None) -> Config:
     unset = object()  # argparse leaves a value it finds in the namespace: unset marks a flag not given
     parsed = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(names, unset)))
     given = {k: v for k, v in vars(parsed).items() if v is not unset}
+    preset = given.pop("preset", None)
     if given.get("resume"):
-        changed = sorted(set(given) - set(RESUME_FLAGS))
-        if changed:
-            raise ValueError(f"--resume continues the run with its saved config; --{changed[0].replace('_', '-')} "
-                             f"would change it (start a new run from --model {given['resume']}/ckpt-N instead)")
-        saved = read_run_config(given["resume"])
-        values = {k: v for k, v in saved.items() if k in names}
-        values.update(given, out=given["resume"])
-    else:
-        values = dict(PRESETS.get(given.pop("preset", None), {}), **given)
-    return Config(**values)
+        return Config(**resume_config(given, preset))
+    return Config(**dict(PRESETS.get(preset, {}), **given))
 
-def bad_flag(message: str):  # argparse's error(): a ValueError, so run_cli's one line says it
-    raise ValueError(message)
+def resume_config(given: dict, preset=None) -> dict:
+    """--resume OUT: the run's saved config (read_run_config) with the RESUME_FLAGS given (--steps:
+    check_steps). Any other flag given, or set by --preset, must repeat its saved value: a changed
+    run is a new run from --model OUT/ckpt-N. BadInput names the flag and both values."""
+    out = given["resume"]
+    saved = read_run_config(out)
+    for key, value in dict(PRESETS.get(preset, {}), **given).items():
+        if key == "out" and key in given and os.path.realpath(value) != os.path.realpath(out):
+            raise BadInput(f"--out {value} is not the --resume folder {out}")
+        if key in RESUME_FLAGS or key == "out":  # may change (a preset's --out: the run's own)
+            continue
+        was = saved.get(key, getattr(Config, key))
+        if value != was:
+            flag = f"--{key.replace('_', '-')} {value}"
+            said = flag if key in given else f"--preset {preset} sets {flag}"
+            raise BadInput(f"{said}, but the run in {out} has {was}: --resume continues a run with "
+                           f"its saved config (a changed run is a new run from --model {out}/ckpt-N)")
+    return dict(saved, **{k: v for k, v in given.items() if k in RESUME_FLAGS}, out=out)
+
+def bad_flag(message: str):  # argparse's error(): BadInput, so run_cli's one line says it, exit 2
+    raise BadInput(message)
 
 def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens (or set --rollout-rows)"):
     """The one line for a failed CPU or GPU allocation, naming the flags to lower; else None."""
@@ -2377,19 +2578,28 @@ def kept_note(out) -> str:
 
 def run_cli(prog: str, command, kept=lambda: "", lower: str = None):
     """The one error handler of gmts.py and of its satellites: command() runs, and an error ends it
-    as one line 'PROG: error: ...' on stderr with an exit code: 2 bad input (ValueError: a flag, a
-    file, a model that cannot load); 1 a fault while running (out of memory, with the flags to
-    lower; an OSError such as a full disk; RunError); 130 Ctrl-C. With 1 and 130 the line adds
-    kept(): what is saved. Any other exception is a bug, and shows its traceback."""
+    as one line 'PROG: error: ...' on stderr, its exit code set by where the error came from:
+      2    bad input: BadInput, raised by the checks of what the user gave (a flag, a file, a path,
+           a folder's state) before any work;
+      1    a fault while running: out of memory (with the flags to lower), an OSError (a full
+           disk), a RunError (a checkpoint or final model that could not be written, whatever
+           raised it); the line adds kept(), the checkpoint kept;
+      1    anything else is a bug, a plain ValueError too: the same line, then the exception goes
+           on (Python prints its traceback under the line; a caller gets the exception);
+      130  Ctrl-C, with kept()."""
     try:
         return command()
     except KeyboardInterrupt:
         code, why = 130, "interrupted"
+    except BadInput as e:
+        code, why = 2, error_line(e)
     except Exception as e:
         fault = memory_fault(e, lower) if lower else memory_fault(e)
-        if not (fault or isinstance(e, (ValueError, OSError, RunError))):
+        if not (fault or isinstance(e, (OSError, RunError))):
+            print(f"{prog}: error: {type(e).__name__}: {error_line(e, 300)}{kept()} (a bug, not "
+                  "bad input: its traceback follows)", file=sys.stderr, flush=True)
             raise
-        code, why = (2 if isinstance(e, ValueError) and not fault else 1), fault or error_line(e)
+        code, why = 1, fault or error_line(e)
     print(f"{prog}: error: {why}{kept() if code != 2 else ''}", file=sys.stderr, flush=True)
     sys.exit(code)
 

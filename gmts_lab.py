@@ -89,8 +89,8 @@ import gmts
 
 def countdown_reference(row: dict) -> str:
     if "expr" not in row:
-        raise ValueError("a countdown reference needs a generated row (with its 'expr'): "
-                         "use --data gen or easy")
+        raise gmts.BadInput("a countdown reference needs a generated row (with its 'expr'): "
+                            "use --data gen or easy")
     return f"{row['expr']} = {row['target']}</think>\n<answer>{row['expr']}</answer>"
 
 def math_reference(row: dict) -> str:
@@ -129,7 +129,8 @@ def math_blind(row: dict, rng: random.Random) -> dict:
     steps = row.get("steps", [])
     parts = steps[0].split() if len(steps) == 1 else []
     if len(parts) != 5 or not (parts[0].isdigit() and parts[2].isdigit()):
-        raise ValueError("a blind math warm-up needs one-step rows ('a op b = z'): use --data easy")
+        raise gmts.BadInput("a blind math warm-up needs one-step rows ('a op b = z'): use --data "
+                            "easy")
     a, b, op = int(parts[0]), int(parts[2]), rng.choice(MATH_BLIND_OPS)
     cue = re.findall(rf"([A-Za-z]+) {b}(?![0-9])", row["question"])
     z = gmts._OPS[op](a, b)

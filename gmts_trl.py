@@ -646,19 +646,23 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
     """Flags -> a GMTSTrainer. ValueError: bad input (data, the model, TRL's own checks). Cheap
     checks first: the config, the data, then the model."""
     cuda = torch.cuda.is_available()
-    with warnings.catch_warnings():  # TRL's gradient_checkpointing=True: a transformers warning
-        warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
-        cfg = GMTSConfig(
-            output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
-            per_device_train_batch_size=args.per_device_batch_size,
-            gradient_accumulation_steps=args.grad_accum, num_generations=args.num_generations,
-            max_completion_length=args.max_completion_length, loss_type=args.loss_type,
-            epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
-            lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, decay
-            use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select,
-            token_rho=args.rho, token_scope=args.scope, use_cpu=not cuda,
-            bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
-            save_strategy="steps", save_steps=50)
+    try:
+        with warnings.catch_warnings():  # TRL's gradient_checkpointing=True: transformers warns
+            warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated",
+                                    FutureWarning)
+            cfg = GMTSConfig(
+                output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
+                per_device_train_batch_size=args.per_device_batch_size,
+                gradient_accumulation_steps=args.grad_accum, num_generations=args.num_generations,
+                max_completion_length=args.max_completion_length, loss_type=args.loss_type,
+                epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
+                lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, decay
+                use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select,
+                token_rho=args.rho, token_scope=args.scope, use_cpu=not cuda,
+                bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
+                save_strategy="steps", save_steps=50)
+    except ValueError as e:  # TRL's own checks of the flags (a batch not divisible): bad input
+        raise gmts.BadInput(gmts.error_line(e)) from None
     per_step = cfg.generation_batch_size // cfg.num_generations  # prompts a step, all processes
     n = min(max(2000, args.steps * per_step), ROWS_CAP)
     rows = gmts.load_rows(args.task, args.data, n, args.seed)

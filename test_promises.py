@@ -4,7 +4,9 @@ the point. Offline, CPU:  python -m pytest -q test_promises.py
 
 1 the CPU demo learns; 2 resume is exact; 3 checkpoints are model folders, atomic, the last two kept; 4 nothing that
 is not the run's is replaced; 5 grading is bounded and never raises; 6 the published data files load; 7 errors are
-one line from one place (exit 2 bad input, 1 a fault while running, 130 Ctrl-C).
+one line from one place (exit 2 bad input, 1 a fault while running or a bug with its traceback, 130 Ctrl-C).
+Where a promise needs what only the operating system can give (a full file system, a mount point), the test makes it
+for real: a write limit (RLIMIT_FSIZE) in a child process, or a small tmpfs where mounting is permitted (else skipped).
 """
 import os
 
@@ -14,6 +16,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import errno
 import glob
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,14 +80,18 @@ def fails(capsys, argv, code):
 
 # A child run: `python DRIVER WHERE gmts-flags...` trains with parity_reward and, by WHERE, SIGKILLs itself:
 # "metrics" right after step 3's metrics line (before its checkpoint), "checkpoint" once ckpt-000004.tmp is complete
-# (before its rename), "interrupt" sends itself SIGINT (Ctrl-C) after step 2's line; "none" runs to the end.
+# (before its rename), "interrupt" sends itself SIGINT (Ctrl-C) after step 2's line; "none" runs to the end;
+# "fsize=N" runs with a real limit of N bytes on any file it writes (RLIMIT_FSIZE; SIGXFSZ ignored, so a write past it
+# fails with EFBIG as on a full disk, in whichever library writes); "bug": step_record raises a plain ValueError at
+# step 2, as a bug a reader put in would.
 DRIVER = """
-import os, signal, sys
+import os, resource, signal, sys
 sys.path.insert(0, {here!r})
 import torch
 import gmts
 
 gmts.TASKS["countdown"]["reward"] = lambda text, row: float(sum(map(ord, text)) % 2)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, also where the shell ignores it (a job in &)
 where, argv = sys.argv[1], sys.argv[2:]
 log, save = gmts.log_metrics, torch.save
 
@@ -100,7 +107,16 @@ def save_then(obj, path, *a, **k):
     if where == "checkpoint" and os.path.basename(os.path.dirname(str(path))) == "ckpt-000004.tmp":
         os.kill(os.getpid(), signal.SIGKILL)
 
-gmts.log_metrics, torch.save = log_then, save_then
+def record_then(step, *a, **k):
+    if where == "bug" and step == 2:
+        raise ValueError("a reader's bug")
+    return record(step, *a, **k)
+
+record = gmts.step_record
+gmts.log_metrics, torch.save, gmts.step_record = log_then, save_then, record_then
+if where.startswith("fsize="):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(where[6:]), resource.RLIM_INFINITY))
 gmts.main(argv)
 """
 
@@ -175,19 +191,105 @@ def test_a_killed_run_resumes_to_the_uninterrupted_one_epoch_order_included(tmp_
 
 def test_resume_takes_only_the_flags_that_keep_the_run(tmp_path, capsys, parity):
     """With --resume, --steps (and --eval-every, --save-every, --device, --threads, --report-to) may be given;
-    any other flag is refused in one line naming it, and the folder is left as it was."""
+    any other flag with another value than the run's is refused in one line naming it and both values, and the
+    folder is left as it was. (--no-lr-decay: a longer --steps keeps the lrs of the steps done, check_steps.)"""
     out = tmp_path / "run"
-    gmts.main([*SMALL, "--steps", "2", "--save-every", "1", "--out", str(out)])
+    gmts.main([*SMALL, "--no-lr-decay", "--steps", "2", "--save-every", "1", "--out", str(out)])
     before = snapshot(out)
-    for flag, value in (("--lr", "1e-3"), ("--select", "entropy"), ("--seed", "1"), ("--overwrite", None),
-                        ("--preset", "smoke"), ("--out", str(tmp_path / "else"))):
+    for flag, value, said in (("--lr", "1e-3", "--lr 0.001, but the run in"), ("--select", "entropy", "has gmts"),
+                              ("--seed", "1", "--seed 1, but"), ("--overwrite", None, "--overwrite True, but"),
+                              ("--preset", "smoke", "--preset smoke sets --model"),
+                              ("--out", str(tmp_path / "else"), f"is not the --resume folder {out}")):
         line = fails(capsys, ["--resume", out, flag, *([value] if value else [])], 2)
-        assert flag in line and "--resume" in line, line
+        assert flag in line and "--resume" in line and said in line, line
     line = fails(capsys, ["--resume", out, "--steps", "1"], 2)  # fewer steps than it has run: no silent end
     assert "--steps 1 is below the run's last saved step 2" in line, line
     assert snapshot(out) == before
     gmts.main(["--resume", str(out), "--steps", "3", "--eval-every", "3", "--threads", "1"])
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3] and "eval_acc" in metrics(out)[-1]
+
+
+def test_the_same_command_with_resume_appended_continues_the_run(tmp_path, capsys, monkeypatch, parity):
+    """What a user types first after a stop: the same command with --resume OUT appended. Its flags repeat the saved
+    values, so it is accepted, and the run ends as the uninterrupted one (metrics line for line, weights bit for
+    bit); the same command with one value changed (--lr given twice: the last counts) is refused naming both."""
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    command = [*SMALL, "--steps", "4", "--save-every", "1"]
+    gmts.main([*command, "--out", str(ref)])
+    update, calls = gmts.policy_update, []
+
+    def interrupted(*a, **k):  # Ctrl-C in step 3's update: ckpt-000002 is the newest
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return update(*a, **k)
+    monkeypatch.setattr(gmts, "policy_update", interrupted)
+    fails(capsys, [*command, "--out", out], 130)
+    monkeypatch.setattr(gmts, "policy_update", update)
+    before = snapshot(out)
+    line = fails(capsys, [*command, "--out", out, "--resume", out, "--lr", "1e-3"], 2)
+    assert "--lr 0.001, but the run in" in line and "has 0.01" in line, line
+    assert snapshot(out) == before
+    gmts.main([*command, "--out", str(out), "--resume", str(out)])
+    assert metrics(out) == metrics(ref) and same_weights(out, ref)
+
+
+def test_a_changed_steps_is_refused_where_no_uninterrupted_run_equals_it(tmp_path, capsys, parity):
+    """The lr decays linearly to 0 at --steps, so once the decay has begun, a resume with another --steps would equal
+    no uninterrupted run: refused in one line naming both values, the folder unchanged. With --no-lr-decay the lrs
+    of the steps done are those of any length: 2 steps resumed to 4 are the uninterrupted 4-step run, weights bit for
+    bit, metrics line for line but for step 2's evaluation (the 2-step run's last step evaluated)."""
+    out = tmp_path / "decay"
+    gmts.main([*SMALL, "--steps", "2", "--out", str(out)])
+    before = snapshot(out)
+    for steps in ("4", "3"):
+        line = fails(capsys, ["--resume", out, "--steps", steps], 2)
+        assert f"--steps {steps} would change the lr of steps 1-2, trained with --steps 2" in line, line
+    assert snapshot(out) == before
+    flat, ref = tmp_path / "flat", tmp_path / "ref"
+    gmts.main([*SMALL, "--no-lr-decay", "--steps", "4", "--out", str(ref)])
+    gmts.main([*SMALL, "--no-lr-decay", "--steps", "2", "--out", str(flat)])
+    gmts.main(["--resume", str(flat), "--steps", "4"])
+    assert same_weights(flat, ref)
+    no_eval_at_2 = [{k: v for k, v in r.items() if r["step"] != 2 or not k.startswith("eval_")} for r in metrics(flat)]
+    assert no_eval_at_2 == metrics(ref) and "eval_acc" in metrics(flat)[2]
+
+
+@pytest.mark.parametrize("saved, said", [({"steps": "8"}, "steps is '8'"), ({"short_prompt": 1}, "short_prompt is 1"),
+                                         ({"task": "chess"}, "task is 'chess'"), ([], "not an object")])
+def test_a_resume_checks_the_saved_configs_types(tmp_path, capsys, saved, said):
+    """run_config.json is the user's file too: a value of another type than its flag's, or not an object at all,
+    is refused in one line naming the file (exit 2), before anything in the folder changes."""
+    out = tmp_path / "run"
+    gmts.main([*SMALL, "--steps", "1", "--out", str(out)])
+    config = json.loads((out / "run_config.json").read_text())
+    (out / "run_config.json").write_text(json.dumps(dict(config, **saved) if saved else saved))
+    before = snapshot(out)
+    line = fails(capsys, ["--resume", out], 2)
+    assert f"{out / 'run_config.json'}: {said}" in line, line
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut", "another state"])
+def test_a_damaged_state_pt_is_one_line_naming_it_and_the_checkpoint_before_it(tmp_path, capsys, parity, damage):
+    """The newest checkpoint's state.pt overwritten with junk, cut in half, or holding another step: --resume stops in
+    one line (exit 2) naming it and the checkpoint before it; removing it, as the line says, resumes from that one."""
+    out = tmp_path / "run"
+    gmts.main([*SMALL, "--steps", "3", "--save-every", "1", "--out", str(out)])
+    state = out / "ckpt-000003" / "state.pt"
+    if damage == "garbage":
+        state.write_bytes(b"not a state" * 100)
+    elif damage == "cut":
+        state.write_bytes(state.read_bytes()[:len(state.read_bytes()) // 2])
+    else:
+        torch.save({"step": 7}, state)
+    before = snapshot(out)
+    line = fails(capsys, ["--resume", out], 2)
+    assert f"{out / 'ckpt-000003'} cannot be read (state.pt" in line and "resume from ckpt-000002" in line, line
+    assert snapshot(out) == before
+    shutil.rmtree(out / "ckpt-000003")
+    gmts.main(["--resume", str(out)])
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
 
 
 # ---- 3. checkpoints are model folders, atomic, the last two kept ---------------------------------------------------
@@ -210,23 +312,23 @@ def test_checkpoints_are_model_folders_and_the_last_two_are_kept(tmp_path, parit
     assert all(torch.equal(p, q) for p, q in zip(start.parameters(), loaded.parameters()))
 
 
-def test_a_write_that_dies_leaves_the_newest_complete_checkpoint(tmp_path, parity, monkeypatch, capsys):
-    """A save that fails half way (here: the disk fills while ckpt-000002.tmp is written) removes its half folder,
-    and the run says which checkpoint it keeps; --resume goes on from it."""
+def test_checkpoints_are_ordered_by_step_past_a_million(tmp_path, parity):
+    """At step 1,000,000 a checkpoint's name grows a seventh digit: the newest is the highest step, not the last name
+    in string order, so --resume goes on from ckpt-1000000 and the rotation keeps it beside the new one. A user's
+    ckpt-3 folder and ckpt-5.txt are no checkpoints: never resumed from, rotated or removed."""
     out = tmp_path / "run"
-    save = torch.save
-
-    def full_disk(obj, path, *a, **k):
-        if "ckpt-000002.tmp" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return save(obj, path, *a, **k)
-    monkeypatch.setattr(torch, "save", full_disk)
-    line = fails(capsys, [*SMALL, "--steps", "3", "--save-every", "1", "--out", out], 1)
-    assert "No space left on device" in line and "keeps ckpt-000001: continue with --resume" in line, line
-    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000000", "ckpt-000001"]
-    monkeypatch.setattr(torch, "save", save)
-    gmts.main(["--resume", str(out)])
-    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
+    gmts.main([*SMALL, "--no-lr-decay", "--steps", "2", "--save-every", "1", "--out", str(out)])
+    for name, step in (("ckpt-000001", 999_999), ("ckpt-000002", 1_000_000)):  # the run, a million steps on
+        state = torch.load(out / name / "state.pt", weights_only=True)
+        torch.save(dict(state, step=step), out / name / "state.pt")
+        os.rename(out / name, out / f"ckpt-{step:06d}")
+    os.makedirs(out / "ckpt-3")
+    (out / "ckpt-5.txt").write_text("mine")
+    gmts.main(["--resume", str(out), "--steps", "1000001"])
+    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-1000000", "ckpt-1000001"]
+    assert torch.load(out / "ckpt-1000001" / "state.pt", weights_only=True)["step"] == 1_000_001
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 1_000_001]
+    assert (out / "ckpt-3").is_dir() and (out / "ckpt-5.txt").read_text() == "mine"
 
 
 # ---- 4. nothing that is not the run's is replaced ------------------------------------------------------------------
@@ -263,6 +365,119 @@ def test_a_run_needs_resume_or_overwrite_and_overwrite_keeps_the_users_files(tmp
     assert [r["step"] for r in metrics(out)] == [0, 1]  # the new run alone
     assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000000", "ckpt-000001"]
     assert (out / "my_notes.txt").read_text() == "mine" and (out / "my_plots").is_dir()
+
+
+def test_a_folder_of_another_tool_with_a_run_config_is_refused_untouched(tmp_path, capsys):
+    """Another tool's folder with its own run_config.json, config.json, weights and tokenizer: no gmts run wrote it
+    (no .gmts.run), so a run there is refused, with --overwrite too, and every file stays as it was."""
+    other = tmp_path / "other"
+    model, tok = gmts.build_tiny()
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
+    (other / "run_config.json").write_text(json.dumps({"steps": 5, "lr": 0.1}))
+    (other / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = snapshot(other)
+    for extra in ([], ["--overwrite"]):
+        line = fails(capsys, [*SMALL, "--steps", "1", "--out", other, *extra], 2)
+        assert "holds files that are not a gmts run" in line, line
+    line = fails(capsys, ["--resume", other], 2)
+    assert f"--resume {other}: no gmts run there" in line, line
+    assert snapshot(other) == before
+
+
+def test_a_run_holds_its_folder_until_overwrite_checkpoints_or_not(tmp_path, capsys, monkeypatch):
+    """A finished run whose checkpoints the user removed keeps its final model, and a run stopped in its step-0
+    evaluation keeps its config: a new run there is refused without --overwrite, --resume says there is nothing to
+    resume, and nothing changes; --overwrite then replaces the run."""
+    done, stopped = tmp_path / "done", tmp_path / "stopped"
+    gmts.main([*SMALL, "--steps", "1", "--out", str(done)])
+    for ckpt in gmts.checkpoints(str(done)):
+        shutil.rmtree(ckpt)
+    evaluate = gmts.evaluate_run
+
+    def ctrl_c(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gmts, "evaluate_run", ctrl_c)
+    fails(capsys, [*SMALL, "--steps", "1", "--out", stopped], 130)
+    monkeypatch.setattr(gmts, "evaluate_run", evaluate)
+    assert (stopped / "run_config.json").exists() and not gmts.checkpoints(str(stopped))
+    for out in (done, stopped):
+        before = snapshot(out)
+        line = fails(capsys, [*SMALL, "--steps", "1", "--out", out], 2)
+        assert f"holds a gmts run: continue it with --resume {out}, or replace it with --overwrite" in line, line
+        line = fails(capsys, ["--resume", out], 2)
+        assert "no checkpoint there to continue (start again with --overwrite)" in line, line
+        assert snapshot(out) == before
+        gmts.main([*SMALL, "--steps", "1", "--overwrite", "--out", str(out)])
+        assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+def test_overwrite_removes_exactly_the_names_a_run_writes(tmp_path, capsys, parity):
+    """--overwrite removes the run's own names only (checkpoint folders by their exact name ckpt-NNNNNN): a user's
+    ckpt-5.txt, ckpt-3/, tokenizer_notes.txt, metrics.jsonl.bak and the run's own --data OUT/tokenizer_rows.jsonl
+    stay byte for byte. A data file inside a name the run writes (OUT/ckpt-000001/rows.jsonl) is refused first."""
+    out = tmp_path / "run"
+    gmts.main([*SMALL, "--steps", "2", "--save-every", "1", "--out", str(out)])
+    os.makedirs(out / "ckpt-3")
+    (out / "ckpt-3" / "weights.bin").write_bytes(b"mine")
+    for name in ("ckpt-5.txt", "tokenizer_notes.txt", "metrics.jsonl.bak"):
+        (out / name).write_text("mine")
+    data = countdown_file(tmp_path)
+    shutil.copy(data, out / "tokenizer_rows.jsonl")
+    shutil.copy(data, out / "ckpt-000001" / "rows.jsonl")
+    mine = {k: v for k, v in snapshot(out).items() if k.split(os.sep)[0] in
+            ("ckpt-3", "ckpt-5.txt", "tokenizer_notes.txt", "metrics.jsonl.bak", "tokenizer_rows.jsonl")}
+    before = snapshot(out)
+    inside = out / "ckpt-000001" / "rows.jsonl"
+    line = fails(capsys, [*SMALL, "--data", inside, "--steps", "1", "--overwrite", "--out", out], 2)
+    assert f"{inside} is in {out / 'ckpt-000001'}, which the run writes" in line, line
+    assert snapshot(out) == before
+    gmts.main([*SMALL, "--data", str(out / "tokenizer_rows.jsonl"), "--steps", "1", "--overwrite", "--out", str(out)])
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+    assert [os.path.basename(c) for c in gmts.checkpoints(str(out))] == ["ckpt-000000", "ckpt-000001"]
+    after = snapshot(out)
+    assert all(after.get(k) == v for k, v in mine.items()) and not (out / "ckpt-000002").exists()
+
+
+def test_overwrite_moves_a_linked_member_as_a_link(tmp_path, capsys, parity):
+    """A run's name that is a symbolic link (tensorboard/ to a folder elsewhere, wandb to a file): --overwrite removes
+    the link and never what it points to, and the new run goes in whole."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    gmts.main([*SMALL, "--steps", "1", "--out", str(out)])
+    os.makedirs(elsewhere / "logs")
+    (elsewhere / "logs" / "events").write_text("keep")
+    (elsewhere / "notes").write_text("keep")
+    os.symlink(elsewhere / "logs", out / "tensorboard")
+    os.symlink(elsewhere / "notes", out / "wandb")
+    gmts.main([*SMALL, "--steps", "1", "--overwrite", "--out", str(out)])
+    assert not os.path.lexists(out / "tensorboard") and not os.path.lexists(out / "wandb")
+    assert (elsewhere / "logs" / "events").read_text() == "keep" and (elsewhere / "notes").read_text() == "keep"
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+def mount_tmpfs(path, size):
+    """A real small file system at path (tmpfs), or skip the test where mounting is not permitted (not root, CI)."""
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()[:100]}")
+
+
+def test_overwrite_that_cannot_remove_a_member_removes_nothing(tmp_path, capsys, parity):
+    """All or nothing: where one of the run's names cannot be removed (here tensorboard/ is a mount point, which no
+    rename or rmdir can move), --overwrite is refused in one line naming it, and the run is left whole."""
+    out = tmp_path / "run"
+    gmts.main([*SMALL, "--steps", "2", "--save-every", "1", "--out", str(out)])
+    mount_tmpfs(out / "tensorboard", "64k")
+    try:
+        (out / "tensorboard" / "events").write_text("logs")
+        before = snapshot(out)
+        line = fails(capsys, [*SMALL, "--steps", "1", "--overwrite", "--out", out], 2)
+        assert "tensorboard cannot be removed (Device or resource busy); nothing was" in line, line
+        assert snapshot(out) == before
+    finally:
+        subprocess.run(["umount", str(out / "tensorboard")])
+    gmts.main(["--resume", str(out)])  # the run is whole: it still resumes
 
 
 def test_out_may_not_be_or_hold_the_model(tmp_path, capsys):
@@ -349,10 +564,54 @@ def test_a_row_without_a_question_or_an_answer_is_refused_naming_it(tmp_path, ca
     good = {"problem": "What is 2 + 2?", "answer": "4"}
     path.write_text("".join(json.dumps(r) + "\n" for r in (good, good, row, good)))
     out = tmp_path / "o"
-    line = fails(capsys, ["--task", "math", "--model", "tiny", "--data", path, "--eval-size", "1",
-                          "--prompts-per-step", "1", "--out", out], 2)
+    line = fails(capsys, [*SMALL, "--task", "math", "--data", path, "--eval-size", "1", "--prompts-per-step", "1",
+                          "--steps", "1", "--out", out], 2)
     assert f"{path} row 3 has no {lacks}" in line, line
     assert not os.path.exists(out) or os.listdir(out) in ([], [gmts.LOCK])
+
+
+def rows_file(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD_ROW = {"countdown": {"nums": [1, 2, 3], "target": 6}, "math": {"question": "What is 2 + 2?", "answer": "4"},
+            "logic": {"names": ["Alice", "Bob"], "statements": ['Alice says: "Bob is a knave."'],
+                      "solution": {"Alice": True, "Bob": False}}}
+
+
+@pytest.mark.parametrize("task, bad, key", [
+    ("countdown", {"nums": 5, "target": 3}, "nums"), ("countdown", {"nums": [1, 2], "target": [3]}, "target"),
+    ("math", {"question": 5, "answer": "2"}, "question"),
+    ("math", {"question": "q", "answer": {"x": 1}}, "answer"),
+    ("logic", {"names": ["A", "B"], "statements": "A says so.", "solution": {"A": True, "B": False}}, "statements"),
+    ("logic", {"names": ["A", "B"], "statements": ["A says so."], "solution": ["A"]}, "solution")])
+def test_a_row_with_a_value_of_the_wrong_type_is_refused_naming_it(tmp_path, capsys, task, bad, key):
+    """Presence is not enough: a row whose value has another type than its task reads ("nums": 5) is refused before
+    step 0, in one line naming the file, the row and the key (exit 2). (The types as datasets reads them: it casts
+    some columns it can, "3" to 3 among numbers; these it keeps.)"""
+    path = rows_file(tmp_path / "d.jsonl", [GOOD_ROW[task], GOOD_ROW[task], bad, GOOD_ROW[task]])
+    out = tmp_path / "o"
+    line = fails(capsys, [*SMALL, "--task", task, "--data", path, "--eval-size", "1", "--prompts-per-step", "1",
+                          "--steps", "1", "--out", out], 2)
+    assert f'{path} row 3 has "{key}": ' in line, line
+    assert not (out / "run_config.json").exists()
+
+
+def test_a_data_path_is_that_one_file(tmp_path, capsys):
+    """A file's name is not a pattern: --data 'a*b.jsonl' reads that file and not a1b.jsonl beside it (whose row
+    would be refused), and 'x[1].jsonl' is read as named. A '::' in a path, which datasets reads as a chain of file
+    systems, is refused in one line."""
+    good = [GOOD_ROW["countdown"], {"nums": [4, 5, 1], "target": 8}, {"nums": [2, 2, 7], "target": 11}]
+    rows_file(tmp_path / "a1b.jsonl", [{"nums": [1, 2, 3]}])  # no target
+    for name in ("a*b.jsonl", "x[1].jsonl"):
+        path = rows_file(tmp_path / name, good)
+        out = tmp_path / name.replace("*", "_").replace("[", "_").replace("]", "_")
+        gmts.main([*SMALL, "--data", str(path), "--eval-size", "1", "--steps", "1", "--out", str(out)])
+        assert [r["step"] for r in metrics(out)] == [0, 1]
+    path = rows_file(tmp_path / "a::b.jsonl", good)
+    line = fails(capsys, [*SMALL, "--data", path, "--eval-size", "1", "--steps", "1", "--out", tmp_path / "o"], 2)
+    assert "datasets cannot read a path with '::' in it" in line, line
 
 
 # ---- 7. errors are one line from one place -------------------------------------------------------------------------
@@ -421,3 +680,78 @@ def test_ctrl_c_in_a_real_process_is_one_line_and_exit_130(tmp_path):
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip().splitlines() == [f"gmts: error: interrupted; {out} keeps ckpt-000001: continue with "
                                              f"--resume {out}"], r.stderr
+
+
+def test_a_bug_is_no_bad_input_and_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    """A plain ValueError from the code (a bug a reader put into step_record, met at step 2 after ckpt-000001) is
+    not the user's mistake: exit 1, the one line names the error and the checkpoint kept, and Python's traceback
+    follows it on stderr. In this process (a bug in read_data, before any checkpoint): the same line, and the
+    exception reaches the caller instead of an exit. Never exit 2."""
+    out = tmp_path / "run"
+    r = child(tmp_path, "bug", *SMALL, "--steps", "3", "--save-every", "1", "--out", out)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and lines[0] == (f"gmts: error: ValueError: a reader's bug; {out} keeps ckpt-000001: "
+                                              f"continue with --resume {out} (a bug, not bad input: its traceback "
+                                              "follows)"), r.stderr
+    assert lines[1] == "Traceback (most recent call last):" and lines[-1] == "ValueError: a reader's bug", r.stderr
+
+    def buggy(cfg):
+        raise ValueError("a reader's bug")
+    monkeypatch.setattr(gmts, "read_data", buggy)
+    with pytest.raises(ValueError, match="a reader's bug"):
+        gmts.main([*SMALL, "--steps", "1", "--out", str(tmp_path / "o")])
+    assert capsys.readouterr().err == (f"gmts: error: ValueError: a reader's bug; {tmp_path / 'o'} holds no checkpoint "
+                                       "of this run (a bug, not bad input: its traceback follows)\n")
+
+
+def test_a_full_disk_in_a_checkpoint_write_is_one_line_naming_the_checkpoint_kept(tmp_path):
+    """A real write limit in the child (RLIMIT_FSIZE; a write past it fails with EFBIG, as on a full disk). At 500 kB
+    step 1's state.pt (Adam's moments, ~730 kB) fails inside torch.save, a RuntimeError; at 200 kB step 0's
+    model.safetensors (~366 kB) fails inside safetensors, a SafetensorError. Neither is an OSError, and both are
+    faults of the checkpoint write: exit 1, one line naming the folder that failed and the checkpoint kept, no half
+    folder left. Without the limit, --resume then finishes the run from the checkpoint kept."""
+    run = [*SMALL, "--steps", "3", "--save-every", "1"]
+    for limit, failed, kept in ((500_000, "ckpt-000001.tmp", "keeps ckpt-000000: continue with --resume"),
+                                (200_000, "ckpt-000000.tmp", "holds no checkpoint of this run")):
+        out = tmp_path / failed
+        r = child(tmp_path, f"fsize={limit}", *run, "--out", out)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"gmts: error: writing {out / failed} failed (") and kept in lines[0], lines
+        assert not glob.glob(str(out / "*.tmp"))
+    r = child(tmp_path, "none", "--resume", tmp_path / "ckpt-000001.tmp")
+    assert r.returncode == 0, r.stderr
+    assert [rec["step"] for rec in metrics(tmp_path / "ckpt-000001.tmp")] == [0, 1, 2, 3]
+
+
+def test_a_full_small_file_system_is_one_line_and_resume_goes_on_once_there_is_room(tmp_path):
+    """A real 1 MiB tmpfs (skipped where mounting is not permitted): ckpt-000000 fits, step 1's checkpoint does not
+    (ENOSPC inside torch.save). Exit 1, one line naming the checkpoint kept; the half folder is gone. Once the file
+    system has room (remounted larger), --resume finishes the run."""
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "1m")
+    try:
+        out = disk / "run"
+        r = child(tmp_path, "none", *SMALL, "--steps", "3", "--save-every", "1", "--out", out)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"gmts: error: writing {out / 'ckpt-000001.tmp'} failed (") and \
+            f"keeps ckpt-000000: continue with --resume {out}" in lines[0], lines
+        assert not glob.glob(str(out / "*.tmp"))
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        r = child(tmp_path, "none", "--resume", out)
+        assert r.returncode == 0, r.stderr
+        assert [rec["step"] for rec in metrics(out)] == [0, 1, 2, 3]
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+@pytest.mark.parametrize("out", ["", "{tmp}/a_file/run", "/proc/gmts-run", "{tmp}/" + "n" * 300])
+def test_an_out_that_cannot_be_made_is_bad_input_before_any_work(tmp_path, capsys, out):
+    """'', a path under a file, under /proc, a name longer than the file system takes: exit 2 in one line naming
+    --out, before the data or the model is read."""
+    (tmp_path / "a_file").write_text("")
+    out = out.replace("{tmp}", str(tmp_path))
+    line = fails(capsys, [*SMALL, "--steps", "1", "--out", out], 2)
+    assert line.startswith("gmts: error: --out"), line
+    assert not os.path.exists(out)

@@ -49,7 +49,7 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
 """
-import argparse, ast, collections, contextlib, copy, dataclasses, fnmatch, functools, glob
+import argparse, ast, collections, contextlib, copy, dataclasses, functools, glob
 import importlib.util, itertools, json, math, operator, os, random, re, shutil, sys, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -2307,17 +2307,6 @@ def save_final(out: str, model, tok):
     for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
-
-def remove_names(folder: str, patterns):
-    """Remove the entries of folder whose names match one of patterns, and nothing else."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-            continue
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
 
 def write_file(path: str, text: str):
     """A small file written whole: a .tmp beside it, then an atomic rename."""

@@ -186,6 +186,8 @@ def refusal(cfg) -> str:
     """Why GMTS selection cannot be exact with this GRPOConfig (module docstring), or ''."""
     if cfg.token_selection == "all":
         return ""
+    if cfg.loss_type not in LOSS_TYPES:  # omega restates each loss's gradient (module docstring)
+        return f"loss_type={cfg.loss_type!r}: omega is written for {', '.join(LOSS_TYPES)}"
     if cfg.importance_sampling_level != "token":
         return (f"importance_sampling_level={cfg.importance_sampling_level!r}: the ratio is a mean "
                 "over all of an answer's tokens, so dropped tokens still get a gradient; "
@@ -447,14 +449,14 @@ class GMTSTrainer(GRPOTrainer):
                 lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg,
                 lambda_neg=self.args.vespo_lambda_neg)  # (B, 1)
             return phi * adv
-        raise ValueError(f"gmts_trl.py has no omega for loss_type {self.loss_type!r}")
+        raise RuntimeError(f"gmts_trl.py has no omega for loss_type {self.loss_type!r}")
 
     def omega(self, inputs: dict, logp, mask: torch.Tensor) -> torch.Tensor:
         """-dloss/dlogp_t of TRL's loss for a kept token, up to one constant of the step (module
         docstring). logp (B, T) the current log-probs, mask (B, T) bool -> (B, T)."""
         adv = inputs["advantages"].float()  # (B,)
         if adv.dim() != 1:
-            raise ValueError("GMTSTrainer needs one advantage per answer, shape (B,)")
+            raise RuntimeError("GMTSTrainer needs one advantage per answer, shape (B,)")
         old = inputs.get("old_per_token_logps")
         log_ratio = torch.zeros_like(logp.float()) if old is None else (logp - old).float()
         vllm_is = self.use_vllm and self.vllm_importance_sampling_correction

@@ -106,7 +106,7 @@ def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkey
             assert lab.well_formed(ref(ans), row)
             same += ans == row
         assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
-    with pytest.raises(ValueError, match="one-step rows"):  # math's blind answers need easy math rows
+    with pytest.raises(gmts.BadInput, match="one-step rows"):  # math's blind answers need easy math rows
         lab.sft_warmup(model, tok, "math", lambda n, *key: [TWO_STEPS] * n, True, True, 1, 1e-3,
                        2, 0, blind=True, log=None)
 
@@ -125,7 +125,7 @@ def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
     got = lab.countdown_blind({"nums": [9, 8, 7], "target": 24}, random.Random(1))  # a .jsonl row: no 'expr'
     assert lab.countdown_reference(got).endswith(f"<answer>{got['expr']}</answer>")
     assert lab.countdown_blind({"nums": [], "target": 1}, random.Random(0)) == {"nums": [], "target": 1}
-    with pytest.raises(ValueError, match="generated row"):
+    with pytest.raises(gmts.BadInput, match="generated row"):
         lab.countdown_reference({"nums": [9, 8, 7], "target": 24})
 
 
@@ -143,7 +143,7 @@ def test_math_blind_keeps_the_numbers_and_draws_each_operation_equally_often():
         ops[op] += 1
     assert set(ops) == {"+", "-", "*"} and all(70 < v < 130 for v in ops.values())  # 100 each expected
     for bad in ({"question": "q", "answer": "3"}, TWO_STEPS):
-        with pytest.raises(ValueError, match="one-step rows"):
+        with pytest.raises(gmts.BadInput, match="one-step rows"):
             lab.math_blind(bad, rng)
 
 

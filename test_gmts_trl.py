@@ -381,12 +381,14 @@ def test_omega_under_delta_is_minus_the_gradient_of_trls_loss(loss_trainer, monk
 def test_refused_options_one_line(tmp_path):
     """Where no per-token omega is the gradient, GMTSConfig refuses before training, naming it."""
     kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False)
-    with pytest.raises(ValueError, match="importance_sampling_level='sequence'"):
+    with pytest.raises(gmts.BadInput, match="importance_sampling_level='sequence'"):
         GMTSConfig(importance_sampling_level="sequence", token_selection="entropy", **kw)
-    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+    with pytest.raises(gmts.BadInput, match="off_policy_mask_threshold"):
         GMTSConfig(off_policy_mask_threshold=0.5, **kw)
-    with pytest.raises(ValueError, match="entropy bonus"):
+    with pytest.raises(gmts.BadInput, match="entropy bonus"):
         GMTSConfig(entropy_coef=0.01, token_selection="gradnorm", **kw)
+    with pytest.raises(gmts.BadInput, match="loss_type='ppo': omega is written for dapo"):
+        GMTSConfig(loss_type="ppo", token_selection="random", **kw)
     GMTSConfig(importance_sampling_level="sequence", token_selection="all", **kw)  # no selection
     GMTSConfig(off_policy_mask_threshold=0.5, token_selection="entropy", **kw)  # no omega
 
@@ -602,9 +604,9 @@ def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
         tr.get_high_entropy_mask(torch.ones(2, 3), torch.ones(2, 3), 0.8)
     tr._live = None
     kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False)
-    with pytest.raises(ValueError, match="token_selection"):
+    with pytest.raises(gmts.BadInput, match="token_selection"):
         GMTSConfig(token_selection="top", **kw)
-    with pytest.raises(ValueError, match="token_rho"):
+    with pytest.raises(gmts.BadInput, match="token_rho"):
         GMTSConfig(top_entropy_quantile=0.2, **kw)
 
 

@@ -20,13 +20,11 @@ The analysis behind docs/results.md's figures:
       entropy against the GMTS score and the exact gradient norm, one batch per warm start
 
 compare, analyze and decoy take gmts.py's flags beside their own (--preset, --model, --out,
---seed, --no-filter-groups, --steps ...); the others take only their own. What a command writes
-is under gmts.py's folder rule, checked before any work: warm, compare and analyze hold one run of
-theirs in their folder (gmts.claim_folder, marked .gmts_lab_COMMAND.run), which --overwrite
-replaces, removing exactly the names the command writes (WRITES); a folder holding anything else
-is refused. warm rebuilds a warm start bit for bit, so it replaces one without --overwrite. A
-figure is one file (gmts.check_file): one there is replaced only with --overwrite. compare's runs
-are gmts runs, each in its own folder under gmts.py's rules.
+--seed, --no-filter-groups, --steps ...); the others take only their own. Outputs follow gmts.py's
+folder rule, checked before any work: warm, compare and analyze each hold one run of theirs in
+their folder (marked .gmts_lab_COMMAND.run), which only --overwrite replaces, removing exactly the
+names in WRITES (warm, which rebuilds the same bits, needs no --overwrite); a figure is one file,
+replaced only with --overwrite. compare's runs are gmts runs, each in its own folder.
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by
            supervision to answer easy countdown problems with RANDOM well-formed answers (the
@@ -380,47 +378,42 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     for c in runs:  # each arm is a gmts run: its flags by gmts.py's rules, first
         gmts.check_config(c)
     with gmts.claim_folder(cfg.out, WRITES["compare"], "gmts_lab_compare", **folder_rules(cfg)):
-        gmts.clear_folder(cfg.out, WRITES["compare"], "gmts_lab_compare")
-        return _compare_runs(cfg, runs, seeds, methods, workers, threads, log)
-
-def _compare_runs(cfg: gmts.Config, runs: list, seeds: int, methods: list, workers: int,
-                  threads: int, log=print) -> dict:
-    """compare's runs in the worker pool, then its table and plot."""
-    log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
-        f"{threads} thread(s) each, all from {cfg.model}")
-    evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
-    by_out = {c.out: c for c in runs}
-    # workers ignore SIGINT; leaving the with block for any reason
-    # (an interrupt, an error) terminates them
-    pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal,
-                                                     (signal.SIGINT, signal.SIG_IGN))
-    with pool:
-        # a worker's error: raised
-        for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):
-            c = by_out[out]
-            evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out)
-                            if "eval_acc" in r]
-            log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> "
-                f"{evals[c.out][-1][1]:.3f}")
-    arm_of = {c.out: os.path.basename(c.out).rpartition("-s")[0] for c in runs}
-    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m]
-             for m in methods}
-    lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) | "
-             f"standard error of one accuracy (eval_size {cfg.eval_size}) | "
-             f"per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
-             "|---|---|---|---|---|"]
-    for m, v in table.items():
-        fin = torch.tensor([b for _, b in v], dtype=torch.float64)
-        p = float(fin.mean())
-        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | "
-                     f"{p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
-                     f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | "
-                     + ", ".join(f"{b:.3f}" for _, b in v) + " |")
-    gmts.write_file(os.path.join(cfg.out, "compare.md"), "\n".join(lines) + "\n")
-    plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods},
-              os.path.join(cfg.out, "compare.png"))
-    log("\n".join(lines))
-    return table
+        gmts.clear_folder(cfg.out, WRITES["compare"], "gmts_lab_compare")  # an old compare goes
+        log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} "
+            f"process(es), {threads} thread(s) each, all from {cfg.model}")
+        evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
+        by_out = {c.out: c for c in runs}
+        # workers ignore SIGINT; leaving the with block for any reason
+        # (an interrupt, an error) terminates them
+        pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal,
+                                                         (signal.SIGINT, signal.SIG_IGN))
+        with pool:
+            # a worker's error: raised
+            for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):
+                c = by_out[out]
+                evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out)
+                                if "eval_acc" in r]
+                log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> "
+                    f"{evals[c.out][-1][1]:.3f}")
+        arm_of = {c.out: os.path.basename(c.out).rpartition("-s")[0] for c in runs}
+        table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m]
+                 for m in methods}
+        lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) "
+                 f"| standard error of one accuracy (eval_size {cfg.eval_size}) | "
+                 f"per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
+                 "|---|---|---|---|---|"]
+        for m, v in table.items():
+            fin = torch.tensor([b for _, b in v], dtype=torch.float64)
+            p = float(fin.mean())
+            lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | "
+                         f"{p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
+                         f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | "
+                         + ", ".join(f"{b:.3f}" for _, b in v) + " |")
+        gmts.write_file(os.path.join(cfg.out, "compare.md"), "\n".join(lines) + "\n")
+        plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods},
+                  os.path.join(cfg.out, "compare.png"))
+        log("\n".join(lines))
+        return table
 
 
 PAIRS = (("gmts", "entropy"), ("gmts@batch", "entropy"), ("gmts", "gmts@batch"),
@@ -1005,13 +998,11 @@ def analysis_table(res: dict, arms=ANALYZED) -> str:
 # compare's run of an arm and a seed: METHOD-sSEED or METHOD@SCOPE-sSEED (parse_arm's arms)
 ARM_RUN = rf"({'|'.join(map(re.escape, gmts.METHODS))})(@({'|'.join(SCOPES)}))?-s\d+"
 # The names (re.fullmatch) each command that writes a folder writes there, all that its
-# --overwrite removes: warm a model and its tokenizer (save_pretrained), compare its table, plot
-# and a run folder per arm and seed, analyze its JSON (analysis.json, or retention.json).
+# --overwrite removes: warm the tiny model and its tokenizer (save_pretrained), compare its table,
+# plot and a run folder per arm and seed, analyze its JSON (analysis.json, or retention.json).
 WRITES = {
-    "warm": (r"config\.json", r"generation_config\.json", r"model(-\d{5}-of-\d{5})?\.safetensors",
-             r"model\.safetensors\.index\.json", r"tokenizer(_config)?\.json",
-             r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\.json", r"merges\.txt",
-             r"chat_template\.(jinja|json)"),
+    "warm": (r"config\.json", r"generation_config\.json", r"model\.safetensors",
+             r"tokenizer(_config)?\.json", r"chat_template\.jinja"),
     "compare": (r"compare\.md", r"compare\.png", ARM_RUN),
     "analyze": (r"analysis\.json", r"retention\.json"),
 }

@@ -1,6 +1,7 @@
 """
 bench_gmts.py: what GMTS costs, measured with gmts.py's own functions. One command per question;
-each prints its table and its ratios and writes them as JSON (--json, default bench_COMMAND.json).
+each prints its table and its ratios and writes them as JSON (--json, default bench_COMMAND.json;
+a file there is replaced only with --overwrite).
 
   plan [--prompt-tokens P] [gmts.py's flags]
            The memory a gmts.py run needs, before renting a GPU: the bytes of what stays (weights,
@@ -733,18 +734,13 @@ def plan_model(cfg: gmts.Config, tokenizer: bool = True) -> tuple:
     the parameter count, no weight read or allocated. --model: 'tiny', a hub id (online), a
     folder or a config.json file (no tokenizer). A model that cannot load: BadInput."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    with torch.device("meta"):
-        if cfg.model == "tiny":
+    if cfg.model == "tiny":
+        with torch.device("meta"):
             return gmts.build_tiny(cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-        path = gmts.resolve_model_name(cfg.model)
-        try:
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-            tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
-            return model, tok
-        except Exception as e:  # no such folder or hub id, no hub, an architecture it lacks
-            if gmts.memory_fault(e):
-                raise
-            raise gmts.BadInput(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
+    path = gmts.resolve_model_name(cfg.model)
+    with gmts.loading(path), torch.device("meta"):  # gmts.py's line for a model that cannot load
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        return model, AutoTokenizer.from_pretrained(path) if tokenizer else None
 
 
 def longest_prompt(cfg: gmts.Config, tok, chunk: int = 1024) -> int:
@@ -775,12 +771,14 @@ def plan(argv: list) -> str:
                    help="P, the longest prompt in tokens (default: measured on the run's data "
                         "with the model's tokenizer)")
     p.add_argument("--json", default="", help="also write the plan's parts here")
+    p.add_argument("--overwrite", action="store_true", help="replace a --json file there")
     own, rest = p.parse_known_args(argv)
     cfg = gmts.parse_args(rest)
     gmts.check_config(cfg)
     if own.prompt_tokens < 0:
         raise gmts.BadInput(f"--prompt-tokens must be >= 1, got {own.prompt_tokens}")
-    check_json(own.json)
+    if own.json:
+        gmts.check_file(own.json, "--json", own.overwrite)
     if not own.prompt_tokens and os.path.isfile(cfg.model):
         raise gmts.BadInput(f"--model {cfg.model} is a config file, which has no tokenizer: give "
                             "--prompt-tokens P, the longest prompt in tokens")
@@ -804,7 +802,7 @@ def grade_sets(spec: str, quick: bool) -> dict:
     --eval-data (a row with no question or gold: one line naming the file and the row)."""
     try:
         pairs = gmts.eval_sets(spec)
-    except ValueError as e:
+    except gmts.BadInput as e:
         raise gmts.BadInput(str(e).replace("--eval-data", "--grade-data")) from None
     if not pairs:
         raise gmts.BadInput("--grade-data names no set: NAME=DATA,...")
@@ -942,6 +940,7 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant (medians)")
     p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere")
     p.add_argument("--json", default="", help="the measurements (default: bench_COMMAND.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace a --json file there")
     p.add_argument("--tokens", type=int, default=0,
                    help="stats: rows of logits (0: 4096 on the CPU, 32768 on CUDA)")
     p.add_argument("--vocab", type=int, default=151936, help="stats: the head's vocabulary")
@@ -990,13 +989,9 @@ def parse_args(argv: list) -> argparse.Namespace:
     return a
 
 
-def check_json(path: str):
-    """BadInput before any work unless `path` can be written as a file (its folder exists)."""
-    if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or ".")):
-        raise gmts.BadInput(f"--json {path}: not a file in an existing folder")
-
-
 def write_json(path: str, value):
+    """value into the file path (checked first: gmts.check_file), its folder made if need be."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     gmts.write_file(path, json.dumps(value, indent=1))
 
 
@@ -1033,7 +1028,7 @@ def show(R: dict, rows: list):
 
 def bench(argv: list) -> dict:
     args = parse_args(argv)
-    check_json(args.json)
+    gmts.check_file(args.json, "--json", args.overwrite)
     if args.threads and args.device == "cpu":
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)

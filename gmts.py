@@ -49,7 +49,7 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
 """
-import argparse, ast, collections, contextlib, copy, dataclasses, fnmatch, functools, glob
+import argparse, ast, collections, contextlib, copy, dataclasses, functools, glob
 import importlib.util, itertools, json, math, operator, os, random, re, shutil, sys, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -1864,6 +1864,17 @@ def resolve_model_name(name: str) -> str:
         return name
     return "Qwen/" + name
 
+@contextlib.contextmanager
+def loading(path: str):
+    """Around the loading of a model's files (weights, tokenizer, config; bench_gmts.py plan reads
+    the config alone): one that cannot load is bad input, BadInput naming path."""
+    try:
+        yield
+    except Exception as e:  # no such folder or hub id, no hub, damaged files, an unknown model
+        if memory_fault(e):
+            raise
+        raise BadInput(f"cannot load model {path!r}: {error_line(e, 300)}") from None
+
 def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
     """(model, tokenizer) on device in fp32. A model that cannot load is bad input: BadInput."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1871,13 +1882,9 @@ def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_laye
         model, tok = build_tiny(tiny_hidden, tiny_layers, seed)
     else:
         path = resolve_model_name(name)
-        try:
+        with loading(path):
             tok = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except Exception as e:  # no such folder or hub id, no hub, damaged files
-            if memory_fault(e):
-                raise
-            raise BadInput(f"cannot load model {path!r}: {error_line(e, 300)}") from None
     tok.padding_side = "left"  # generate() appends to the right end of every row
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -2127,6 +2134,20 @@ def _remove(path: str):
     elif os.path.lexists(path):
         os.remove(path)
 
+def check_file(path: str, flag: str, overwrite=False):
+    """The rule for a command that writes one file (a satellite's figure or JSON): BadInput (one
+    line), before any work, where path is a folder or lies under a file, or names a file that is
+    there (anyone's) without --overwrite. The folders above it that are not there are made."""
+    if not path or os.path.isdir(path):
+        raise BadInput(f"{flag} {path!r} must name a file")
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(above):  # the nearest folder that is there: the rest is made in it
+        if os.path.lexists(above):
+            raise BadInput(f"{flag} {path}: {above} is a file, not a folder")
+        above = os.path.dirname(above)
+    if os.path.lexists(path) and not overwrite:
+        raise BadInput(f"{flag} {path} exists: replace it with --overwrite")
+
 # ==== The run folder [plumbing]: one writer, checkpoints, resume, metrics =========================
 LOCK = ".gmts.lock"  # claim_folder's lock (kind "gmts"): one process writes a run folder at a time
 CKPT = r"ckpt-(\d{6}|[1-9]\d{6,})"  # f"ckpt-{step:06d}": a checkpoint's exact name
@@ -2307,17 +2328,6 @@ def save_final(out: str, model, tok):
     for n in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, n), os.path.join(out, n))
     os.rmdir(tmp)
-
-def remove_names(folder: str, patterns):
-    """Remove the entries of folder whose names match one of patterns, and nothing else."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-            continue
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
 
 def write_file(path: str, text: str):
     """A small file written whole: a .tmp beside it, then an atomic rename."""

@@ -20,10 +20,11 @@ The analysis behind docs/results.md's figures:
       entropy against the GMTS score and the exact gradient norm, one batch per warm start
 
 compare, analyze and decoy take gmts.py's flags beside their own (--preset, --model, --out,
---seed, --no-filter-groups, --steps ...); the others take only their own. A command checks what
-it writes before any work (check_writes): a file it would replace only with --overwrite, never
-the --model folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
-under gmts.py's rules.
+--seed, --no-filter-groups, --steps ...); the others take only their own. Outputs follow gmts.py's
+folder rule, checked before any work: warm, compare and analyze each hold one run of theirs in
+their folder (marked .gmts_lab_COMMAND.run), which only --overwrite replaces, removing exactly the
+names in WRITES (warm, which rebuilds the same bits, needs no --overwrite); a figure is one file,
+replaced only with --overwrite. compare's runs are gmts runs, each in its own folder.
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by
            supervision to answer easy countdown problems with RANDOM well-formed answers (the
@@ -67,8 +68,8 @@ under gmts.py's rules.
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
-import fnmatch
 import itertools
 import json
 import math
@@ -240,21 +241,25 @@ def warm_start(out: str = None, task: str = "countdown", log=print, **recipe):
     bit for bit: one thread, fixed seeds. Its rows are the cpu preset's training rows on that task
     (seed 0); other seeds hold out other rows, which the warm-up may have shown, but only with
     random answers: it learned nothing about their solutions. recipe overrides WARM[task]'s fields
-    (tests: a tiny size). -> (model, tok)"""
+    (tests: a tiny size). out is claimed first (gmts.py's folder rule): a warm start there is
+    replaced, a folder holding anything else refused. -> (model, tok)"""
     r = dict(WARM[task], **recipe)
+    out = out or r["out"]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # another thread count may sum in another order: other bits
-    try:
-        cfg = warm_config(task)
-        draw = gmts.read_data(cfg).draw
-        model, tok = gmts.build_tiny(r["hidden"], r["layers"], seed=0)
-        sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template),
-                   cfg.short_prompt, r["steps"], r["lr"], r["batch_size"],
-                   seed=0, blind=True, log=log)
-    finally:
-        torch.set_num_threads(threads)
-    model.save_pretrained(out or r["out"])
-    tok.save_pretrained(out or r["out"])
+    with gmts.claim_folder(out, WRITES["warm"], "gmts_lab_warm", resume=None, overwrite=True):
+        torch.set_num_threads(1)  # another thread count may sum in another order: other bits
+        try:
+            cfg = warm_config(task)
+            draw = gmts.read_data(cfg).draw
+            model, tok = gmts.build_tiny(r["hidden"], r["layers"], seed=0)
+            sft_warmup(model, tok, cfg.task, draw, gmts.use_chat(tok, cfg.chat_template),
+                       cfg.short_prompt, r["steps"], r["lr"], r["batch_size"],
+                       seed=0, blind=True, log=log)
+        finally:
+            torch.set_num_threads(threads)
+        gmts.clear_folder(out, WRITES["warm"], "gmts_lab_warm")
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
     return model.eval(), tok
 
 def greedy_texts(model, tok, task: dict, rows: list, chat: bool, short: bool,
@@ -317,13 +322,13 @@ def parse_arm(arm: str, flag: str = "--methods") -> tuple:
     method, _, scope = arm.partition("@")
     if method not in gmts.METHODS or (scope and scope not in SCOPES):
         raise gmts.BadInput(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
-                         f"{', '.join(gmts.METHODS)}; scopes: {', '.join(SCOPES)})")
+                            f"{', '.join(gmts.METHODS)}; scopes: {', '.join(SCOPES)})")
     return method, scope or None
 
 def is_arm(name: str) -> bool:
     try:
         parse_arm(name)
-    except ValueError:
+    except gmts.BadInput:
         return False
     return True
 
@@ -347,8 +352,10 @@ def arm_style(arm: str) -> dict:
 def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=print) -> dict:
     """Each method with seeds cfg.seed, cfg.seed + 1, ... into OUT/<method>-s<seed>, all from
     cfg.model, in `workers` processes (0: one per CPU core on a CPU, 1 on a GPU); two 1-thread
-    processes beat one 2-thread one on 2 cores. Writes OUT/compare.md and OUT/compare.png
-    -> {method: [(eval_acc at step 0, final eval_acc) per seed]}."""
+    processes beat one 2-thread one on 2 cores. Writes OUT/compare.md and OUT/compare.png, OUT
+    claimed first (gmts.py's folder rule: a compare there only with --overwrite, which removes
+    its runs and files, nothing else) -> {method: [(eval_acc at step 0, final eval_acc) per
+    seed]}."""
     for m in methods:
         parse_arm(m, "--methods")
     if not methods:
@@ -368,45 +375,45 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     workers = min(workers, len(runs))  # no idle processes
     threads = max(1, torch.get_num_threads() // workers)
     threads = cfg.threads or threads  # a preset's (or the user's) --threads wins
-    for c in runs:  # each arm is a gmts run: its seed and folder by gmts.py's rules, first
+    for c in runs:  # each arm is a gmts run: its flags by gmts.py's rules, first
         gmts.check_config(c)
-        gmts.check_out(c)
-    check_writes(cfg.out, ("compare.md", "compare.png"), cfg.overwrite, cfg.model)
-    log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} process(es), "
-        f"{threads} thread(s) each, all from {cfg.model}")
-    evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
-    by_out = {c.out: c for c in runs}
-    # workers ignore SIGINT; leaving the with block for any reason
-    # (an interrupt, an error) terminates them
-    pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal,
-                                                     (signal.SIGINT, signal.SIG_IGN))
-    with pool:
-        # a worker's error: raised
-        for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):
-            c = by_out[out]
-            evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out)
-                            if "eval_acc" in r]
-            log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> "
-                f"{evals[c.out][-1][1]:.3f}")
-    arm_of = {c.out: os.path.basename(c.out).rpartition("-s")[0] for c in runs}
-    table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m]
-             for m in methods}
-    lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) | "
-             f"standard error of one accuracy (eval_size {cfg.eval_size}) | "
-             f"per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
-             "|---|---|---|---|---|"]
-    for m, v in table.items():
-        fin = torch.tensor([b for _, b in v], dtype=torch.float64)
-        p = float(fin.mean())
-        lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | "
-                     f"{p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
-                     f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | "
-                     + ", ".join(f"{b:.3f}" for _, b in v) + " |")
-    gmts.write_file(os.path.join(cfg.out, "compare.md"), "\n".join(lines) + "\n")
-    plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods},
-              os.path.join(cfg.out, "compare.png"))
-    log("\n".join(lines))
-    return table
+    with gmts.claim_folder(cfg.out, WRITES["compare"], "gmts_lab_compare", **folder_rules(cfg)):
+        gmts.clear_folder(cfg.out, WRITES["compare"], "gmts_lab_compare")  # an old compare goes
+        log(f"{len(runs)} runs ({seeds} seed(s) x {len(methods)} method(s)) in {workers} "
+            f"process(es), {threads} thread(s) each, all from {cfg.model}")
+        evals = {}  # run folder -> [(step, eval_acc)], read once as the run finishes
+        by_out = {c.out: c for c in runs}
+        # workers ignore SIGINT; leaving the with block for any reason
+        # (an interrupt, an error) terminates them
+        pool = multiprocessing.get_context("spawn").Pool(workers, signal.signal,
+                                                         (signal.SIGINT, signal.SIG_IGN))
+        with pool:
+            # a worker's error: raised
+            for out in pool.imap_unordered(_train_quietly, [(c, threads) for c in runs]):
+                c = by_out[out]
+                evals[c.out] = [(r["step"], r["eval_acc"]) for r in gmts.read_metrics(c.out)
+                                if "eval_acc" in r]
+                log(f"{os.path.basename(c.out)}: eval_acc {evals[c.out][0][1]:.3f} -> "
+                    f"{evals[c.out][-1][1]:.3f}")
+        arm_of = {c.out: os.path.basename(c.out).rpartition("-s")[0] for c in runs}
+        table = {m: [(evals[c.out][0][1], evals[c.out][-1][1]) for c in runs if arm_of[c.out] == m]
+                 for m in methods}
+        lines = [f"| method | eval_acc at step 0 | final eval_acc (mean +- std over {seeds} seeds) "
+                 f"| standard error of one accuracy (eval_size {cfg.eval_size}) | "
+                 f"per seed ({', '.join(f's{c.seed}' for c in runs[:seeds])}) |",
+                 "|---|---|---|---|---|"]
+        for m, v in table.items():
+            fin = torch.tensor([b for _, b in v], dtype=torch.float64)
+            p = float(fin.mean())
+            lines.append(f"| {m} | {sum(a for a, _ in v) / len(v):.3f} | "
+                         f"{p:.3f} +- {float(fin.std(unbiased=False)):.3f} | "
+                         f"{math.sqrt(p * (1 - p) / cfg.eval_size):.3f} | "
+                         + ", ".join(f"{b:.3f}" for _, b in v) + " |")
+        gmts.write_file(os.path.join(cfg.out, "compare.md"), "\n".join(lines) + "\n")
+        plot_runs({m: [c.out for c in runs if arm_of[c.out] == m] for m in methods},
+                  os.path.join(cfg.out, "compare.png"))
+        log("\n".join(lines))
+        return table
 
 
 PAIRS = (("gmts", "entropy"), ("gmts@batch", "entropy"), ("gmts", "gmts@batch"),
@@ -797,18 +804,26 @@ def scatter(png: str, tasks=("countdown", "math", "logic"), log=print) -> dict:
     log("\n".join(lines))
     return res
 
-def _analysis_start(cfg: gmts.Config, batches: int, writes: str) -> tuple:
-    """What analyze and retention_curve share: OUT/`writes` checked, then the model loaded
+@contextlib.contextmanager
+def _analysis(cfg: gmts.Config, batches: int):
+    """What analyze and retention_curve share: OUT claimed until the with ends (gmts.py's folder
+    rule: an analysis there only with --overwrite), then the model loaded
     -> (model, tok, task, draw, chat)."""
     if batches < 1:
         raise gmts.BadInput(f"--batches must be >= 1, got {batches}")
-    check_writes(cfg.out, (writes,), cfg.overwrite, cfg.model)
-    device = gmts.pick_device(cfg.device)
-    gmts.set_seed(cfg.seed)
-    task = gmts.get_task(cfg.task)  # sample_parts builds its prompts in --prompt-style
-    draw = gmts.read_data(cfg).draw
-    model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
-    return model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)
+    with gmts.claim_folder(cfg.out, WRITES["analyze"], "gmts_lab_analyze", **folder_rules(cfg)):
+        device = gmts.pick_device(cfg.device)
+        gmts.set_seed(cfg.seed)
+        task = gmts.get_task(cfg.task)  # sample_parts builds its prompts in --prompt-style
+        draw = gmts.read_data(cfg).draw
+        model, tok = gmts.load_model(cfg.model, device, cfg.tiny_hidden, cfg.tiny_layers,
+                                     cfg.seed)
+        yield model, tok, task, draw, gmts.use_chat(tok, cfg.chat_template)
+
+def _save_analysis(out: str, name: str, value):
+    """analyze's result as OUT/name, the earlier analysis's files gone first (gmts.clear_folder)."""
+    gmts.clear_folder(out, WRITES["analyze"], "gmts_lab_analyze")
+    gmts.write_file(os.path.join(out, name), json.dumps(value, indent=1))
 
 def _nothing_to_analyse(cfg: gmts.Config, batches: int):
     return gmts.RunError(f"nothing to analyse: in all {batches} batch(es) every group's answers "
@@ -820,35 +835,35 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
     |g_S|/|g_all| (mean +- std over batches) on the raw batch (filter off) and on its
     dynamic-sampling version (filter on: informative groups only, more drawn as in train), and the
     ranking study of its method on the raw batch. OUT/analysis.json."""
-    model, tok, task, draw, chat = _analysis_start(cfg, batches, "analysis.json")
-    acc = collections.defaultdict(list)
-    for b in range(batches):
-        gmts.set_seed(cfg.seed * 1_000_003 + b)
-        parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
-        raw = parts[0]
-        on = gmts.filter_groups(parts, cfg.group_size, cfg.prompts_per_step, tok.pad_token_id)[:3]
-        # filter_groups fills up with dead groups
-        live = int(gmts.informative(on[1], cfg.group_size).sum())
-        log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, "
-            f"{int((raw[2] == 0).sum())}/{len(raw[2])} answers with A = 0; "
-            f"filter on: {len(parts)} rollout batch(es), {live} informative groups")
-        if not (raw[2] != 0).any():  # every answer has A = 0: no gradient to compare, nothing ranks
-            continue
-        for name, (batch, _, adv) in (("off", raw), ("on", on)):
-            for m, (cos, ratio, _) in gradient_retention(model, batch, adv, cfg, arms,
-                                                         seed=cfg.seed + b).items():
-                acc[f"{m}/cos_{name}"].append(cos)
-                acc[f"{m}/ratio_{name}"].append(ratio)
-        for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature,
-                                       seed=cfg.seed + b).items():
-            acc[f"{m}/{c}"].append(v)
-    if not acc:
-        raise _nothing_to_analyse(cfg, batches)
-    res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
-    log(analysis_table(res, arms))
-    os.makedirs(cfg.out, exist_ok=True)
-    gmts.write_file(os.path.join(cfg.out, "analysis.json"), json.dumps(res, indent=1))
-    return res
+    with _analysis(cfg, batches) as (model, tok, task, draw, chat):
+        acc = collections.defaultdict(list)
+        for b in range(batches):
+            gmts.set_seed(cfg.seed * 1_000_003 + b)
+            parts = sample_parts(model, tok, task, draw, chat, cfg, ("analyze", b))
+            raw = parts[0]
+            on = gmts.filter_groups(parts, cfg.group_size, cfg.prompts_per_step,
+                                    tok.pad_token_id)[:3]
+            # filter_groups fills up with dead groups
+            live = int(gmts.informative(on[1], cfg.group_size).sum())
+            log(f"batch {b + 1}/{batches}: reward {raw[1].mean():.3f}, "
+                f"{int((raw[2] == 0).sum())}/{len(raw[2])} answers with A = 0; "
+                f"filter on: {len(parts)} rollout batch(es), {live} informative groups")
+            if not (raw[2] != 0).any():  # every A = 0: no gradient to compare, nothing ranks
+                continue
+            for name, (batch, _, adv) in (("off", raw), ("on", on)):
+                for m, (cos, ratio, _) in gradient_retention(model, batch, adv, cfg, arms,
+                                                             seed=cfg.seed + b).items():
+                    acc[f"{m}/cos_{name}"].append(cos)
+                    acc[f"{m}/ratio_{name}"].append(ratio)
+            for (m, c), v in ranking_study(model, raw[0], raw[2], cfg.temperature,
+                                           seed=cfg.seed + b).items():
+                acc[f"{m}/{c}"].append(v)
+        if not acc:
+            raise _nothing_to_analyse(cfg, batches)
+        res = {k: (v if "/cos_" in k or "/ratio_" in k else _mean(v)[0]) for k, v in acc.items()}
+        log(analysis_table(res, arms))
+        _save_analysis(cfg.out, "analysis.json", res)
+        return res
 
 def parse_rhos(text: str) -> list:
     """'0.01,0.05' -> [0.01, 0.05], each in (0, 1]; BadInput (one line) otherwise."""
@@ -867,29 +882,28 @@ def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=
     (gradient_retention) per rho and arm
     -> {rho: {arm: {"cos": [...], "ratio": [...], "low": [...]}}}, one value per batch. Prints the
     tables and writes OUT/retention.json."""
-    model, tok, task, draw, chat = _analysis_start(cfg, batches, "retention.json")
-    one = dataclasses.replace(cfg, max_resample=1)  # the raw batch only
-    res = {r: {m: {"cos": [], "ratio": [], "low": []} for m in arms} for r in rhos}
-    for b in range(batches):
-        gmts.set_seed(cfg.seed * 1_000_003 + b)
-        batch, rewards, adv = sample_parts(model, tok, task, draw, chat, one, ("analyze", b))[0]
-        log(f"batch {b + 1}/{batches}: reward {rewards.mean():.3f}, "
-            f"{int((adv == 0).sum())}/{len(adv)} answers with A = 0")
-        if not (adv != 0).any():  # no gradient to compare
-            continue
-        for r, by_arm in retention_at(model, batch, adv, cfg, rhos, arms,
-                                      seed=cfg.seed + b).items():
-            for m, (cos, ratio, low) in by_arm.items():
-                res[r][m]["cos"].append(cos)
-                res[r][m]["ratio"].append(ratio)
-                res[r][m]["low"].append(low)
-    if not res[rhos[0]][arms[0]]["cos"]:
-        raise _nothing_to_analyse(cfg, batches)
-    log(retention_table(res))
-    os.makedirs(cfg.out, exist_ok=True)
-    gmts.write_file(os.path.join(cfg.out, "retention.json"),
-                    json.dumps({str(r): v for r, v in res.items()}, indent=1))
-    return res
+    with _analysis(cfg, batches) as (model, tok, task, draw, chat):
+        one = dataclasses.replace(cfg, max_resample=1)  # the raw batch only
+        res = {r: {m: {"cos": [], "ratio": [], "low": []} for m in arms} for r in rhos}
+        for b in range(batches):
+            gmts.set_seed(cfg.seed * 1_000_003 + b)
+            parts = sample_parts(model, tok, task, draw, chat, one, ("analyze", b))
+            batch, rewards, adv = parts[0]
+            log(f"batch {b + 1}/{batches}: reward {rewards.mean():.3f}, "
+                f"{int((adv == 0).sum())}/{len(adv)} answers with A = 0")
+            if not (adv != 0).any():  # no gradient to compare
+                continue
+            for r, by_arm in retention_at(model, batch, adv, cfg, rhos, arms,
+                                          seed=cfg.seed + b).items():
+                for m, (cos, ratio, low) in by_arm.items():
+                    res[r][m]["cos"].append(cos)
+                    res[r][m]["ratio"].append(ratio)
+                    res[r][m]["low"].append(low)
+        if not res[rhos[0]][arms[0]]["cos"]:
+            raise _nothing_to_analyse(cfg, batches)
+        log(retention_table(res))
+        _save_analysis(cfg.out, "retention.json", {str(r): v for r, v in res.items()})
+        return res
 
 RETAINED = {"cos": "cos(g_S, g_all)", "ratio": "\\|g_S\\|/\\|g_all\\|",
             "low": "share of kept tokens in low-\\|A\\| groups"}
@@ -927,7 +941,7 @@ def read_retention(folder: str) -> dict:
     if len(arms) != 1 or len(keys) != 1 or not {"cos", "ratio"} <= set(*keys) or not all(
             map(is_arm, *arms)):
         raise gmts.BadInput(f"{path}: not a retention curve of analyze --rhos "
-                         "({rho: {arm: {cos: [...], ratio: [...]}}} alike for every rho)")
+                            "({rho: {arm: {cos: [...], ratio: [...]}}} alike for every rho)")
     return dict(sorted(res.items()))
 
 def retention(panels: dict, png: str, log=print) -> dict:
@@ -978,35 +992,28 @@ def analysis_table(res: dict, arms=ANALYZED) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# CLI [plumbing]: gmts.run_cli is the one error handler; each command checks what it writes first
+# CLI [plumbing]: gmts.run_cli is the one error handler; gmts.py's folder rule for every output
 # --------------------------------------------------------------------------------------------------
 
-# what warm writes (save_pretrained of a model and its tokenizer): the files it may rewrite
-MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "tokenizer*",
-               "*_tokens*.json", "chat_template.*")
+# compare's run of an arm and a seed: METHOD-sSEED or METHOD@SCOPE-sSEED (parse_arm's arms)
+ARM_RUN = rf"({'|'.join(map(re.escape, gmts.METHODS))})(@({'|'.join(SCOPES)}))?-s\d+"
+# The names (re.fullmatch) each command that writes a folder writes there, all that its
+# --overwrite removes: warm the tiny model and its tokenizer (save_pretrained), compare its table,
+# plot and a run folder per arm and seed, analyze its JSON (analysis.json, or retention.json).
+WRITES = {
+    "warm": (r"config\.json", r"generation_config\.json", r"model\.safetensors",
+             r"tokenizer(_config)?\.json", r"chat_template\.jinja"),
+    "compare": (r"compare\.md", r"compare\.png", ARM_RUN),
+    "analyze": (r"analysis\.json", r"retention\.json"),
+}
 
-def check_writes(out: str, names=(), overwrite=False, model="", only=()):
-    """Before any work, BadInput (one line) unless this command may write the files `names` into
-    the folder `out`: out is, or can be made, a folder, not the --model folder nor one holding it;
-    no name is a folder there, none is replaced without --overwrite (it may be anyone's); with
-    `only` (patterns), out holds nothing else (warm rewrites a model, not a run)."""
-    real, there = os.path.realpath(out), os.path.abspath(out)
-    if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise gmts.BadInput(f"--out {out} is or holds the --model folder {model}")
-    while not os.path.isdir(there):  # the nearest folder that exists: the rest is made in it
-        if os.path.lexists(there):
-            raise gmts.BadInput(f"{there} is not a folder: {out} cannot be made")
-        there = os.path.dirname(there)
-    for n in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        path = os.path.join(out, n)
-        if n in names and (os.path.isdir(path) or not overwrite):
-            raise gmts.BadInput(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
-                                                    ": pass --overwrite to replace it"))
-        warms = any(fnmatch.fnmatchcase(n, pattern) for pattern in only)
-        if only and not warms and not n.startswith("."):
-            raise gmts.BadInput(f"--out {out} holds {n}, which warm does not write")
+def folder_rules(cfg: gmts.Config) -> dict:
+    """gmts.check_folder's rules for compare and analyze: gmts.py's of cfg (--overwrite, --model,
+    the data files read), with no --resume."""
+    return dict(gmts.folder_rules(cfg), resume=None, scratch=())
 
 def save_figure(fig, png: str, dpi: int = 90):
+    """fig into png (checked first: gmts.check_file), its folder made if need be."""
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=dpi)
 
@@ -1090,7 +1097,6 @@ def _main(argv):
 
 def warm_main(a: argparse.Namespace):
     out = a.out or WARM[a.task]["out"]
-    check_writes(out, only=MODEL_FILES)  # new, empty, or a model folder whose files it rewrites
     model, tok = warm_start(out, a.task)
     cfg = warm_config(a.task)
     rows = gmts.read_data(cfg).held
@@ -1111,15 +1117,15 @@ def warm_main(a: argparse.Namespace):
           f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
 
 def figure_main(a: argparse.Namespace):
-    """report, retention, scatter: a figure at --png (checked first: check_writes), tables on
+    """report, retention, scatter: a figure at --png (checked first: gmts.check_file), tables on
     stdout."""
     given = vars(a).get("panels", [])
     panels = dict(x.split("=", 1) for x in given if "=" in x)
     if len(panels) < len(given):  # a title given twice would draw one panel
         raise gmts.BadInput(f"{a.command} takes TITLE=FOLDER arguments, each a title of its own")
-    if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write PNG + ".png"
+    if not a.png.endswith(".png"):  # savefig would write PNG + ".png"
         raise gmts.BadInput(f"--png {a.png!r} must name a .png file, e.g. docs/{a.command}.png")
-    check_writes(os.path.dirname(a.png) or ".", (os.path.basename(a.png),), a.overwrite)
+    gmts.check_file(a.png, "--png", a.overwrite)
     if a.command == "scatter":
         return scatter(a.png)
     return (report if a.command == "report" else retention)(panels, a.png)
@@ -1132,7 +1138,7 @@ def decoy_main(cfg: gmts.Config):
         cfg = dataclasses.replace(cfg, **{k: saved[k] for k in READ[1:] if k in saved})
         try:  # a hand-edited run_config.json can hold any value
             gmts.check_config(cfg)
-        except ValueError as e:
+        except gmts.BadInput as e:
             raise gmts.BadInput(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
     if cfg.task != "countdown":
         raise gmts.BadInput(f"decoy is defined for countdown, not --task {cfg.task}")

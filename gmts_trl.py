@@ -70,7 +70,6 @@ Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                 
           --use-vllm
 """
 import argparse
-import contextlib
 import functools
 import inspect
 import json
@@ -80,10 +79,9 @@ import re
 import types
 import typing
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
-import filelock
 import torch
 
 import gmts  # before trl: its HF environment defaults are read when transformers is imported
@@ -188,6 +186,8 @@ def refusal(cfg) -> str:
     """Why GMTS selection cannot be exact with this GRPOConfig (module docstring), or ''."""
     if cfg.token_selection == "all":
         return ""
+    if cfg.loss_type not in LOSS_TYPES:  # omega restates each loss's gradient (module docstring)
+        return f"loss_type={cfg.loss_type!r}: omega is written for {', '.join(LOSS_TYPES)}"
     if cfg.importance_sampling_level != "token":
         return (f"importance_sampling_level={cfg.importance_sampling_level!r}: the ratio is a mean "
                 "over all of an answer's tokens, so dropped tokens still get a gradient; "
@@ -288,6 +288,7 @@ class GMTSTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         check_trl()
         super().__init__(*args, **kwargs)
+        gmts.guard_cuda(self.accelerator.device)  # on CUDA: no cuDNN attention (its NaN backward)
         if not isinstance(self.args, GMTSConfig):
             raise TypeError("GMTSTrainer needs args=GMTSConfig(...)")
         self.token_selection, self.token_rho = self.args.token_selection, self.args.token_rho
@@ -448,14 +449,14 @@ class GMTSTrainer(GRPOTrainer):
                 lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg,
                 lambda_neg=self.args.vespo_lambda_neg)  # (B, 1)
             return phi * adv
-        raise ValueError(f"gmts_trl.py has no omega for loss_type {self.loss_type!r}")
+        raise RuntimeError(f"gmts_trl.py has no omega for loss_type {self.loss_type!r}")
 
     def omega(self, inputs: dict, logp, mask: torch.Tensor) -> torch.Tensor:
         """-dloss/dlogp_t of TRL's loss for a kept token, up to one constant of the step (module
         docstring). logp (B, T) the current log-probs, mask (B, T) bool -> (B, T)."""
         adv = inputs["advantages"].float()  # (B,)
         if adv.dim() != 1:
-            raise ValueError("GMTSTrainer needs one advantage per answer, shape (B,)")
+            raise RuntimeError("GMTSTrainer needs one advantage per answer, shape (B,)")
         old = inputs.get("old_per_token_logps")
         log_ratio = torch.zeros_like(logp.float()) if old is None else (logp - old).float()
         vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
@@ -517,85 +518,63 @@ def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
                                        for p, r in zip(prompts, rows)])
 
 # -------------------------------------------------------------------------------------------------
-# The output folder [plumbing]: a gmts_trl run is TRL's checkpoints; --overwrite removes RUN_NAMES
+# The output folder [plumbing]: gmts.py's folder rule (gmts.claim_folder) with TRL's names
 # -------------------------------------------------------------------------------------------------
+# --out holds one gmts_trl run (marked) or nothing of anyone's; one process writes it (the lock);
+# --overwrite removes exactly the names a run writes: README's promise 4, kept by gmts.py's code.
 
 
-LOCK = ".gmts_trl.lock"  # filelock's file: one process writes an --out at a time
+KIND = "gmts_trl"  # its files in --out: .gmts_trl.run (the mark), .gmts_trl.lock
+CHECKPOINT = r"checkpoint-\d+"  # TRL's checkpoint folder, checkpoint-{global_step}
 # Exactly the names TRL 1.16.0's Trainer writes into output_dir (checkpoints every save_steps,
 # then save_model: the model, its tokenizer, training_args.bin, the model card README.md): the
-# only entries --overwrite removes. checkpoint-N is a folder, every other name a file.
-RUN_NAMES = re.compile(
-    r"checkpoint-\d+|README\.md|training_args\.bin|config\.json|generation_config\.json"
-    r"|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
-    r"|tokenizer\.json|tokenizer_config\.json|tokenizer\.model|chat_template\.jinja"
-    r"|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt")
+# only entries --overwrite removes (re.fullmatch).
+RUN_NAMES = (
+    CHECKPOINT, r"README\.md", r"training_args\.bin", r"config\.json", r"generation_config\.json",
+    r"model\.safetensors", r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json",
+    r"tokenizer\.json", r"tokenizer_config\.json", r"tokenizer\.model", r"chat_template\.jinja",
+    r"special_tokens_map\.json", r"added_tokens\.json", r"vocab\.json", r"merges\.txt")
 
 
-def run_names(out: str) -> list:
-    """The entries of out that a gmts_trl run writes: RUN_NAMES, checkpoints as folders only."""
-    return sorted(n for n in os.listdir(out) if RUN_NAMES.fullmatch(n)
-                  and os.path.isdir(os.path.join(out, n)) == n.startswith("checkpoint-"))
+def folder_rules(args: argparse.Namespace) -> dict:
+    """gmts.check_folder's rules for this run: --overwrite (there is no --resume), --model, and
+    the data file it reads."""
+    reads = [args.data] if gmts.data_kind(args.data) == "file" else []
+    return dict(resume=None, overwrite=args.overwrite, model=args.model, reads=reads)
 
 
-def checkpoints(out: str) -> list:
-    """TRL's complete checkpoint-N folders in out (trainer_state.json, saved last), oldest
-    first."""
-    names = os.listdir(out) if os.path.isdir(out) else []
-    done = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)
-            and os.path.isfile(os.path.join(out, n, "trainer_state.json"))]
-    return sorted(done, key=lambda n: int(n.split("-")[1]))
-
-
-def check_out(out: str, model: str, overwrite: bool):
-    """BadInput unless a run may write in out: not a file, not (nor holding) the --model folder;
-    new, empty, or holding a gmts_trl run (a TRL checkpoint), which only --overwrite replaces."""
-    real = os.path.realpath(out)
-    if not out or os.path.exists(out) and not os.path.isdir(out):
-        raise gmts.BadInput(f"--out {out!r} must name a folder")
-    if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise gmts.BadInput(f"--out {out} is or holds the --model folder {model}: the run "
-                            "would replace it")
-    if os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not checkpoints(out):
-        raise gmts.BadInput(f"--out {out} holds files that are not a gmts_trl run; choose "
-                            "another --out")
-    if checkpoints(out) and not overwrite:
-        raise gmts.BadInput(f"--out {out} holds a gmts_trl run: replace it with --overwrite, or "
-                            "choose another --out")
-
-
-def claim_out(out: str, model: str, overwrite: bool):
-    """out locked for this process (filelock) -> the held lock (a context manager); checked again
-    under the lock (a run may have ended there meanwhile), and with --overwrite cleared of
-    run_names, nothing else."""
-    os.makedirs(out, exist_ok=True)
-    try:
-        held = filelock.FileLock(os.path.join(out, LOCK), timeout=0).acquire()
-    except filelock.Timeout:
-        raise gmts.BadInput(f"--out {out}: another process writes there now") from None
-    check_out(out, model, overwrite)
-    if overwrite:
-        gmts.remove_names(out, run_names(out))  # exact names: fnmatch patterns of themselves
-    return held
+def written(out: str) -> list:
+    """The entries of out that a run wrote, as exact names for gmts.clear_folder: RUN_NAMES, a
+    checkpoint-N as a folder only and every other name as a file only (a user's file named
+    checkpoint-3 stays)."""
+    return [re.escape(n) for n in sorted(os.listdir(out))
+            if any(re.fullmatch(name, n) for name in RUN_NAMES)
+            and os.path.isdir(os.path.join(out, n)) == bool(re.fullmatch(CHECKPOINT, n))]
 
 
 def kept(out: str) -> str:
-    """What a run stopped early leaves in out, for run_cli's line."""
-    done = checkpoints(out)
-    return f"; {out} keeps {done[-1]}" if done else f"; {out} holds no checkpoint of TRL's yet"
+    """run_cli's note on a run stopped early: TRL's newest complete checkpoint in out (its
+    trainer_state.json is saved last), or none."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    done = [n for n in names if re.fullmatch(CHECKPOINT, n)
+            and os.path.isfile(os.path.join(out, n, "trainer_state.json"))]
+    if not done:
+        return f"; {out} holds no checkpoint of TRL's yet"
+    return f"; {out} keeps {max(done, key=lambda n: int(n.split('-')[1]))}"
 
 # -------------------------------------------------------------------------------------------------
 # CLI [plumbing]
 # -------------------------------------------------------------------------------------------------
 
 
+GMTS_HELP = {f.name: f.metadata["help"] for f in fields(gmts.Config)}  # gmts.py's words
 ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL goes over them epoch by epoch
 LOWER = "--per-device-batch-size or --max-completion-length"  # the flags that take less memory
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Flags -> Namespace; every range and the output folder are checked here, before any
-    work."""
+    """Flags -> Namespace; every range, an hf:... spec (gmts.py's) and the output folder (gmts.py's
+    folder rule) are checked here, before any work."""
     p = argparse.ArgumentParser(prog="gmts_trl.py", description="GRPO + GMTS token selection on "
                                                                 "TRL (see the docstring).")
     p.error = gmts.bad_flag
@@ -603,7 +582,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--model", default="tiny",
       help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
     a("--task", default="countdown", choices=sorted(gmts.TASKS))
-    a("--data", default="gen", help="gen, easy, hf:ID[:CONFIG][:SPLIT] or a data file (as gmts.py)")
+    a("--data", default="gen", help=GMTS_HELP["data"])
     a("--short-prompt", action="store_true",
       help="terse prompts, no system line (for the tiny model)")
     a("--select", default="gmts", choices=SELECT, help="token selection method")
@@ -638,13 +617,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise gmts.BadInput(f"--{flag} must be {need}, got {value}")
     if args.use_vllm and not is_vllm_available():  # else TRL's ImportError, a traceback
         raise gmts.BadInput("--use-vllm: vLLM is not installed (pip install vllm)")
-    check_out(args.out, args.model, args.overwrite)
+    if gmts.data_kind(args.data) == "hf":
+        gmts.hf_spec(args.data)
+    gmts.check_folder(args.out, RUN_NAMES, KIND, **folder_rules(args))
     return args
 
 
-def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
-    """Flags -> a GMTSTrainer. ValueError: bad input (data, the model, TRL's own checks). Cheap
-    checks first: the config, the data, then the model."""
+def trl_config(args: argparse.Namespace) -> GMTSConfig:
+    """Flags -> TRL's config, which also says which process saves; TRL's own checks of the flags
+    (a batch not divisible) raise gmts.BadInput."""
     cuda = torch.cuda.is_available()
     try:
         with warnings.catch_warnings():  # TRL's gradient_checkpointing=True: transformers warns
@@ -663,6 +644,13 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
                 save_strategy="steps", save_steps=50)
     except ValueError as e:  # TRL's own checks of the flags (a batch not divisible): bad input
         raise gmts.BadInput(gmts.error_line(e)) from None
+    return cfg
+
+
+def build_trainer(args: argparse.Namespace, cfg: GMTSConfig = None) -> GMTSTrainer:
+    """Flags (and their trl_config) -> a GMTSTrainer; gmts.BadInput for bad input. Cheap checks
+    first: the config, the data, then the model."""
+    cfg = cfg or trl_config(args)
     per_step = cfg.generation_batch_size // cfg.num_generations  # prompts a step, all processes
     n = min(max(2000, args.steps * per_step), ROWS_CAP)
     rows = gmts.load_rows(args.task, args.data, n, args.seed)
@@ -678,21 +666,28 @@ def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
                        train_dataset=data, processing_class=tok)
 
 
+def train(trainer: GMTSTrainer, args: argparse.Namespace):
+    """trainer.train(), then the final model into --out; fewer steps than --steps: RunError."""
+    trainer.train()
+    if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps
+        raise gmts.RunError(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran "
+                            "out of batches; the final model was not saved")
+    trainer.save_model(args.out)
+
+
 def main(argv=None):
     args = None
 
     def command():
         nonlocal args
         args = parse_args(argv)
-        trainer = build_trainer(args)  # every input loaded before anything is written in --out
-        # the one writing process claims --out (accelerate launch starts one process per GPU)
-        held = claim_out(args.out, args.model, args.overwrite) if trainer.args.should_save else None
-        with held or contextlib.nullcontext():
-            trainer.train()
-            if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps
-                raise gmts.RunError(f"trained {trainer.state.global_step} of {args.steps} steps: "
-                                    "TRL ran out of batches; the final model was not saved")
-            trainer.save_model(args.out)
+        cfg = trl_config(args)
+        if not cfg.should_save:  # accelerate launch: a process per GPU; the first writes --out
+            return train(build_trainer(args, cfg), args)
+        with gmts.claim_folder(args.out, RUN_NAMES, KIND, **folder_rules(args)):
+            trainer = build_trainer(args, cfg)  # a BadInput here: --out is as it was
+            gmts.clear_folder(args.out, written(args.out), KIND)  # an old run's names go; marked
+            train(trainer, args)
 
     gmts.run_cli("gmts_trl", command, kept=lambda: kept(args.out) if args else "", lower=LOWER)
 

@@ -26,7 +26,7 @@ TESTDATA = os.path.join(HERE, "testdata")
 
 def run(capsys, tmp_path, *argv) -> tuple:
     """bench_gmts.main(argv) at --quick, -> (its JSON, the ratios it printed)."""
-    out = tmp_path / f"{argv[0]}.json"
+    out = tmp_path / "new" / f"{argv[0]}.json"  # a folder that is not there yet: made
     R = bench_gmts.main([*argv, "--quick", "--json", str(out)])
     printed = capsys.readouterr().out
     assert json.loads(out.read_text()) == json.loads(json.dumps(R))
@@ -116,7 +116,9 @@ BAD_INPUTS = [  # (argv, part of the one line)
     (["grading", "--grade-data", "{d}/nogold.jsonl"], "--grade-data"),
     (["grading", "--grade-data", "x={d}/missing.jsonl"], "cannot read it"),
     (["trl-select", "--trl-select-steps", "-1"], "--trl-select-steps must be >= 0"),
-    (["stats", "--json", "{d}/no/such/folder/x.json"], "not a file in an existing folder"),
+    (["stats", "--json", "{d}/config.json"], "config.json exists: replace it with --overwrite"),
+    (["stats", "--json", "{d}/config.json/x.json"], "config.json is a file, not a folder"),
+    (["plan", "--model", "tiny", "--json", "{d}"], "must name a file"),
     (["plan", "--model", "tiny", "--rho", "2"], "--rho must be"),
     (["plan", "--model", "{d}"], "cannot load model"),
     (["plan", "--model", "{d}/config.json"], "give --prompt-tokens P"),
@@ -256,7 +258,7 @@ def test_plan_prints_the_hand_formula_for_a_model_folder(tmp_path, tiny_model, c
              "4", "--group-size", "1024", "--max-new-tokens", str(T), "--micro-batch", "1"]
     for extra, longest in (([], P("r" * 120)), (["--eval-data", f"b={bench}"], P("u" * 150)),
                            (["--prompt-tokens", "300"], 300)):
-        printed = bench_gmts.main(flags + extra + ["--json", str(tmp_path / "plan.json")])
+        printed = bench_gmts.main(flags + extra + ["--json", str(tmp_path / "plan.json"), "--overwrite"])
         assert capsys.readouterr().out == printed + "\n"  # the one line the command prints
         hand = _hand_line(n, longest, T, rows)
         assert printed == hand or printed.startswith(hand + "; too much"), printed

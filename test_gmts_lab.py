@@ -106,7 +106,7 @@ def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkey
             assert lab.well_formed(ref(ans), row)
             same += ans == row
         assert same == 32 if not blind else same < 24  # blind: mostly not the solution (3 or 4 patterns allowed)
-    with pytest.raises(ValueError, match="one-step rows"):  # math's blind answers need easy math rows
+    with pytest.raises(gmts.BadInput, match="one-step rows"):  # math's blind answers need easy math rows
         lab.sft_warmup(model, tok, "math", lambda n, *key: [TWO_STEPS] * n, True, True, 1, 1e-3,
                        2, 0, blind=True, log=None)
 
@@ -125,7 +125,7 @@ def test_countdown_blind_draws_each_nonnegative_sign_pattern_equally_often():
     got = lab.countdown_blind({"nums": [9, 8, 7], "target": 24}, random.Random(1))  # a .jsonl row: no 'expr'
     assert lab.countdown_reference(got).endswith(f"<answer>{got['expr']}</answer>")
     assert lab.countdown_blind({"nums": [], "target": 1}, random.Random(0)) == {"nums": [], "target": 1}
-    with pytest.raises(ValueError, match="generated row"):
+    with pytest.raises(gmts.BadInput, match="generated row"):
         lab.countdown_reference({"nums": [9, 8, 7], "target": 24})
 
 
@@ -143,7 +143,7 @@ def test_math_blind_keeps_the_numbers_and_draws_each_operation_equally_often():
         ops[op] += 1
     assert set(ops) == {"+", "-", "*"} and all(70 < v < 130 for v in ops.values())  # 100 each expected
     for bad in ({"question": "q", "answer": "3"}, TWO_STEPS):
-        with pytest.raises(ValueError, match="one-step rows"):
+        with pytest.raises(gmts.BadInput, match="one-step rows"):
             lab.math_blind(bad, rng)
 
 
@@ -284,15 +284,16 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     assert (out / "compare.png").stat().st_size > 1000
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["all-s0", "all-s1", "gmts@batch-s0",
                                                                     "gmts@batch-s1"]
+    assert (out / ".gmts_lab_compare.run").is_file()  # the folder rule's mark: a compare lives here
     for run in ("all-s0", "gmts@batch-s1"):  # every run starts from the same model
         assert json.loads((out / run / "run_config.json").read_text())["model"] == gmts.WARM_CPU
     saved = json.loads((out / "gmts@batch-s1" / "run_config.json").read_text())
     assert (saved["select"], saved["scope"]) == ("gmts", "batch")  # the arm's scope reached the run
     for args, needle in ((["--methods", "all,best", "--out", str(tmp_path / "x")], "--methods"),
                          (["--methods", "gmts@everywhere", "--out", str(tmp_path / "x")], "METHOD@SCOPE"),
-                         (["--methods", "all,gmts", "--seeds", "2", "--out", str(out)], "--overwrite"),
-                         (["--methods", "all", "--seed", "1", "--seeds", "1", "--out", str(out)], "all-s1 holds")):
-        with pytest.raises(SystemExit) as e:  # 2nd: finished runs stay; 3rd: --seed is gmts.py's, not short for --seeds
+                         (["--methods", "all,gmts", "--seeds", "2", "--out", str(out)],
+                          "holds a gmts_lab_compare run: replace it with --overwrite")):
+        with pytest.raises(SystemExit) as e:  # 3rd: finished runs stay
             lab.main(["compare", "--preset", "smoke", *args])
         err = capsys.readouterr().err
         assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1
@@ -763,14 +764,17 @@ def _work_begins(*a, **k):
 
 def _outputs(tmp):
     """What the output cases meet under tmp: a file f, a user's old.png, an analyze --out with its analysis.json, a
-    retention.json that is a folder, a compare --out with compare.md, an arm folder of the user's, a model folder m,
-    a gmts run folder, a copy of a committed warm start (with its dot-file)."""
+    compare --out with compare.md (both marked by the lab), a user's folder with an analysis.json, one with an arm
+    folder, a model folder m, a gmts run folder, a copy of a committed warm start (with its mark)."""
     (tmp / "f").write_text("the user's file\n")
     (tmp / "old.png").write_bytes(b"the user's picture")
-    for d in ("ana", "rd/retention.json", "cmp", "cmp2/all-s0", "run"):
+    for d in ("ana", "user", "cmp", "cmp2/all-s0", "run"):
         (tmp / d).mkdir(parents=True)
     (tmp / "ana" / "analysis.json").write_text("{}")
-    (tmp / "cmp" / "compare.md").write_text("| the user's table |\n")
+    (tmp / "ana" / ".gmts_lab_analyze.run").write_text("")
+    (tmp / "user" / "analysis.json").write_text("{}")
+    (tmp / "cmp" / "compare.md").write_text("| the table |\n")
+    (tmp / "cmp" / ".gmts_lab_compare.run").write_text("")
     (tmp / "cmp2" / "all-s0" / "notes.txt").write_text("the user's notes\n")
     (tmp / "run" / "run_config.json").write_text(json.dumps({"steps": 1}))
     (tmp / "run" / "config.json").write_text("{}")
@@ -780,28 +784,31 @@ def _outputs(tmp):
 
 SMOKE_CMP = ["compare", "--preset", "smoke", "--methods", "all", "--seeds", "1"]
 OUTPUTS = [  # (id, argv, the refusal's words; None: the command may write there, and its work begins)
-    ("scatter --png in a file's place", ["scatter", "--png", "{tmp}/f/x.png"], "f is not a folder"),
-    ("scatter --png over a user's file", ["scatter", "--png", "{tmp}/old.png"], "exists: pass --overwrite"),
+    ("scatter --png in a file's place", ["scatter", "--png", "{tmp}/f/x.png"], "f is a file, not a folder"),
+    ("scatter --png over a user's file", ["scatter", "--png", "{tmp}/old.png"], "exists: replace it with --overwrite"),
     ("scatter --png over it with --overwrite", ["scatter", "--png", "{tmp}/old.png", "--overwrite"], None),
     ("scatter --png in folders to make", ["scatter", "--png", "{tmp}/new/deeper/s.png"], None),
-    ("report --png over a user's file", ["report", "a={tmp}", "--png", "{tmp}/old.png"], "exists: pass --overwrite"),
-    ("retention --png in a file's place", ["retention", "a={tmp}", "--png", "{tmp}/f/r.png"], "f is not a folder"),
-    ("analyze over analysis.json", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana"], "exists: pass --overwrite"),
+    ("report --png over a user's file", ["report", "a={tmp}", "--png", "{tmp}/old.png"], "--overwrite"),
+    ("retention --png in a file's place", ["retention", "a={tmp}", "--png", "{tmp}/f/r.png"], "f is a file, not a"),
+    ("analyze over an analysis", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana"],
+     "holds a gmts_lab_analyze run: replace it with --overwrite"),
     ("analyze over it with --overwrite", ["analyze", "--preset", "smoke", "--out", "{tmp}/ana", "--overwrite"], None),
-    ("analyze --rhos where retention.json is a folder",
-     ["analyze", "--preset", "smoke", "--rhos", "0.1", "--out", "{tmp}/rd", "--overwrite"], "exists as a folder"),
-    ("analyze --out a file", ["analyze", "--preset", "smoke", "--out", "{tmp}/f"], "f is not a folder"),
+    ("analyze over a user's folder", ["analyze", "--preset", "smoke", "--out", "{tmp}/user", "--overwrite"],
+     "holds files that are not a gmts_lab_analyze run"),
+    ("analyze --out a file", ["analyze", "--preset", "smoke", "--out", "{tmp}/f"], "f is a file, not a folder"),
     ("analyze --out the --model folder", ["analyze", "--preset", "smoke", "--model", "{tmp}/m", "--out", "{tmp}/m"],
      "is or holds the --model folder"),
     ("analyze --out holding --model", ["analyze", "--preset", "smoke", "--model", "{tmp}/m", "--out", "{tmp}"],
      "is or holds the --model folder"),
-    ("compare over compare.md", [*SMOKE_CMP, "--out", "{tmp}/cmp"], "compare.md exists: pass --overwrite"),
+    ("compare over a compare", [*SMOKE_CMP, "--out", "{tmp}/cmp"],
+     "holds a gmts_lab_compare run: replace it with --overwrite"),
     ("compare over it with --overwrite", [*SMOKE_CMP, "--out", "{tmp}/cmp", "--overwrite"], None),
     ("compare --out the --model folder", [*SMOKE_CMP, "--model", "{tmp}/m", "--out", "{tmp}/m"], "--model folder"),
-    ("compare, an arm folder of the user's (gmts.py's rule)", [*SMOKE_CMP, "--out", "{tmp}/cmp2"],
-     "all-s0 holds files that are not a gmts run"),
-    ("warm --out a gmts run", ["warm", "--out", "{tmp}/run"], "holds run_config.json, which warm does not write"),
-    ("warm --out a file", ["warm", "--out", "{tmp}/f"], "f is not a folder"),
+    ("compare over a folder that is not a compare's", [*SMOKE_CMP, "--out", "{tmp}/cmp2", "--overwrite"],
+     "holds files that are not a gmts_lab_compare run (all-s0 ...)"),
+    ("compare over a gmts run", [*SMOKE_CMP, "--out", "{tmp}/run", "--overwrite"], "not a gmts_lab_compare run"),
+    ("warm --out a gmts run", ["warm", "--out", "{tmp}/run"], "holds files that are not a gmts_lab_warm run"),
+    ("warm --out a file", ["warm", "--out", "{tmp}/f"], "f is a file, not a folder"),
     ("warm --out a warm start it rewrites", ["warm", "--out", "{tmp}/w"], None),
     ("warm --out a new folder", ["warm", "--out", "{tmp}/new/w"], None),
 ]
@@ -809,11 +816,11 @@ OUTPUTS = [  # (id, argv, the refusal's words; None: the command may write there
 
 @pytest.mark.parametrize("argv, needle", [c[1:] for c in OUTPUTS], ids=[c[0] for c in OUTPUTS])
 def test_each_command_checks_what_it_writes_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
-    """Each command that writes checks its files before any model loads, any worker starts, any run is read: a file
-    it would replace needs --overwrite (a folder in a file's place never goes), the folder must be one it can make,
-    never the --model folder or one holding it; warm rewrites a warm start's model files and nothing else.
-    A refusal is one line, exit 2, and leaves every file as it was; where it may write, the work begins (here: the
-    patched work raises Began). On the code before, scatter found a missing or unwritable folder only at savefig."""
+    """Each command that writes checks its output by gmts.py's folder rule before any model loads, any worker starts,
+    any run is read: a folder holds one run of the command (its mark), replaced only with --overwrite, or nothing of
+    anyone's; never the --model folder or one holding it; warm replaces a warm start (the same bits), nothing else;
+    a figure is one file, replaced only with --overwrite, never under a file. A refusal is one line, exit 2, and
+    leaves every file as it was; where it may write, the work begins (here: the patched work raises Began)."""
     _outputs(tmp_path)
     for obj, name in ((gmts, "load_model"), (lab, "sft_warmup"), (multiprocessing, "get_context"),
                       (lab, "finished_runs"), (lab, "read_retention")):
@@ -848,8 +855,9 @@ def test_decoy_checks_no_output(tmp_path, monkeypatch, capsys):
     rule made to refuse everything, prints its table and leaves the folder empty (a read-only working folder refused
     it on 09cce72)."""
     def refuse(*a, **k):
-        raise ValueError("decoy checked an output")
-    monkeypatch.setattr(lab, "check_writes", refuse)
+        raise gmts.BadInput("decoy checked an output")
+    for rule in ("check_folder", "claim_folder", "check_file"):
+        monkeypatch.setattr(gmts, rule, refuse)
     os.makedirs(tmp_path / "ro")
     os.chmod(tmp_path / "ro", 0o555)
     monkeypatch.chdir(tmp_path / "ro")

@@ -19,11 +19,13 @@ os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 import importlib.util
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -379,12 +381,14 @@ def test_omega_under_delta_is_minus_the_gradient_of_trls_loss(loss_trainer, monk
 def test_refused_options_one_line(tmp_path):
     """Where no per-token omega is the gradient, GMTSConfig refuses before training, naming it."""
     kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False)
-    with pytest.raises(ValueError, match="importance_sampling_level='sequence'"):
+    with pytest.raises(gmts.BadInput, match="importance_sampling_level='sequence'"):
         GMTSConfig(importance_sampling_level="sequence", token_selection="entropy", **kw)
-    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+    with pytest.raises(gmts.BadInput, match="off_policy_mask_threshold"):
         GMTSConfig(off_policy_mask_threshold=0.5, **kw)
-    with pytest.raises(ValueError, match="entropy bonus"):
+    with pytest.raises(gmts.BadInput, match="entropy bonus"):
         GMTSConfig(entropy_coef=0.01, token_selection="gradnorm", **kw)
+    with pytest.raises(gmts.BadInput, match="loss_type='ppo': omega is written for dapo"):
+        GMTSConfig(loss_type="ppo", token_selection="random", **kw)
     GMTSConfig(importance_sampling_level="sequence", token_selection="all", **kw)  # no selection
     GMTSConfig(off_policy_mask_threshold=0.5, token_selection="entropy", **kw)  # no omega
 
@@ -600,10 +604,30 @@ def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
         tr.get_high_entropy_mask(torch.ones(2, 3), torch.ones(2, 3), 0.8)
     tr._live = None
     kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False)
-    with pytest.raises(ValueError, match="token_selection"):
+    with pytest.raises(gmts.BadInput, match="token_selection"):
         GMTSConfig(token_selection="top", **kw)
-    with pytest.raises(ValueError, match="token_rho"):
+    with pytest.raises(gmts.BadInput, match="token_rho"):
         GMTSConfig(top_entropy_quantile=0.2, **kw)
+
+
+def test_on_cuda_the_trainer_keeps_cudnn_attention_out(tmp_path, monkeypatch):
+    """cuDNN's SDPA backward returns NaN gradients under an attention mask at some lengths (pytorch#196678,
+    trl#7181): GMTSTrainer applies gmts.guard_cuda to its accelerator's device before any step, which turns that
+    backend off on CUDA (here TRL's init runs on the CPU and its accelerator then reports a CUDA device) and leaves
+    the CPU alone."""
+    flags, seen, real = [], [], gmts.guard_cuda
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", flags.append)
+    monkeypatch.setattr(gmts, "guard_cuda", lambda device: seen.append(device) or real(device))
+    make_trainer(tmp_path)
+    assert seen == [torch.device("cpu")] and flags == []
+    init = gmts_trl.GRPOTrainer.__init__
+
+    def on_a_gpu(self, *a, **k):
+        init(self, *a, **k)
+        self.accelerator = types.SimpleNamespace(device=torch.device("cuda"), process_index=0)
+    monkeypatch.setattr(gmts_trl.GRPOTrainer, "__init__", on_a_gpu)
+    make_trainer(tmp_path)
+    assert seen[1:] == [torch.device("cuda")] and flags == [False]
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
@@ -654,7 +678,8 @@ def bad(tmp_path_factory):
     files = {"one.jsonl": row + "\n", "dup.jsonl": (row + "\n") * 20, "empty.jsonl": "",
              "schema.jsonl": json.dumps({"nums": [1, 2]}) + "\n", "afile": "x",
              "user/README.md": "mine", "user/checkpoint-2/precious.bin": "mine",  # named like TRL's, not TRL's
-             "hasrun/checkpoint-3/trainer_state.json": "{}", "hasrun/model.safetensors": ""}  # an earlier run
+             "hasrun/.gmts_trl.run": "", "hasrun/checkpoint-3/trainer_state.json": "{}",
+             "hasrun/model.safetensors": ""}  # an earlier run, marked
     for name, text in files.items():
         (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(text)
@@ -686,8 +711,11 @@ BAD_INPUTS = [  # (argv, exit code, part of the message); {d}: the `bad` folder
     (["--data", "{d}/schema.jsonl"], 2, 'has no "target"'),
     (["--data", "{d}/one.jsonl", "--per-device-batch-size", "4"], 2, "1 distinct problem(s), but one step takes 2"),
     (["--data", "{d}/dup.jsonl", "--per-device-batch-size", "4"], 2, "1 distinct problem(s)"),
-    (["--out", "{d}/afile"], 2, "must name a folder"), (["--out", ""], 2, "must name a folder"),
-    (["--out", "{d}/afile/sub"], 1, "Not a directory"),
+    (["--data", "hf:a:b:c:d"], 2, "write hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT"),
+    (["--out", "{d}/afile"], 2, "is a file, not a folder"), (["--out", ""], 2, "must name a folder"),
+    (["--out", "{d}/afile/sub"], 2, "cannot be made (Not a directory)"),
+    (["--out", "{d}/hasrun", "--overwrite", "--data", "{d}/hasrun/checkpoint-3/rows.jsonl"], 2,
+     "checkpoint-3, which the run writes"),
     (["--out", "{d}/hasrun"], 2, "holds a gmts_trl run: replace it with --overwrite"),
     (["--out", "{d}/user"], 2, "holds files that are not a gmts_trl run"),
     (["--model", "{d}/good", "--out", "{d}/good"], 2, "is or holds the --model folder"),
@@ -699,8 +727,8 @@ BAD_INPUTS = [  # (argv, exit code, part of the message); {d}: the `bad` folder
 
 @pytest.mark.parametrize("argv, code, msg", BAD_INPUTS, ids=[" ".join(c[0]).replace("{d}/", "") for c in BAD_INPUTS])
 def test_cli_bad_input_one_line(capsys, tmp_path, bad, argv, code, msg):
-    """Each bad input: exactly one stderr line 'gmts_trl: error: ...', no traceback, the exit code (2: input; 1: a
-    folder that cannot be made), before any training, and every file that was there as it was."""
+    """Each bad input: exactly one stderr line 'gmts_trl: error: ...', no traceback, exit 2, before any training, and
+    every file that was there as it was."""
     if "--use-vllm" in argv and importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed")
     before = files_under(bad)
@@ -708,7 +736,7 @@ def test_cli_bad_input_one_line(capsys, tmp_path, bad, argv, code, msg):
         gmts_trl.main(FAST + ["--out", str(tmp_path / "run")] + [a.format(d=bad) for a in argv])
     line = one_error_line(capsys)
     assert e.value.code == code and msg in line, line
-    assert files_under(bad) == before and not os.path.exists(tmp_path / "run")
+    assert files_under(bad) == before and not os.path.exists(tmp_path / "run" / ".gmts_trl.run")
 
 
 def after_training(error):
@@ -771,7 +799,7 @@ def test_cli_a_second_writer_is_refused(capsys, monkeypatch, no_bars, tmp_path):
     letting it go at the end."""
     out = tmp_path / "run"
     out.mkdir()
-    lock = str(out / gmts_trl.LOCK)
+    lock = str(out / f".{gmts_trl.KIND}.lock")
     code = "import filelock, sys, time\nheld = filelock.FileLock(sys.argv[1])\nheld.acquire()\n" \
            "print('held', flush=True)\ntime.sleep(120)\n"
     holder = subprocess.Popen([sys.executable, "-c", code, lock], stdout=subprocess.PIPE, text=True)
@@ -783,7 +811,7 @@ def test_cli_a_second_writer_is_refused(capsys, monkeypatch, no_bars, tmp_path):
         holder.kill()
         holder.wait()
     assert one_error_line(capsys) == f"--out {out}: another process writes there now" and e.value.code == 2
-    assert os.listdir(out) == [gmts_trl.LOCK]
+    assert os.listdir(out) == [f".{gmts_trl.KIND}.lock"]
     seen, train = [], GMTSTrainer.train
     monkeypatch.setattr(GMTSTrainer, "train", lambda self: seen.append(locked_elsewhere(lock)) or train(self))
     gmts_trl.main(FAST + ["--out", str(out)])
@@ -795,15 +823,21 @@ NEAR_MISSES = ("checkpoint-notes.txt", "tokenizer_notes.md", "checkpoint-5.txt",
                "model.safetensors.bak", "my_tokens.json", "README.md.bak", "config.json.orig", "notes.txt")
 
 
+def run_files(out) -> list:
+    """The names in out other than gmts.py's folder rule's own (.gmts_trl.run, .gmts_trl.lock)."""
+    return sorted(set(os.listdir(out)) - {f".{gmts_trl.KIND}.run", f".{gmts_trl.KIND}.lock"})
+
+
 def test_cli_overwrite_replaces_only_a_runs_files(capsys, no_bars, tmp_path):
-    """A run writes only RUN_NAMES (every name TRL wrote is one), and --overwrite removes only those: without it a
-    folder holding a gmts_trl run and a user's files is refused as it is; with it, the earlier run's names go (a
-    stale checkpoint, another tokenizer's vocab.json), the user's stay, those named like TRL's too (a file
-    checkpoint-3, checkpoint-notes.txt, tokenizer_notes.md), and the new run is saved."""
+    """A run marks its folder and writes only RUN_NAMES (every name TRL wrote is one), and --overwrite removes only
+    those: without it a folder holding a gmts_trl run and a user's files is refused as it is; with it, the earlier
+    run's names go (a stale checkpoint, another tokenizer's vocab.json), the user's stay, those named like TRL's
+    too (a file checkpoint-3, checkpoint-notes.txt, tokenizer_notes.md), and the new run is saved."""
     out = tmp_path / "run"
     gmts_trl.main(FAST + ["--out", str(out)])
-    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and os.path.exists(out / "model.safetensors")
-    assert gmts_trl.run_names(str(out)) == sorted(set(os.listdir(out)) - {gmts_trl.LOCK})
+    assert os.path.isfile(out / ".gmts_trl.run") and os.path.exists(out / "model.safetensors")
+    assert "checkpoint-1" in run_files(out)
+    assert gmts_trl.written(str(out)) == [re.escape(n) for n in run_files(out)]
     os.rename(out / "checkpoint-1", out / "checkpoint-7")  # an earlier run's last checkpoint
     (out / "vocab.json").write_text("{}")
     for name in NEAR_MISSES:
@@ -817,23 +851,24 @@ def test_cli_overwrite_replaces_only_a_runs_files(capsys, no_bars, tmp_path):
     assert files_under(out) == before
     gmts_trl.main(FAST + ["--out", str(out), "--overwrite"])
     after = files_under(out)
-    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and "vocab.json" not in after
+    assert [n for n in after if n.startswith("checkpoint-") and after[n] is None] == ["checkpoint-1"]
+    assert "vocab.json" not in after
     assert all(after[name] == b"mine" for name in NEAR_MISSES)
     assert after[os.path.join("mine", "data.jsonl")] == b"mine"
 
 
-def test_cli_out_rule(tmp_path, bad):
-    """A run is recognised by TRL's complete checkpoints (trainer_state.json, written last), newest by number; a
-    new folder is not made by the check."""
-    gmts_trl.check_out(str(bad / "hasrun"), "tiny", overwrite=True)  # the deliberate case
-    gmts_trl.check_out(str(tmp_path / "new" / "deeper"), "tiny", overwrite=False)
-    assert not os.path.exists(tmp_path / "new")
+def test_cli_kept_names_trls_newest_complete_checkpoint(tmp_path):
+    """The line of a run stopped early names TRL's newest complete checkpoint by number (trainer_state.json is
+    written last: checkpoint-11 is half written), and a checkpoint is a folder: a file checkpoint-12 is not one,
+    nor among what --overwrite removes."""
+    assert gmts_trl.kept(str(tmp_path)) == f"; {tmp_path} holds no checkpoint of TRL's yet"
     for n in (9, 10, 11):
         os.makedirs(tmp_path / f"checkpoint-{n}")
-        if n < 11:  # checkpoint-11: half written
+        if n < 11:
             (tmp_path / f"checkpoint-{n}" / "trainer_state.json").write_text("{}")
-    assert gmts_trl.checkpoints(str(tmp_path)) == ["checkpoint-9", "checkpoint-10"]
+    (tmp_path / "checkpoint-12").write_text("mine")
     assert gmts_trl.kept(str(tmp_path)) == f"; {tmp_path} keeps checkpoint-10"
+    assert gmts_trl.written(str(tmp_path)) == [re.escape(f"checkpoint-{n}") for n in (10, 11, 9)]
 
 
 def test_cli_one_row_file_is_an_error_not_zero_steps(capsys, tmp_path, bad):
@@ -872,7 +907,7 @@ def test_cli_two_processes_write_one_run(tmp_path):
                         str(free_port()), os.path.join(HERE, "gmts_trl.py"), *FAST, "--out", str(out)],
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and os.path.exists(out / "model.safetensors")
+    assert "checkpoint-1" in run_files(out) and os.path.exists(out / "model.safetensors")
 
 
 def test_cli_real_command_line_one_line(bad):

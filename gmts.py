@@ -1679,8 +1679,8 @@ def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     return out
 
 def _read_set(data: str, task: str) -> list:
-    """The checked rows (_check_row) of hf:ID[:CONFIG][:SPLIT] (_read_hf) or a data file, read by
-    `datasets`."""
+    """The checked rows (_check_row) of hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT (_read_hf) or of a
+    data file, read by `datasets`."""
     import datasets
     kind = data_kind(data)
     fmt = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -2059,6 +2059,9 @@ def check_folder(out: str, names, kind: str = "gmts", resume=False, overwrite=Fa
     marked = f".{kind}.run" in entries
     held = sorted(n for n in entries if n not in (f".{kind}.lock", f".{kind}.run", f".{kind}.trash")
                   and not any(re.fullmatch(name, n) for name in scratch))
+    if resume and not marked and kind == "gmts" and "run_config.json" in entries:
+        raise BadInput(f"--resume {out}: a run of a gmts.py from before runs were marked; if it is "
+                       f"yours, mark it (touch {os.path.join(out, '.gmts.run')}) and resume again")
     if resume and not marked:
         raise BadInput(f"--resume {out}: no {kind} run there")
     if held and not marked:

@@ -209,6 +209,19 @@ def test_resume_takes_only_the_flags_that_keep_the_run(tmp_path, capsys, parity)
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3] and "eval_acc" in metrics(out)[-1]
 
 
+def test_a_run_from_before_the_mark_is_named_and_resumes_once_marked(tmp_path, capsys, parity):
+    """A run folder written before runs carried their mark (.gmts.run) is not taken for someone else's: --resume
+    says what it is and how to mark it, in one line, and once marked it continues."""
+    out = tmp_path / "run"
+    gmts.main([*SMALL, "--no-lr-decay", "--steps", "1", "--out", str(out)])
+    os.remove(out / ".gmts.run")
+    line = fails(capsys, ["--resume", out, "--steps", "2"], 2)
+    assert "from before runs were marked" in line and str(out / ".gmts.run") in line, line
+    (out / ".gmts.run").touch()
+    gmts.main(["--resume", str(out), "--steps", "2"])
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2]
+
+
 def test_the_same_command_with_resume_appended_continues_the_run(tmp_path, capsys, monkeypatch, parity):
     """What a user types first after a stop: the same command with --resume OUT appended. Its flags repeat the saved
     values, so it is accepted, and the run ends as the uninterrupted one (metrics line for line, weights bit for

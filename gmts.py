@@ -2059,7 +2059,8 @@ def check_folder(out: str, names, kind: str = "gmts", resume=False, overwrite=Fa
     marked = f".{kind}.run" in entries
     held = sorted(n for n in entries if n not in (f".{kind}.lock", f".{kind}.run", f".{kind}.trash")
                   and not any(re.fullmatch(name, n) for name in scratch))
-    if resume and not marked and kind == "gmts" and "run_config.json" in entries:
+    old_run = "run_config.json" in entries and any(re.fullmatch(CKPT, n) for n in entries)
+    if resume and not marked and kind == "gmts" and old_run:
         raise BadInput(f"--resume {out}: a run of a gmts.py from before runs were marked; if it is "
                        f"yours, mark it (touch {os.path.join(out, '.gmts.run')}) and resume again")
     if resume and not marked:

@@ -1398,9 +1398,10 @@ def _math_layout(row: dict, where: str) -> dict:
     looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in LAYOUTS.values()]
     raise ValueError(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
 
-# The code layouts, each read as {question, starter, setup, tests, inputs, outputs}: tests are
-# asserts the judge runs after setup, calling the program's functions; inputs are stdin texts, each
-# to give outputs' text. MBPP's challenge_test_list is not graded (as in the MBPP paper).
+# The code layouts, each read as {question, starter, prelude, setup, tests, inputs, outputs}:
+# prelude runs before the program, in its process; tests are asserts the judge runs after setup,
+# calling the program's functions; inputs are stdin texts, each to give outputs' text. MBPP's
+# challenge_test_list is not graded (as in the MBPP paper).
 CODE_LAYOUTS = {"ours (generated)": ("question", "tests | inputs, outputs"),
                 "HumanEval": ("prompt", "test (check), entry_point"),
                 "MBPP": ("text", "test_list, test_setup_code"),
@@ -1408,14 +1409,22 @@ CODE_LAYOUTS = {"ours (generated)": ("question", "tests | inputs, outputs"),
                 "APPS": ("question", "input_output (inputs, outputs, fn_name)"),
                 "CodeContests (deepmind)": ("description", "public_tests, private_tests")}
 
+# What APPS's grader puts before every program (and its published solutions assume): imports.
+APPS_PRELUDE = ("import sys, time, itertools, collections, math, heapq, random, fractions\n"
+                "from itertools import accumulate, product, permutations, combinations\n"
+                "from collections import Counter, OrderedDict, deque, defaultdict, ChainMap\n"
+                "from functools import lru_cache\n"
+                "from math import sqrt, sin, cos, tan, ceil, fabs, floor, gcd, exp, log, log2\n"
+                "from typing import List, Tuple\nfrom heapq import *\n")
+
 def _io_text(x) -> str:  # an APPS input or output: a text, or a list of its lines
     return "\n".join(map(str, x)) + "\n" if isinstance(x, list) else str(x)
 
 def _code_layout(row: dict, where: str) -> dict:
     """A code row in one of CODE_LAYOUTS -> the row the code task trains on; else BadInput naming
     where (a row without tests, tests that are not Python, inputs without their outputs)."""
-    out = dict(question=row.get("question"), starter="", setup="", tests="", inputs=None,
-               outputs=None)
+    out = dict(question=row.get("question"), starter="", prelude="", setup="", tests="",
+               inputs=None, outputs=None)
     if isinstance(row.get("entry_point"), str) and isinstance(row.get("test"), str):  # HumanEval
         point = row["entry_point"]
         out.update(question=f"Write the Python function {point} declared below.",
@@ -1437,7 +1446,8 @@ def _code_layout(row: dict, where: str) -> dict:
         ins = io.get("inputs") or [x for t in tests for x in t.get("input", [])]
         outs = io.get("outputs") or [x for t in tests for x in t.get("output", [])]
         out.update(question=row.get("question") or row.get("description"),
-                   starter=row.get("starter_code") or "", inputs=ins, outputs=outs)
+                   starter=row.get("starter_code") or "", inputs=ins, outputs=outs,
+                   prelude=APPS_PRELUDE if "input_output" in row else "")
         if io.get("fn_name") and len(ins) == len(outs):  # call-based: arguments -> a value
             calls = [f"_check_call({io['fn_name']!r}, {a if isinstance(a, list) else [a]!r}, {b!r})"
                      for a, b in zip(ins, outs)]
@@ -2234,6 +2244,8 @@ def become_program(job, fds, parent):
     sys.argv = ["solution.py"]
     sys.path.extend(job["paths"])  # the trainer's site-packages, after the standard library
     builtins.exit = builtins.quit = sys.exit  # what site would have added
+    if "random" in sys.modules:  # preloaded by the zygote: a seed of the program's own
+        sys.modules["random"].seed()
 
 def serve_calls(ns):
     """The program's side of the asserts: the names of its callables, then a reply per call."""
@@ -2407,6 +2419,8 @@ def judge(job, verdict_w, parent):
 
 # -- the zygote --
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+PRELOAD = ("typing", "collections", "itertools", "functools", "math", "heapq", "random",
+           "fractions", "re", "string", "bisect", "decimal", "statistics")
 
 def enter_box(mode, paths):
     """Once per zygote. ns, userns (namespaces from unshare): a new root of read-only binds of the
@@ -2479,6 +2493,11 @@ def main():
     sys.path[:] = [os.path.realpath(p) for p in sys.path]
     paths = [os.path.realpath(p) for p in config["paths"] if os.path.isdir(p)]
     enter_box(mode, [p for p in sys.path if os.path.isdir(p)] + paths)
+    for name in PRELOAD:  # loaded once here: a program's import of them costs nothing
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     base = "/tmp" if mode in ("ns", "userns") else base
     while True:
         try:
@@ -2511,9 +2530,9 @@ main()
 '''
 
 def code_tests(row: dict) -> tuple:
-    """What a code row is graded on, hashable: (setup, tests, inputs, outputs)."""
-    return (row.get("setup", ""), row.get("tests", ""), tuple(row.get("inputs") or ()),
-            tuple(row.get("outputs") or ()))
+    """What a code row is graded on, hashable: (prelude, setup, tests, inputs, outputs)."""
+    return (row.get("prelude", ""), row.get("setup", ""), row.get("tests", ""),
+            tuple(row.get("inputs") or ()), tuple(row.get("outputs") or ()))
 
 def output_digest(text: bytes) -> str:
     """The stdio comparison, as the judge digests a program's stdout: every line without its
@@ -2571,7 +2590,8 @@ class Zygote:
         nonce = os.urandom(16).hex()
         limits = dict(cpu=math.ceil(timeout), memory=CODE_MEMORY, output=CODE_OUTPUT,
                       wall=timeout, reply=CODE_OUTPUT)
-        job = dict(program=code, inputs=list(row["inputs"]) if stdio else None, limits=limits)
+        program = row.get("prelude", "") + code
+        job = dict(program=program, inputs=list(row["inputs"]) if stdio else None, limits=limits)
         secret = dict(setup=row.get("setup", ""), tests=row.get("tests", ""), nonce=nonce)
         try:
             self.proc.stdin.write(_frame(marshal.dumps(job)) + _frame(marshal.dumps(secret)))
@@ -2623,12 +2643,13 @@ def sandbox_mode() -> str:
                    + "; ".join(tried) + "): namespaces (unshare) must be allowed, or the "
                    "programs' user able to read Python's standard library")
 
-def run_programs(jobs: list, timeout: float = CODE_TIMEOUT_S, workers: int = 0) -> list:
-    """[(program, row), ...] -> [passed, ...]: each program in the sandbox (Zygote), `workers`
-    at once (0: the cores). A broken zygote fails its program and is replaced; nothing is raised
-    but RunError (no sandbox runs on this machine: sandbox_mode)."""
+def run_programs(jobs: list, timeout: float = None, workers: int = 0) -> list:
+    """[(program, row), ...] -> [passed, ...]: each program in the sandbox (Zygote) within
+    `timeout` s (None: CODE_TIMEOUT_S), `workers` at once (0: the cores). A broken zygote fails
+    its program and is replaced; nothing is raised but RunError (no sandbox runs here)."""
     import queue
     mode = sandbox_mode()
+    timeout = timeout or CODE_TIMEOUT_S
     todo = queue.SimpleQueue()
     for i in range(len(jobs)):
         todo.put(i)

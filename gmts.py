@@ -1618,7 +1618,8 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
-        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
+        ask = own == "ours" or "frame" in task  # the task's own prompt
+        question = task["prompt"](r, short=short) if ask else r["question"]
         prompts.append(render_prompt(tok, question, chat, not short, task.get("frame", own)))
     return prompts
 

@@ -1837,6 +1837,8 @@ def start_run(cfg: Config, log=print):
             torch.set_num_threads(cfg.threads)
         set_seed(cfg.seed)
         data = read_data(cfg)
+        if cfg.task == "code":
+            sandbox_mode()  # RunError now, before any work, where no sandbox runs a program
         state = dict(step=0, skipped=0, drawn=0)
         if cfg.resume:
             ckpt = checkpoints(cfg.out)[-1]
@@ -1888,6 +1890,7 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
     log(f"device {device} ({kernels} kernels, {torch.get_num_threads()} threads) | model "
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | "
         f"{len(run.data.held)} held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
+        + (f" | code sandbox: {sandbox_mode()}" if cfg.task == "code" else "")
         + (f" | resumed from {os.path.basename(checkpoints(cfg.out)[-1])}" if cfg.resume else ""))
     if not cfg.resume:
         run.log_step(dict(step=0, **evaluate_run(run, cfg)))

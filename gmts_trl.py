@@ -438,11 +438,12 @@ class GMTSTrainer(GRPOTrainer):
 
 
 def make_reward(task: str):
-    """A TRL reward function from a gmts.py verifier; TRL passes the dataset's 'row' column (JSON) as a kwarg."""
-    score = gmts.get_task(task)["reward"]
+    """A TRL reward function from a gmts.py verifier (a batch at once: code's programs in parallel); TRL passes the
+    dataset's 'row' column (JSON) as a kwarg."""
+    t = gmts.get_task(task)
 
     def reward(prompts, completions, row, **kwargs):
-        return [score(c, json.loads(r)) for c, r in zip(completions, row)]
+        return gmts.task_rewards(t, completions, [json.loads(r) for r in row])
 
     reward.__name__ = f"{task}_reward"  # TRL logs it as rewards/<name>/mean
     return reward

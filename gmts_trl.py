@@ -438,8 +438,8 @@ class GMTSTrainer(GRPOTrainer):
 
 
 def make_reward(task: str):
-    """A TRL reward function from a gmts.py verifier (a batch at once: code's programs in parallel); TRL passes the
-    dataset's 'row' column (JSON) as a kwarg."""
+    """A TRL reward function from a gmts.py verifier, a batch at once (code: its programs in
+    parallel); TRL passes the dataset's 'row' column (JSON) as a kwarg."""
     t = gmts.get_task(task)
 
     def reward(prompts, completions, row, **kwargs):

@@ -176,12 +176,14 @@ def test_random_content_accuracy_against_hand_values_and_sampling():
     assert lab.best_fixed_guess_acc("countdown", [{"nums": [4, 3, 2], "target": 5}, {"nums": [1, 1, 1], "target": 1},
                                                   {"nums": [4, 3, 2], "target": 9}]) == pytest.approx(2 / 3)  # + -
     assert lab.random_content_acc("code", [{"op": "*"}, {"op": "%"}]) == pytest.approx(1 / 6)
-    assert lab.best_fixed_guess_acc("code", [{"op": "*"}, {"op": "*"}, {"op": "+"}, {"op": "//"}]) == 0.5
-    for task in ("countdown", "math", "logic", "code"):  # the exact value is what blind answers score on average
+    code_ops = [{"op": "*"}, {"op": "*"}, {"op": "+"}, {"op": "//"}]
+    assert lab.best_fixed_guess_acc("code", code_ops) == 0.5
+    for task in ("countdown", "math", "logic", "code"):  # exact: blind answers' mean score
         rows, rng = gmts.load_rows(task, "easy", 300, seed=1), random.Random(1)
         t = gmts.get_task(task)
         blind = [(lab.REFERENCES[task](lab.BLIND[task](r, rng)), r) for r in rows for _ in range(4)]
-        hits = sum(x == 1.0 for x in gmts.task_rewards(t, [b for b, _ in blind], [r for _, r in blind]))
+        rewards = gmts.task_rewards(t, [b for b, _ in blind], [r for _, r in blind])
+        hits = sum(x == 1.0 for x in rewards)
         assert hits / 1200 == pytest.approx(lab.random_content_acc(task, rows), abs=0.05), task
 
 
@@ -200,15 +202,16 @@ def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(tas
     held = gmts.read_data(lab.warm_config(task)).held
     assert lab.warm_config(task).task == task and not any(r in held for r, _ in taught)
     key = {"math": "answer", "logic": "solution", "code": "op"}[task]
-    assert sum(r[key] != x[key] for r, x in taught) >= 6  # 3 in 4 (logic), ~2 in 3 (math, code) expected of 24
+    assert sum(r[key] != x[key] for r, x in taught) >= 6  # of 24: 3 in 4 (logic), 2 in 3 expected
     loaded, _ = gmts.load_model(str(tmp_path / "a"), torch.device("cpu"))
     assert loaded.config.hidden_size == 16 and torch.equal(loaded.lm_head.weight, a.lm_head.weight)
 
 
 @pytest.mark.parametrize("task", ["math", "logic", "code"])
 def test_committed_warm_start_is_small_and_trains_two_steps(task, tmp_path):
-    """warm/math, warm/logic and warm/code: <= 2 MB, the recipe's size, and gmts.train runs 2 steps from them with the flags
-    docs/results.md gives (--preset cpu --task T --model warm/T), its first eval_acc from the committed weights."""
+    """warm/math, warm/logic, warm/code: <= 2 MB, the recipe's size; gmts.train runs 2 steps from
+    each with the flags docs/results.md gives (--preset cpu --task T --model warm/T), its first
+    eval_acc from the committed weights."""
     path = lab.WARM[task]["out"]
     assert path == os.path.join(os.path.dirname(gmts.WARM_CPU), task)
     assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 2_000_000

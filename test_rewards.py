@@ -348,18 +348,20 @@ def test_prompts():
 
 
 def test_tasks_and_get_task():
-    """Each task: a prompt, a verifier, the keys its rows must have, and the generated rows have them; code also
-    grades a batch at once and frames its prompt its own way."""
+    """Each task: a prompt, a verifier, the keys its rows must have, and the generated rows have
+    them; code also grades a batch at once and frames its prompt its own way."""
     assert sorted(TASKS) == ["code", "countdown", "logic", "math"]
     assert {name: t["keys"] for name, t in TASKS.items()} == {
-        "countdown": ("nums", "target"), "math": ("question", "answer"), "logic": ("names", "statements", "solution"),
-        "code": ("question",)}
+        "countdown": ("nums", "target"), "math": ("question", "answer"),
+        "logic": ("names", "statements", "solution"), "code": ("question",)}
     for name, t in TASKS.items():
         extra = {"rewards", "frame"} if name == "code" else set()
-        assert set(t) == {"prompt", "keys", "reward"} | extra and callable(t["prompt"]) and callable(t["reward"])
+        assert set(t) == {"prompt", "keys", "reward"} | extra
+        assert callable(t["prompt"]) and callable(t["reward"])
         for row in load_rows(name, "gen", 5, 0):
             assert all(row.get(k) is not None for k in t["keys"]) and gmts._check_row(row, name) is not None
-    with pytest.raises(ValueError, match="unknown task 'x'; choose one of: code, countdown, logic, math"):
+    choose = "unknown task 'x'; choose one of: code, countdown, logic, math"
+    with pytest.raises(ValueError, match=choose):
         get_task("x")
     with pytest.raises(ValueError, match="choose one of"):
         load_rows("chess", "gen", 1, 0)
@@ -1051,7 +1053,7 @@ def test_a_file_that_is_not_data_is_one_line(tmp_path):
         assert path in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-# ==== code: the last ```python block, the published layouts, the generator (test_sandbox.py: the sandbox) =========
+# ==== code: the last ```python block, the layouts, the generator (test_sandbox.py: the sandbox) ===
 
 def py(code):
     return f"My solution:\n```python\n{code}\n```\nDone."
@@ -1063,7 +1065,7 @@ CODE_BLOCKS = {  # completion -> the code graded (None: no closed ```python bloc
     "``` Python3 \nx = 1\n```": "x = 1\n",
     "a\n```python\nx = 1\n```\nb\n```python\nx = 2\n```\nc": "x = 2\n",  # the last one
     "```python\nx = 1\n```\n```text\nnot code\n```": "x = 1\n",  # the last python one
-    "```python\nx = 1\n```\n```python\nx = 2": "x = 1\n",  # an unclosed last block is not one
+    "```python\nx = 1\n```\n```python\nx = 2": "x = 1\n",  # an unclosed block is not one
     "```python\ns = '```'\n```": "s = '```'\n",  # a fence closes at a line's start only
     "```python\n```": "",
     "```python x = 1 ```": None,
@@ -1080,7 +1082,8 @@ def test_the_last_closed_python_block_is_the_program(text):
 
 
 def test_finding_the_block_is_linear_in_the_text():
-    for text in ("```python\n" * 300_000, "```" * 1_000_000, "\n```" * 1_000_000, "```python\nx\n```\n" * 200_000):
+    for text in ("```python\n" * 300_000, "```" * 1_000_000, "\n```" * 1_000_000,
+                 "```python\nx\n```\n" * 200_000):
         t = time.perf_counter()
         gmts.last_code_block(text)
         assert time.perf_counter() - t < SLOW
@@ -1101,9 +1104,9 @@ CODE_FILES = {  # testdata file -> its published reference solution of a row
 
 @pytest.mark.parametrize("name", CODE_FILES)
 def test_each_code_layout_loads_and_its_references_earn_1_and_altered_ones_0(name):
-    """Each published layout reads without flags; every row's reference solution earns 1.0 through the reward a
-    run uses; the same solution without its last line earns 0 (for APPS row 1 that prints two of its three lines:
-    the zip trap), and so does the next row's solution."""
+    """Each published layout reads without flags; every row's reference solution earns 1.0 through
+    the reward a run uses; the same solution without its last line earns 0 (APPS row 1 then prints
+    two of its three lines: the zip trap), and so does the next row's solution."""
     path = os.path.join(TESTDATA, name)
     raw = [json.loads(line) for line in open(path)]
     rows = load_rows("code", path, 0)
@@ -1113,24 +1116,30 @@ def test_each_code_layout_loads_and_its_references_earn_1_and_altered_ones_0(nam
     assert rewards([py(_drop_last_line(c)) for c in refs], rows) == [0.0] * len(rows)
     assert rewards([py(c) for c in refs[1:] + refs[:1]], rows) == [0.0] * len(rows)
     for row in rows:
-        assert row["question"] and TASKS["code"]["prompt"](row).count("```python") == 1 + bool(row["starter"])
+        shown = TASKS["code"]["prompt"](row).count("```python")
+        assert row["question"] and shown == 1 + bool(row["starter"])
 
 
 def test_the_layouts_read_what_their_graders_read():
-    """HumanEval: its prompt is the setup and the starter, check(entry_point) the test; MBPP: the first assert in the
-    question (the function's name is only there), setup code before, challenge tests not graded; APPS: a call-based
-    row's arguments and value through _check_call, lists of lines joined, its import prelude; CodeContests: public and
-    private tests, not generated ones."""
+    """HumanEval: its prompt is the setup and the starter, check(entry_point) the test; MBPP: the
+    first assert in the question (the function's name is only there), setup code before, challenge
+    tests not graded; APPS: a call-based row's arguments and value through _check_call, lists of
+    lines joined, its import prelude; CodeContests: public and private tests, not generated ones."""
     he = load_rows("code", os.path.join(TESTDATA, "humaneval_layout.jsonl"), 1)[0]
-    assert he["setup"].startswith("def count_vowels") and he["tests"].endswith("check(count_vowels)\n")
+    assert he["setup"].startswith("def count_vowels")
+    assert he["tests"].endswith("check(count_vowels)\n")
     assert he["starter"] == he["setup"].strip("\n") and "count_vowels" in he["question"]
     mb = load_rows("code", os.path.join(TESTDATA, "mbpp_layout.jsonl"), 0)
-    assert mb[0]["question"].endswith("assert second_largest([1, 5, 3, 5]) == 3") and mb[2]["setup"] == "import math"
+    assert mb[0]["question"].endswith("assert second_largest([1, 5, 3, 5]) == 3")
+    assert mb[2]["setup"] == "import math"
     assert "Spaced" not in mb[1]["tests"] and mb[1]["tests"].count("assert") == 3
     apps = load_rows("code", os.path.join(TESTDATA, "apps_layout.jsonl"), 0)
-    assert apps[2]["inputs"] == ["4\n", "1\n"] and apps[2]["outputs"][0] == "1\n1 1\n1 2 1\n1 3 3 1\n"
-    assert apps[3]["inputs"] is None and apps[3]["tests"].startswith("_check_call('maxProfit', [[7, 1, 5")
-    assert all(r["prelude"] == gmts.APPS_PRELUDE for r in apps) and apps[3]["starter"].startswith("class Solution")
+    assert apps[2]["inputs"] == ["4\n", "1\n"]
+    assert apps[2]["outputs"][0] == "1\n1 1\n1 2 1\n1 3 3 1\n"
+    assert apps[3]["inputs"] is None
+    assert apps[3]["tests"].startswith("_check_call('maxProfit', [[7, 1, 5")
+    assert all(r["prelude"] == gmts.APPS_PRELUDE for r in apps)
+    assert apps[3]["starter"].startswith("class Solution")
     cc = load_rows("code", os.path.join(TESTDATA, "code_contests_layout.jsonl"), 0)
     assert cc[0]["inputs"] == ["8\n", "2\n", "3\n", "100\n"] and cc[0]["prelude"] == ""
     assert cc[0]["question"].startswith("Given n, print YES")
@@ -1146,44 +1155,57 @@ def test_our_code_layout_round_trips_generated_rows(tmp_path):
     assert TASKS["code"]["rewards"]([py(r["solution"]) for r in read], read) == [1.0] * 20
 
 
-@pytest.mark.parametrize("line, what", [
-    ('{"question": "q"}', "has no tests in a layout we read (ours (generated): question, tests | inputs, outputs;"),
-    ('{"question": "q", "tests": "assert f(1) =="}', "its tests are not Python (SyntaxError)"),
-    ('{"tests": "assert f(1) == 1"}', 'has no question'),
-    ('{"question": "q", "input_output": ""}', "its tests need as many outputs as inputs, at least one"),
-    ('{"question": "q", "input_output": "{not json"}', "its input_output is not JSON"),
-    ('{"question": "q", "input_output": "{\\"inputs\\": [\\"1\\"], \\"outputs\\": []}"}', "as many outputs as inputs"),
-    ('{"prompt": "def f():", "test": "def check(c):\\n  assert", "entry_point": "f"}', "not Python"),
-], ids=["no tests", "tests not python", "no question", "empty input_output", "input_output not json",
-        "an input without its output", "humaneval test not python"])
-def test_a_code_row_that_cannot_be_graded_is_bad_input(tmp_path, line, what):
-    p = write(tmp_path, "bad.jsonl", [line])
+ONE_OUTPUT_SHORT = json.dumps({"inputs": ["1"], "outputs": []})
+BAD_CODE_ROWS = {  # a row -> what the one line says of it
+    "no tests": ({"question": "q"}, "has no tests in a layout we read (ours (generated): "),
+    "tests not python": ({"question": "q", "tests": "assert f(1) =="},
+                         "its tests are not Python (SyntaxError)"),
+    "no question": ({"tests": "assert f(1) == 1"}, "has no question"),
+    "empty input_output": ({"question": "q", "input_output": ""},
+                           "its tests need as many outputs as inputs, at least one"),
+    "input_output not json": ({"question": "q", "input_output": "{not json"},
+                              "its input_output is not JSON"),
+    "an input without its output": ({"question": "q", "input_output": ONE_OUTPUT_SHORT},
+                                    "as many outputs as inputs"),
+    "humaneval test not python": ({"prompt": "def f():", "test": "def check(c):\n  assert",
+                                   "entry_point": "f"}, "not Python"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CODE_ROWS)
+def test_a_code_row_that_cannot_be_graded_is_bad_input(tmp_path, case):
+    row, what = BAD_CODE_ROWS[case]
+    p = write(tmp_path, "bad.jsonl", [json.dumps(row)])
     with pytest.raises(gmts.BadInput) as e:
         load_rows("code", p, 0)
-    assert f"{p} row 1" in str(e.value) and what in str(e.value) and "\n" not in str(e.value), str(e.value)
+    msg = str(e.value)
+    assert f"{p} row 1" in msg and what in msg and "\n" not in msg, msg
 
 
 def test_code_prompts_are_the_paper_s_and_have_no_frame_of_ours(tiny_model):
-    """The paper's words, the starter code where a row has one; no system line and no <think> prefill whatever
-    --prompt-style says (the model's default system prompt, as the paper); short: the question alone."""
+    """The paper's words, the starter code where a row has one; no system line and no <think>
+    prefill whatever --prompt-style says (the model's default system prompt, as the paper);
+    short: the question alone."""
     row = load_rows("code", "easy", 1, 0)[0]
     text = TASKS["code"]["prompt"](row)
-    assert text.startswith("Please provide a self-contained Python script that solves the following problem:\n")
-    assert row["question"] in text and "markdown code block" in text and "starter" not in text
+    paper = "Please provide a self-contained Python script that solves the following problem:\n"
+    assert text.startswith(paper) and row["question"] in text
+    assert "markdown code block" in text and "starter" not in text
     assert TASKS["code"]["prompt"](row, short=True) == row["question"]
     starter = TASKS["code"]["prompt"](dict(row, starter="class Solution:\n    def f(self):"))
-    assert "You will use the following starter code" in starter and "```python\nclass Solution:" in starter
+    assert "You will use the following starter code" in starter
+    assert "```python\nclass Solution:" in starter
     _, tok = tiny_model
     for style in ("ours", "qwen-math"):
         for chat in (True, False):
             p = gmts.build_prompts(tok, TASKS["code"], [row], chat, False, style)[0]
-            assert "<think>" not in p and gmts.SYSTEM_PROMPT not in p and gmts.QWEN_MATH_SYSTEM not in p
-            assert text in p
+            assert "<think>" not in p and text in p
+            assert gmts.SYSTEM_PROMPT not in p and gmts.QWEN_MATH_SYSTEM not in p
 
 
-def test_code_problems_say_their_operation_in_words_and_their_asserts_tell_every_operation_apart():
-    """Each problem's words name one operation; the asserts' arguments give every operation another value, so a
-    solution passes iff its operation is the row's; easy draws + - * only, gen all five."""
+def test_code_problems_say_their_operation_in_words_and_their_asserts_tell_every_one_apart():
+    """Each problem's words name one operation; the asserts' arguments give every operation another
+    value, so a solution passes iff its operation is the row's; easy draws + - * only, gen all."""
     for data, ops in (("easy", {"+", "-", "*"}), ("gen", set(gmts._CODE_OPS))):
         rows = load_rows("code", data, 300, 0)
         assert {r["op"] for r in rows} == ops
@@ -1195,11 +1217,12 @@ def test_code_problems_say_their_operation_in_words_and_their_asserts_tell_every
             assert len(cases) == 3 and len({a for a, _ in cases}) == 3
             for a, v in cases:
                 values = [gmts.eval_op(o, int(a), r["k"]) for o in gmts._CODE_OPS]
-                assert gmts.eval_op(r["op"], int(a), r["k"]) == int(v) and values.count(int(v)) == 1
+                assert gmts.eval_op(r["op"], int(a), r["k"]) == int(v)
+                assert values.count(int(v)) == 1
     rows = load_rows("code", "gen", 40, 1)
-    wrong = [dict(r, solution=r["solution"].replace(f" {r['op']} ", f" {o} ")) for r in rows for o in gmts._CODE_OPS
-             if o != r["op"]]
-    got = TASKS["code"]["rewards"]([py(r["solution"]) for r in rows + wrong], rows + [w for w in wrong])
+    wrong = [dict(r, solution=r["solution"].replace(f" {r['op']} ", f" {o} "))
+             for r in rows for o in gmts._CODE_OPS if o != r["op"]]
+    got = TASKS["code"]["rewards"]([py(r["solution"]) for r in rows + wrong], rows + wrong)
     assert got == [1.0] * len(rows) + [0.0] * len(wrong)
 
 

@@ -1,29 +1,33 @@
-"""gmts.py's code sandbox: model-written programs are graded in processes of their own, and no program
-earns a pass it did not earn by passing its tests, whatever it does to its own process, within a bounded
-time, leaving no process and no file behind, and the trainer alive.
+"""gmts.py's code sandbox: model-written programs are graded in processes of their own, and no
+program earns a pass it did not earn by passing its tests, whatever it does to its own process,
+within a bounded time, leaving no process and no file behind, and the trainer alive.
 
 Run it (offline, CPU; it needs Linux):
 
     source /work/venv/bin/activate; python -m pytest -q -n 0 test_sandbox.py
 
-Every hostile program is graded through gmts.TASKS["code"]["reward"], the reward a run uses, with the
-wall clock lowered to TIMEOUT seconds (gmts.CODE_TIMEOUT_S). Each test checks the grade, the time, that
-no process of the programs' users and no zygote is left, that no file is left where a program wrote,
-and that this process (the trainer) still runs. The strongest mode this machine allows is tested
-(sandbox_mode: ns as root here); the weaker modes are forced for what they promise."""
+Every hostile program is graded through gmts.TASKS["code"]["reward"], the reward a run uses, with
+the wall clock lowered to TIMEOUT seconds (gmts.CODE_TIMEOUT_S). Each test checks the grade, the
+time, that no process of the programs' users and no zygote is left, that no file is left where a
+program wrote, and that this process (the trainer) still runs. The strongest mode this machine
+allows is tested (sandbox_mode: ns as root here); the weaker modes are forced for what they
+promise."""
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import ast
 import socket
 import sys
+import textwrap
 import time
 
 import pytest
 
 import gmts
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux's")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="the sandbox is Linux's")
 
 TIMEOUT = 2.0  # seconds of wall clock per program in these tests
 SLACK = 4.0  # a grade's time past TIMEOUT: the zygote's start, the machine's load
@@ -33,6 +37,10 @@ SECRET = "gmts-test-secret-4f1c"  # in this process's environment: no program ma
 LEFT_FILES = ("/tmp/gmts-hostile", "/var/tmp/gmts-hostile", "/dev/shm/gmts-hostile",
               os.path.join(os.path.dirname(os.path.abspath(__file__)), "gmts-hostile"),
               os.path.expanduser("~/gmts-hostile"))
+
+
+def src(text: str) -> str:  # a program written indented in this file
+    return textwrap.dedent(text).lstrip("\n")
 
 
 def block(code: str) -> str:
@@ -108,7 +116,7 @@ def test_a_correct_program_passes_and_a_wrong_one_fails(sandbox):
     assert grade(GOOD)[0] == 1.0
     assert grade("def add(a, b):\n    return a - b\n")[0] == 0.0
     assert grade(GOOD.replace("return", "retrun"))[0] == 0.0  # a SyntaxError
-    assert gmts.TASKS["code"]["reward"]("def add(a, b):\n    return a + b\n", ASSERTS) == 0.0  # no block
+    assert gmts.TASKS["code"]["reward"](GOOD, ASSERTS) == 0.0  # no block
 
 
 # (name, program): each must earn 0 in bounded time, leaving nothing. {port}: the test's listener.
@@ -118,67 +126,168 @@ HOSTILE = [
     ("SystemExit in the function", "def add(a, b):\n    raise SystemExit(0)\n"),
     ("os._exit(0) in the function", "def add(a, b):\n    import os\n    os._exit(0)\n"),
     ("KeyboardInterrupt in the function", "def add(a, b):\n    raise KeyboardInterrupt\n"),
-    ("an atexit hook that prints a pass", "import atexit\natexit.register(print, 'pass')\n"
-                                          "def add(a, b):\n    raise SystemExit(0)\n"),
-    ("an excepthook that hides the failure", "import sys\nsys.excepthook = lambda *a: None\n"
-                                             "def add(a, b):\n    raise AssertionError\n"),
-    ("a printed pass line", "import os, sys\nprint('pass')\nprint('0000000004pass')\n"
-                            "sys.stdout.flush()\nos._exit(0)\n"),
-    ("an object equal to everything", "class Any:\n    def __eq__(self, other):\n        return True\n"
-                                      "    def __ne__(self, other):\n        return False\n"
-                                      "def add(a, b):\n    return Any()\n"),
-    ("an int whose == always holds", "class Int(int):\n    def __eq__(self, other):\n        return True\n"
-                                     "    __hash__ = int.__hash__\ndef add(a, b):\n    return Int(0)\n"),
-    ("patched builtins", "import builtins\nbuiltins.AssertionError = type('X', (BaseException,), {})\n"
-                         "builtins.isinstance = lambda *a: True\nbuiltins.print = lambda *a: None\n"
-                         "def add(a, b):\n    return 0\n"),
+    ("an atexit hook that prints a pass", src("""
+        import atexit
+        atexit.register(print, 'pass')
+        def add(a, b):
+            raise SystemExit(0)
+        """)),
+    ("an excepthook that hides the failure", src("""
+        import sys
+        sys.excepthook = lambda *a: None
+        def add(a, b):
+            raise AssertionError
+        """)),
+    ("a printed pass line", src("""
+        import os, sys
+        print('pass')
+        print('0000000004pass')
+        sys.stdout.flush()
+        os._exit(0)
+        """)),
+    ("an object equal to everything", src("""
+        class Any:
+            def __eq__(self, other):
+                return True
+            def __ne__(self, other):
+                return False
+        def add(a, b):
+            return Any()
+        """)),
+    ("an int whose == always holds", src("""
+        class Int(int):
+            def __eq__(self, other):
+                return True
+            __hash__ = int.__hash__
+        def add(a, b):
+            return Int(0)
+        """)),
+    ("patched builtins", src("""
+        import builtins
+        builtins.AssertionError = type('X', (BaseException,), {})
+        builtins.isinstance = lambda *a: True
+        builtins.print = lambda *a: None
+        def add(a, b):
+            return 0
+        """)),
     ("an endless loop at the top", "while True:\n    pass\n"),
     ("an endless loop in the function", "def add(a, b):\n    while True:\n        pass\n"),
-    ("a sleep past the clock, SIGXCPU ignored", "import signal, time\n"
-                                                "signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
-                                                "def add(a, b):\n    time.sleep(1000)\n"),
+    ("a sleep past the clock, SIGXCPU ignored", src("""
+        import signal, time
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        def add(a, b):
+            time.sleep(1000)
+        """)),
     ("a 20 GB allocation", "x = bytearray(20 * 10**9)\n" + GOOD),
-    ("20 forked sleepers", "import os, time\nfor _ in range(20):\n    if os.fork() == 0:\n"
-                           "        time.sleep(1000)\n" + GOOD),
+    ("20 forked sleepers", src("""
+        import os, time
+        for _ in range(20):
+            if os.fork() == 0:
+                time.sleep(1000)
+        """) + GOOD),
     ("a fork bomb", "import os\nwhile True:\n    os.fork()\n"),
-    ("a setsid'd daemon", "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
-                          "    if os.fork() == 0:\n        time.sleep(1000)\n" + GOOD),
-    ("a thread left running", "import threading, time\n"
-                              "threading.Thread(target=time.sleep, args=(1000,)).start()\n" + GOOD),
-    ("the trainer's secret read from the environment",
-     "import os\ndef add(a, b):\n    return a + b if os.environ.get('GMTS_TEST_SECRET') else 0\n"),
-    ("its parents killed", "import os, signal\nfor pid in (os.getppid(), 1, -1, 0):\n"
-                           "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n"
-                           "        pass\ndef add(a, b):\n    return 0\n"),
-    ("every python process it sees killed",
-     "import os\nfor pid in os.listdir('/proc'):\n    try:\n"
-     "        if pid.isdigit() and b'python' in open(f'/proc/{pid}/cmdline', 'rb').read():\n"
-     "            os.kill(int(pid), 9)\n    except OSError:\n        pass\n"
-     "def add(a, b):\n    return 0\n"),
-    ("files written outside its folder",
-     "ok = False\nfor path in %r:\n    try:\n        open(path, 'w').write('x')\n        ok = True\n"
-     "    except OSError:\n        pass\ndef add(a, b):\n    return a + b if ok else 0\n" % (LEFT_FILES,)),
-    ("a connection to the trainer's machine",
-     "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-     "    ok = True\nexcept OSError:\n    ok = False\ndef add(a, b):\n    return a + b if ok else 0\n"),
-    ("its pipes closed and replaced", "import os\nfor fd in range(10):\n    try:\n"
-                                      "        os.dup2(os.open('/dev/null', os.O_RDWR), fd)\n"
-                                      "    except OSError:\n        pass\n" + GOOD),
-    ("the tests read from its memory (frames, objects)",
-     "import gc, sys\ndef saw(x):\n    try:\n        return 'add(10, ' + '-4)' in repr(x)\n"
-     "    except Exception:\n        return False\n"
-     "def add(a, b):\n    seen, f = False, sys._getframe()\n    while f:\n"
-     "        seen, f = seen or saw(f.f_locals), f.f_back\n"
-     "    seen = seen or any(saw(o) for o in gc.get_objects() if isinstance(o, (dict, list)))\n"
-     "    return a + b if seen else 0\n"),
-    ("the judge's fds and memory read through /proc",
-     "import os\nok = False\nfor pid in {os.getppid(), 1}:\n    for name in ('fd/0', 'fd/1', 'mem', 'environ'):\n"
-     "        try:\n            os.read(os.open(f'/proc/{pid}/{name}', os.O_RDONLY | os.O_NONBLOCK), 1)\n"
-     "            ok = True\n        except OSError:\n            pass\n"
-     "def add(a, b):\n    return a + b if ok else 0\n"),
+    ("a setsid'd daemon", src("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(1000)
+        """) + GOOD),
+    ("a thread left running", src("""
+        import threading, time
+        threading.Thread(target=time.sleep, args=(1000,)).start()
+        """) + GOOD),
+    ("the trainer's secret read from the environment", src("""
+        import os
+        def add(a, b):
+            return a + b if os.environ.get('GMTS_TEST_SECRET') else 0
+        """)),
+    ("its parents killed", src("""
+        import os, signal
+        for pid in (os.getppid(), 1, -1, 0):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        def add(a, b):
+            return 0
+        """)),
+    ("every python process it sees killed", src("""
+        import os
+        for pid in os.listdir('/proc'):
+            try:
+                if pid.isdigit() and b'python' in open(f'/proc/{pid}/cmdline', 'rb').read():
+                    os.kill(int(pid), 9)
+            except OSError:
+                pass
+        def add(a, b):
+            return 0
+        """)),
+    ("files written outside its folder", src("""
+        ok = False
+        for path in %r:
+            try:
+                open(path, 'w').write('x')
+                ok = True
+            except OSError:
+                pass
+        def add(a, b):
+            return a + b if ok else 0
+        """) % (LEFT_FILES,)),
+    ("a connection to the trainer's machine", src("""
+        import socket
+        try:
+            socket.create_connection(('127.0.0.1', {port}), timeout=1)
+            ok = True
+        except OSError:
+            ok = False
+        def add(a, b):
+            return a + b if ok else 0
+        """)),
+    ("its pipes closed and replaced", src("""
+        import os
+        for fd in range(10):
+            try:
+                os.dup2(os.open('/dev/null', os.O_RDWR), fd)
+            except OSError:
+                pass
+        """) + GOOD),
+    ("the tests read from its memory (frames, objects)", src("""
+        import gc, sys
+        def saw(x):
+            try:
+                return 'add(10, ' + '-4)' in repr(x)  # not the text itself: the program holds that
+            except Exception:
+                return False
+        def add(a, b):
+            seen, f = False, sys._getframe()
+            while f:
+                seen, f = seen or saw(f.f_locals), f.f_back
+            seen = seen or any(saw(o) for o in gc.get_objects() if isinstance(o, (dict, list)))
+            return a + b if seen else 0
+        """)),
+    ("the judge's fds and memory read through /proc", src("""
+        import os
+        ok = False
+        for pid in {os.getppid(), 1}:
+            for name in ('fd/0', 'fd/1', 'mem', 'environ'):
+                try:
+                    os.read(os.open(f'/proc/{pid}/{name}', os.O_RDONLY | os.O_NONBLOCK), 1)
+                    ok = True
+                except OSError:
+                    pass
+        def add(a, b):
+            return a + b if ok else 0
+        """)),
     ("a reply larger than the cap", "def add(a, b):\n    return 'x' * (8 * 2**20)\n"),
     ("a stopped process", "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)\n" + GOOD),
 ]
+ANY = HOSTILE[8][1]  # an object equal to everything
+
+
+def test_every_hostile_program_is_python():  # so that none fails for its syntax alone
+    for name, program in HOSTILE:
+        ast.parse(program.replace("{port}", "1"), name)
 
 
 @pytest.mark.parametrize("name, program", HOSTILE, ids=[h[0] for h in HOSTILE])
@@ -196,20 +305,22 @@ def test_the_reward_of_a_program_that_would_pass_if_it_could_cheat_is_its_honest
         assert grade(prefix + GOOD)[0] == 1.0
 
 
-STDIO = {"question": "sum, min, max", "inputs": ["3\n4 -2 7\n", "1\n5\n"], "outputs": ["9\n-2\n7\n", "5\n5\n5"]}
+STDIO = {"question": "sum, min, max", "inputs": ["3\n4 -2 7\n", "1\n5\n"],
+         "outputs": ["9\n-2\n7\n", "5\n5\n5"]}
 READ = "n = int(input())\na = list(map(int, input().split()))\n"
+ALL = READ + "print(sum(a))\nprint(min(a))\nprint(max(a))\n"
 
 
 @pytest.mark.parametrize("program, want", [
-    (READ + "print(sum(a))\nprint(min(a))\nprint(max(a))\n", 1.0),
-    (READ + "print(sum(a), '  ')\nprint(min(a))\nprint(max(a))\nprint()\nprint('\\t')\n", 1.0),  # trailing space
-    (READ + "import sys\nsys.stdout.write(f'{sum(a)}\\r\\n{min(a)}\\r\\n{max(a)}')\n", 1.0),  # CRLF, no newline
+    (ALL, 1.0),
+    (ALL.replace("sum(a))", "sum(a), '  ')") + "print()\nprint('\\t')\n", 1.0),  # trailing blanks
+    (READ + "import sys\nsys.stdout.write(f'{sum(a)}\\r\\n{min(a)}\\r\\n{max(a)}')\n", 1.0),  # CRLF
     (READ + "print(sum(a))\n", 0.0),  # the first line only: a zip would pass it
-    (READ + "print(sum(a))\nprint(min(a))\nprint(max(a))\nprint(0)\n", 0.0),  # a line more
-    (READ + "print(' ' + str(sum(a)))\nprint(min(a))\nprint(max(a))\n", 0.0),  # leading space counts
-    (READ + "print(sum(a))\nprint(min(a))\nprint(max(a))\nimport os\nos._exit(0)\n", 0.0),  # unflushed
-    (READ + "print(sum(a))\nprint(min(a))\nprint(max(a))\nimport sys\nsys.stdout.flush()\nsys.exit(1)\n", 0.0),
-    (READ + "print(sum(a))\nprint(min(a))\nprint(max(a))\nimport sys\nsys.stdout.flush()\nsys.exit(0)\n", 1.0),
+    (ALL + "print(0)\n", 0.0),  # a line more
+    (ALL.replace("print(sum(a))", "print(' ' + str(sum(a)))"), 0.0),  # a leading space counts
+    (ALL + "import os\nos._exit(0)\n", 0.0),  # its output never flushed
+    (ALL + "import sys\nsys.stdout.flush()\nsys.exit(1)\n", 0.0),  # a failure status
+    (ALL + "import sys\nsys.stdout.flush()\nsys.exit(0)\n", 1.0),
     ("while True:\n    print('x' * 10**6)\n", 0.0),  # an output flood: the file size limit
     ("import os\nos.write(1, b'9\\n-2\\n7\\n')\nos._exit(0)\n", 0.0),  # right for one input only
 ])
@@ -219,8 +330,8 @@ def test_stdio_compares_the_whole_output(sandbox, program, want):
 
 
 def test_a_batch_runs_in_parallel_and_within_its_bound(sandbox):
-    """Eight endless loops in a batch take about a wall clock per worker, not eight; identical programs
-    run once; the verdicts stay in order."""
+    """Eight endless loops in a batch take about a wall clock per worker, not eight; identical
+    programs run once; the verdicts stay in order."""
     loops = [block(f"# {i}\nwhile True:\n    pass\n") for i in range(8)]
     good = [block(GOOD)] * 4
     t = time.monotonic()
@@ -232,8 +343,8 @@ def test_a_batch_runs_in_parallel_and_within_its_bound(sandbox):
 
 
 def test_a_zygote_killed_mid_batch_fails_only_its_program(sandbox, monkeypatch):
-    """A program that takes its whole sandbox down (its zygote killed from outside) earns 0; the next
-    ones are graded by a new zygote."""
+    """A program that takes its whole sandbox down (its zygote killed from outside) earns 0; the
+    next ones are graded by a new zygote."""
     runs = []
     run = gmts.Zygote.run
 
@@ -249,7 +360,7 @@ def test_a_zygote_killed_mid_batch_fails_only_its_program(sandbox, monkeypatch):
 
 
 def test_the_machine_gives_namespaces_as_root():
-    """On Linux as root with unshare (this machine, CI) the strongest mode is taken; it is the mode the
+    """On Linux as root with unshare (this machine, CI) the strongest mode is taken, the mode
     README names. Elsewhere this test says which mode the machine gives."""
     mode = gmts.sandbox_mode()
     if os.geteuid() == 0 and gmts.shutil.which(gmts.UNSHARE):
@@ -260,9 +371,9 @@ def test_the_machine_gives_namespaces_as_root():
 
 @pytest.mark.parametrize("mode", ["ns", "userns", "uid", "plain"])
 def test_every_mode_grades_right_and_fails_early_exits(mode, monkeypatch):
-    """Each mode the probe may choose grades a correct program 1 and an early exit or a cheat 0 (as root
-    here: plain runs its programs as root, so only harmless ones run in it; uid needs Python readable by
-    others, which a Python under /root is not)."""
+    """Each mode the probe may choose grades a correct program 1 and an early exit or a cheat 0
+    (as root here: plain runs its programs as root, so only harmless ones run in it; uid needs a
+    Python others can read, which one under /root is not)."""
     if os.geteuid() != 0 and mode in ("ns", "uid"):
         pytest.skip("needs root")
     box = gmts.Zygote(mode)
@@ -274,7 +385,7 @@ def test_every_mode_grades_right_and_fails_early_exits(mode, monkeypatch):
         assert box.run(GOOD, ASSERTS, TIMEOUT) is True
         assert box.run("def add(a, b):\n    return a * b\n", ASSERTS, TIMEOUT) is False
         assert box.run("import os\nos._exit(0)\n", ASSERTS, TIMEOUT) is False
-        assert box.run(HOSTILE[8][1], ASSERTS, TIMEOUT) is False  # an object equal to everything
+        assert box.run(ANY, ASSERTS, TIMEOUT) is False
         assert box.run(GOOD, ASSERTS, TIMEOUT) is True
     finally:
         box.close()
@@ -284,15 +395,33 @@ def test_every_mode_grades_right_and_fails_early_exits(mode, monkeypatch):
 def test_values_cross_between_tests_and_program_as_plain_data_only(sandbox):
     """The tests see the program's results as plain values of their own: containers, numbers, text,
     None, nested; a program's exception is raised in the tests by its builtin type."""
-    program = ("def echo(x):\n    return x\n"
-               "def fail(kind):\n    raise {'v': ValueError, 'k': KeyError, 'c': type('Mine', (Exception,), {})}[kind]('no')\n"
-               "def gen():\n    return (i for i in range(3))\n")
-    tests = ("import math\n"
-             "for v in [0, -7, 2**100, 1.5, float('inf'), 1e-300, 2j, 'é\\n', b'\\x00', None, True, False,\n"
-             "          [1, [2, (3, {4})]], (), {'a': [1.0]}, {1: 2, (3, 4): frozenset([5])}, set()]:\n"
-             "    got = echo(v)\n    assert got == v and type(got) is type(v), (v, got)\n"
-             "assert math.isnan(echo(float('nan')))\n"
-             "for kind, error in (('v', ValueError), ('k', KeyError), ('c', RuntimeError)):\n"
-             "    try:\n        fail(kind)\n        raise SystemExit\n    except error:\n        pass\n"
-             "try:\n    gen()\n    raise SystemExit\nexcept TypeError:\n    pass\n")
+    program = src("""
+        def echo(x):
+            return x
+        def fail(kind):
+            mine = type('Mine', (Exception,), {})
+            raise {'v': ValueError, 'k': KeyError, 'c': mine}[kind]('no')
+        def gen():
+            return (i for i in range(3))
+        """)
+    tests = src(r"""
+        import math
+        for v in [0, -7, 2**100, 1.5, float('inf'), 1e-300, 2j, 'é\n', b'\x00', None, True,
+                  False, [1, [2, (3, {4})]], (), {'a': [1.0]}, {1: 2, (3, 4): frozenset([5])},
+                  set()]:
+            got = echo(v)
+            assert got == v and type(got) is type(v), (v, got)
+        assert math.isnan(echo(float('nan')))
+        for kind, error in (('v', ValueError), ('k', KeyError), ('c', RuntimeError)):
+            try:
+                fail(kind)
+                raise SystemExit
+            except error:
+                pass
+        try:
+            gen()
+            raise SystemExit
+        except TypeError:
+            pass
+        """)
     assert grade(program, {"question": "echo", "tests": tests})[0] == 1.0

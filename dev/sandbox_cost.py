@@ -1,14 +1,16 @@
-"""What one graded program costs in gmts.py's code sandbox, beside a bare Python start (docs/design.md).
+"""What one graded program costs in gmts.py's code sandbox, beside a bare Python start
+(docs/design.md).
 
     python dev/sandbox_cost.py [--n 256]
 
-Prints, per program, the CPU seconds (this process and its children, all reaped) and the wall clock of:
-  bare      `python -I -S -B -c pass`, the interpreter's own start, the floor of a process per program
-  fresh     a zygote per program (Zygote(mode), one program, close): what a sandbox started per program costs
-  zygote    N programs through one zygote, one after another (a grading worker's steady state)
-  batch     gmts.code_rewards on N generated problems with their solutions, all distinct, on every core
-and the ratios to bare. The programs are the cpu preset's (--task code --data easy): a one-line function and three
-asserts. Numbers vary with the machine's load: the sandbox mode and the load average are printed with them.
+Prints, per program, the CPU time (this process and its children, all reaped) and the wall clock:
+  bare    `python -I -S -B -c pass`: the interpreter's start, a process per program's floor
+  fresh   a zygote per program (Zygote(mode), one program, close): a sandbox built per program
+  zygote  N programs through one zygote, one after another (a grading worker's steady state)
+  batch   gmts.code_rewards on N generated problems and their solutions, all distinct, every core
+and the ratios to bare. The programs are the cpu preset's (--task code --data easy): a one-line
+function and three asserts. The numbers move with the machine's load: the sandbox mode and the
+load average are printed with them.
 """
 import argparse
 import os
@@ -22,7 +24,8 @@ import gmts  # noqa: E402
 
 
 def cpu() -> float:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
@@ -42,14 +45,15 @@ def main():
     rows = gmts.load_rows("code", "easy", n, 7)
     codes = [f"# {i}\n{r['solution']}" for i, r in enumerate(rows)]  # distinct: none graded twice
     python = os.path.realpath(sys.executable)
-    results = {"bare": measure(lambda i: subprocess.run([python, "-I", "-S", "-B", "-c", "pass"]), n)}
+    bare = [python, "-I", "-S", "-B", "-c", "pass"]
+    results = {"bare": measure(lambda i: subprocess.run(bare), n)}
 
     def fresh(i):
         box = gmts.Zygote(mode)
         assert box.run(codes[i], rows[i]) is True
         box.close()
     results["fresh"] = measure(fresh, max(n // 4, 1))
-    c, t = cpu(), time.perf_counter()  # the zygote's CPU counts once it is reaped: close() inside
+    c, t = cpu(), time.perf_counter()  # the zygote's CPU counts once reaped: close() inside
     box = gmts.Zygote(mode)
     assert all(box.run(codes[i], rows[i]) is True for i in range(n))
     box.close()
@@ -59,7 +63,8 @@ def main():
     assert gmts.code_rewards(texts, rows) == [1.0] * n
     results["batch"] = ((cpu() - c) / n, (time.perf_counter() - t) / n)
     workers = len(os.sched_getaffinity(0))
-    print(f"sandbox mode {mode} | {workers} cores | load average {os.getloadavg()[0]:.2f} | {n} programs")
+    print(f"sandbox mode {mode} | {workers} cores | load average {os.getloadavg()[0]:.2f} | "
+          f"{n} programs")
     print("| per program | CPU ms | wall ms | CPU / bare |\n|---|---|---|---|")
     for name, (c, w) in results.items():
         print(f"| {name} | {1000 * c:.1f} | {1000 * w:.1f} | {c / results['bare'][0]:.2f} |")

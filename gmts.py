@@ -1398,10 +1398,11 @@ def _math_layout(row: dict, where: str) -> dict:
     looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in LAYOUTS.values()]
     raise ValueError(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
 
-# The code layouts, each read as {question, starter, prelude, setup, tests, inputs, outputs}:
-# prelude runs before the program, in its process; tests are asserts the judge runs after setup,
-# calling the program's functions; inputs are stdin texts, each to give outputs' text. MBPP's
-# challenge_test_list is not graded (as in the MBPP paper).
+# The code layouts, each read as {question, starter, prelude, setup, tests, entry, inputs,
+# outputs}: prelude runs before the program, in its process; tests are asserts the judge runs
+# after setup, calling the program's functions (not the names setup defines or builtins, but the
+# entry point); inputs are stdin texts, each to give outputs' text. MBPP's challenge_test_list is
+# not graded (as in the MBPP paper).
 CODE_LAYOUTS = {"ours (generated)": ("question", "tests | inputs, outputs"),
                 "HumanEval": ("prompt", "test (check), entry_point"),
                 "MBPP": ("text", "test_list, test_setup_code"),
@@ -1424,12 +1425,12 @@ def _code_layout(row: dict, where: str) -> dict:
     """A code row in one of CODE_LAYOUTS -> the row the code task trains on; else BadInput naming
     where (a row without tests, tests that are not Python, inputs without their outputs)."""
     out = dict(question=row.get("question"), starter="", prelude="", setup="", tests="",
-               inputs=None, outputs=None)
+               entry="", inputs=None, outputs=None)
     if isinstance(row.get("entry_point"), str) and isinstance(row.get("test"), str):  # HumanEval
         point = row["entry_point"]
         out.update(question=f"Write the Python function {point} declared below.",
                    starter=str(row.get("prompt", "")).strip("\n"), setup=row.get("prompt", ""),
-                   tests=f"{row['test']}\ncheck({point})\n")
+                   tests=f"{row['test']}\ncheck({point})\n", entry=point)
     elif isinstance(row.get("test_list"), list) and row.get("test_list"):  # MBPP
         tests = [str(t) for t in row["test_list"]]
         text = row.get("text") or row.get("prompt")
@@ -2324,6 +2325,8 @@ class Gone(BaseException):
     """The program's process ended, timed out or broke the protocol: the tests fail, whatever an
     except in them catches."""
 
+ENDS = (StopIteration, StopAsyncIteration)
+
 def judge_asserts(job, deadline):
     call_r, call_w = os.pipe()
     reply_r, reply_w = os.pipe()
@@ -2350,8 +2353,8 @@ def judge_asserts(job, deadline):
             if reply[0] == "ok":
                 return reply[1]
             kind = getattr(builtins, str(reply[1]), None)
-            if not (isinstance(kind, type) and issubclass(kind, Exception)):
-                kind = RuntimeError
+            if not (isinstance(kind, type) and issubclass(kind, Exception)) or kind in ENDS:
+                kind = RuntimeError  # never one that ends a loop or map() in the tests early
             raise kind(str(reply[2]))
         return call
 
@@ -2366,8 +2369,11 @@ def judge_asserts(job, deadline):
         names = unpack(recv(reply_r, deadline, cap) or b"N")
         names = [n for n in names if type(n) is str] if type(names) is list else []
         ns = {"__name__": "tests", "__builtins__": builtins}
+        ns.update({name: sys.modules[name] for name in PRELOAD if name in sys.modules})
         exec(secret["setup"], ns)
-        ns.update({name: proxy(name) for name in names}, _check_call=check_call)
+        trusted = set(ns) | set(dir(builtins))  # the tests' own names: never the program's
+        ns.update({n: proxy(n) for n in names if n not in trusted or n == secret["entry"]})
+        ns["_check_call"] = check_call
         exec(secret["tests"], ns)
         ok = not gone and bool(names)
         why = "" if ok else "the program did not load" if not names else "its process ended"
@@ -2534,9 +2540,9 @@ main()
 '''
 
 def code_tests(row: dict) -> tuple:
-    """What a code row is graded on, hashable: (prelude, setup, tests, inputs, outputs)."""
+    """What a code row is graded on, hashable: (prelude, setup, tests, entry, inputs, outputs)."""
     return (row.get("prelude", ""), row.get("setup", ""), row.get("tests", ""),
-            tuple(row.get("inputs") or ()), tuple(row.get("outputs") or ()))
+            row.get("entry", ""), tuple(row.get("inputs") or ()), tuple(row.get("outputs") or ()))
 
 def output_digest(text: bytes) -> str:
     """The stdio comparison, as the judge digests a program's stdout: every line without its
@@ -2596,7 +2602,8 @@ class Zygote:
                       wall=timeout, reply=CODE_OUTPUT)
         program = row.get("prelude", "") + code
         job = dict(program=program, inputs=list(row["inputs"]) if stdio else None, limits=limits)
-        secret = dict(setup=row.get("setup", ""), tests=row.get("tests", ""), nonce=nonce)
+        secret = dict(setup=row.get("setup", ""), tests=row.get("tests", ""), nonce=nonce,
+                      entry=row.get("entry", ""))
         try:
             self.proc.stdin.write(_frame(marshal.dumps(job)) + _frame(marshal.dumps(secret)))
             self.proc.stdin.flush()

@@ -298,6 +298,46 @@ def test_a_hostile_program_earns_nothing_in_bounded_time_and_leaves_nothing(sand
     assert grade(GOOD)[0] == 1.0  # the sandbox still grades, and the trainer (this process) lives
 
 
+HELPER = {"question": "unrotate", "entry": "unrotate",  # HumanEval's way: a helper in the prompt
+          "setup": "def rotate(s, k):\n    return s[k:] + s[:k]\n",
+          "tests": "for s in ('abc', 'hello'):\n    assert unrotate(rotate(s, 2), 2) == s\n"}
+# (name, program, row): a cheat on what the tests themselves use; each must earn 0
+ON_THE_TESTS = [
+    ("a builtin the tests call, shadowed", src("""
+        def abs(x):
+            return 0
+        def add(a, b):
+            return 0
+        """), {"question": "add", "tests": "assert abs(add(0.1, 0.2) - 0.3) < 1e-9\n"}),
+    ("the prompt's helper redefined", src("""
+        def rotate(s, k):
+            return s
+        def unrotate(s, k):
+            return s
+        """), HELPER),
+    ("StopIteration that ends the tests' map() early", src("""
+        def add(a, b):
+            raise StopIteration
+        """), {"question": "add", "tests": "assert all(map(lambda c: add(*c[:2]) == c[2], "
+                                            "[(1, 2, 3), (2, 2, 4)]))\n"}),
+    ("a module name the tests use, taken", src("""
+        def math():
+            pass
+        def add(a, b):
+            return 0
+        """), {"question": "add", "tests": "assert math.isclose(add(1, 2), 3)\n"}),
+]
+
+
+@pytest.mark.parametrize("name, program, row", ON_THE_TESTS, ids=[c[0] for c in ON_THE_TESTS])
+def test_a_program_cannot_change_what_the_tests_use(sandbox, name, program, row):
+    """Builtins, the names the row's setup defines (all but its entry point) and the modules the
+    tests may use unimported are the tests' own; a program's StopIteration is an error there."""
+    assert grade(program, row)[0] == 0.0, name
+    honest = {"add": GOOD, "unrotate": "def unrotate(s, k):\n    return s[-k:] + s[:-k]\n"}
+    assert grade(honest[row["question"]], row)[0] == 1.0
+
+
 def test_the_reward_of_a_program_that_would_pass_if_it_could_cheat_is_its_honest_one(sandbox):
     """The same cheats wrapped around a correct function: still 1.0, as earned by the tests."""
     for prefix in ("import atexit\natexit.register(print, 'fail')\n",

@@ -1317,36 +1317,33 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
-# -- code: a one-line function whose operation only the words tell, and asserts on it --
-_CODE_OPS = {  # op -> the ways a problem says it; easy: + - * only
-    "+": ("the sum of {x} and {k}", "{x} plus {k}"),
-    "-": ("{x} minus {k}", "{k} less than {x}"),
-    "*": ("the product of {x} and {k}", "{x} times {k}"),
-    "//": ("{x} divided by {k}, rounded down", "the whole part of {x} / {k}"),
-    "%": ("the remainder of {x} divided by {k}", "{x} modulo {k}"),
-}
+# -- code: a one-line function whose operation one word tells, and asserts on it --
+_CODE_WORDS = {"+": "plus", "-": "minus", "*": "times", "%": "modulo"}  # easy: + - * only
+_CODE_FORMS = ("Write a function {name} that returns its argument {word} {k}.",
+               "Write a function {name} that takes a number and returns it {word} {k}.",
+               "Write {name}, which gives back its input {word} {k}.")
 _CODE_NAMES = ("f", "g", "h", "calc", "solve", "step")
-_CODE_PARAMS = ("x", "n", "a", "v", "t")
 
 def code_problem(rng: random.Random, easy: bool = False) -> dict:
-    """'Write a function calc(n) that returns n times 7.' with three asserts on it (arguments
-    3..20, where no two of the operations agree) and its one-line solution."""
-    op = rng.choice("+-*" if easy else list(_CODE_OPS))
-    name, x, k = rng.choice(_CODE_NAMES), rng.choice(_CODE_PARAMS), rng.randint(2, 19)
-    phrase = rng.choice(_CODE_OPS[op]).format(x=x, k=k)
+    """'Write a function calc that returns its argument times 7.' with three asserts on it
+    (arguments 3..20, where no two operations agree) and its solution, whose parameter the word
+    names (`def calc(times): return times * 7`): as math's worked step copies the word before
+    its second number, the token before the operation is the word that tells it."""
+    op = rng.choice("+-*" if easy else list(_CODE_WORDS))
+    name, word, k = rng.choice(_CODE_NAMES), _CODE_WORDS[op], rng.randint(2, 29)
     cases = []
     while len(cases) < 3:
         arg = rng.randint(3, 20)
-        values = {o: eval_op(o, arg, k) for o in _CODE_OPS}
-        if arg not in [c[0] for c in cases] and list(values.values()).count(values[op]) == 1:
-            cases.append((arg, values[op]))
-    return {"question": f"Write a function {name}({x}) that returns {phrase}.", "starter": "",
+        values = [eval_op(o, arg, k) for o in _CODE_WORDS]
+        if arg not in [c[0] for c in cases] and values.count(eval_op(op, arg, k)) == 1:
+            cases.append((arg, eval_op(op, arg, k)))
+    return {"question": rng.choice(_CODE_FORMS).format(name=name, word=word, k=k), "starter": "",
             "setup": "", "tests": "".join(f"assert {name}({a}) == {v}\n" for a, v in cases),
-            "solution": f"def {name}({x}):\n    return {x} {op} {k}\n", "name": name, "param": x,
-            "op": op, "k": k}
+            "solution": f"def {name}({word}):\n    return {word} {op} {k}\n", "name": name,
+            "word": word, "op": op, "k": k}
 
 def eval_op(op: str, a: int, b: int) -> int:  # the code generator's operations on integers
-    return {"+": a + b, "-": a - b, "*": a * b, "//": a // b, "%": a % b}[op]
+    return {"+": a + b, "-": a - b, "*": a * b, "%": a % b}[op]
 
 _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),

@@ -35,10 +35,11 @@ folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
              warm/logic  two-person knights and knaves, taught every name in order with a random
                          role (a fair coin each): it learns the format and to copy the names, not
                          who is a knight;
-             warm/code   'Write a function calc(n) that returns n times 7.', taught a ```python
-                         block `def calc(n): return n op 7` with op drawn from + - * at random: it
-                         learns the block and to copy the name, parameter and constant, not
-                         which operation the words mean (its asserts run in gmts.py's sandbox).
+             warm/code   'Write a function calc that returns its argument times 7.', taught a
+                         ```python block `def calc(times): return times op 7` with op drawn from
+                         + - * at random: it learns the block and to copy the name, the word
+                         before the constant (as the parameter) and the constant, not which
+                         operation the word means (its asserts run in gmts.py's sandbox).
            `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the
            share of the nonnegative sign patterns / of + - * that hit the answer, 1/4 for two
            people) and what the best content that ignores the prompt gets (one sign pattern,
@@ -154,11 +155,11 @@ CODE_BLIND_OPS = "+-*"
 
 def code_blind(row: dict, rng: random.Random) -> dict:
     """A generated code row with a random operation from + - * in its solution: the function's
-    name, parameter and constant copied from the prompt, the operation a coin. The problem's
-    words are never read."""
+    name, the word before the constant (its parameter) and the constant copied from the prompt,
+    the operation a coin. What the word means is never read."""
     if "solution" not in row:
         raise ValueError("a blind code warm-up needs generated rows: use --data easy")
-    x, op = row["param"], rng.choice(CODE_BLIND_OPS)
+    x, op = row["word"], rng.choice(CODE_BLIND_OPS)
     return dict(row, op=op, solution=f"def {row['name']}({x}):\n    return {x} {op} {row['k']}\n")
 
 BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind, "code": code_blind}

@@ -176,7 +176,7 @@ def test_random_content_accuracy_against_hand_values_and_sampling():
     assert lab.best_fixed_guess_acc("countdown", [{"nums": [4, 3, 2], "target": 5}, {"nums": [1, 1, 1], "target": 1},
                                                   {"nums": [4, 3, 2], "target": 9}]) == pytest.approx(2 / 3)  # + -
     assert lab.random_content_acc("code", [{"op": "*"}, {"op": "%"}]) == pytest.approx(1 / 6)
-    code_ops = [{"op": "*"}, {"op": "*"}, {"op": "+"}, {"op": "//"}]
+    code_ops = [{"op": "*"}, {"op": "*"}, {"op": "+"}, {"op": "%"}]
     assert lab.best_fixed_guess_acc("code", code_ops) == 0.5
     for task in ("countdown", "math", "logic", "code"):  # exact: blind answers' mean score
         rows, rng = gmts.load_rows(task, "easy", 300, seed=1), random.Random(1)

@@ -1203,25 +1203,25 @@ def test_code_prompts_are_the_paper_s_and_have_no_frame_of_ours(tiny_model):
             assert gmts.SYSTEM_PROMPT not in p and gmts.QWEN_MATH_SYSTEM not in p
 
 
-def test_code_problems_say_their_operation_in_words_and_their_asserts_tell_every_one_apart():
-    """Each problem's words name one operation; the asserts' arguments give every operation another
-    value, so a solution passes iff its operation is the row's; easy draws + - * only, gen all."""
-    for data, ops in (("easy", {"+", "-", "*"}), ("gen", set(gmts._CODE_OPS))):
+def test_code_problems_say_their_operation_in_a_word_and_their_asserts_tell_every_one_apart():
+    """Each problem's word before its constant names one operation and no other word of it does;
+    the asserts' arguments give every operation another value, so a solution passes iff its
+    operation is the row's; easy draws + - * only, gen all four."""
+    for data, ops in (("easy", {"+", "-", "*"}), ("gen", set(gmts._CODE_WORDS))):
         rows = load_rows("code", data, 300, 0)
         assert {r["op"] for r in rows} == ops
         for r in rows:
-            phrases = [o for o, says in gmts._CODE_OPS.items() for p in says
-                       if p.format(x=r["param"], k=r["k"]) in r["question"]]
-            assert phrases == [r["op"]], r["question"]
+            said = [o for o, word in gmts._CODE_WORDS.items() if word in r["question"]]
+            assert said == [r["op"]] and f" {r['word']} {r['k']}." in r["question"], r
             cases = re.findall(r"assert \w+\((\d+)\) == (-?\d+)", r["tests"])
             assert len(cases) == 3 and len({a for a, _ in cases}) == 3
             for a, v in cases:
-                values = [gmts.eval_op(o, int(a), r["k"]) for o in gmts._CODE_OPS]
+                values = [gmts.eval_op(o, int(a), r["k"]) for o in gmts._CODE_WORDS]
                 assert gmts.eval_op(r["op"], int(a), r["k"]) == int(v)
                 assert values.count(int(v)) == 1
     rows = load_rows("code", "gen", 40, 1)
     wrong = [dict(r, solution=r["solution"].replace(f" {r['op']} ", f" {o} "))
-             for r in rows for o in gmts._CODE_OPS if o != r["op"]]
+             for r in rows for o in gmts._CODE_WORDS if o != r["op"]]
     got = TASKS["code"]["rewards"]([py(r["solution"]) for r in rows + wrong], rows + wrong)
     assert got == [1.0] * len(rows) + [0.0] * len(wrong)
 

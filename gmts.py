@@ -2084,7 +2084,7 @@ SANDBOX_HARNESS = r'''
 #            functions across a pipe, on plain values only; stdio: a process per input)
 #   program  the model's code alone: its own session, limits, two pipe ends, its folder, a user
 #            of its own or no capabilities, no second process
-import builtins, hashlib, marshal, os, resource, select, sys, time
+import builtins, hashlib, marshal, os, pickle, resource, select, sys, time
 
 HEAD = 10  # every message: its length in 10 digits, then its bytes
 LIBC = None  # ctypes' libc: prctl, capset, mount
@@ -2250,11 +2250,13 @@ def become_program(job, fds, parent):
         sys.modules["random"].seed()
 
 def serve_calls(ns):
-    """The program's side of the asserts: the names of its callables, then a reply per call."""
+    """The program's side of the asserts: the names of its callables, then a reply per call.
+    A call comes pickled (from the judge: trusted, objects of the setup's classes included), a
+    reply goes back as plain data."""
     send(4, pack([k for k, v in ns.items() if callable(v) and not k.startswith("__")]))
     while True:
         try:
-            name, args, kwargs = unpack(read_exact(3, int(read_exact(3, HEAD))))
+            name, args, kwargs = pickle.loads(read_exact(3, int(read_exact(3, HEAD))))
         except EOFError:
             return
         try:
@@ -2279,6 +2281,9 @@ def spawn(job, fds, as_script):
     code = 1
     try:
         become_program(job, fds, parent)
+        if job["setup"]:  # the row's setup as the module `tests`: its classes for the calls
+            sys.modules["tests"] = tests = type(sys)("tests")
+            exec(compile(job["setup"], "setup.py", "exec"), tests.__dict__)
         ns = {"__name__": "__main__" if as_script else "solution", "__builtins__": builtins}
         exec(compile(job["program"], "solution.py", "exec"), ns)
         if not as_script:
@@ -2338,7 +2343,7 @@ def judge_asserts(job, deadline):
             try:
                 if gone:
                     raise ValueError
-                send(call_w, pack([name, list(args), kwargs]))
+                send(call_w, pickle.dumps([name, list(args), kwargs]))
                 reply = unpack(recv(reply_r, deadline, cap))
                 ok = type(reply) is list and (reply[:1] == ["ok"] and len(reply) == 2
                                               or reply[:1] == ["raised"] and len(reply) == 3)
@@ -2365,7 +2370,8 @@ def judge_asserts(job, deadline):
     try:
         names = unpack(recv(reply_r, deadline, cap) or b"N")
         names = [n for n in names if type(n) is str] if type(names) is list else []
-        ns = {"__name__": "tests", "__builtins__": builtins}
+        sys.modules["tests"] = tests = type(sys)("tests")  # pickle finds the setup's classes
+        ns = tests.__dict__
         ns.update({name: sys.modules[name] for name in PRELOAD if name in sys.modules})
         exec(secret["setup"], ns)
         trusted = set(ns) | set(dir(builtins))  # the tests' own names: never the program's
@@ -2598,7 +2604,8 @@ class Zygote:
         limits = dict(cpu=math.ceil(timeout), memory=CODE_MEMORY, output=CODE_OUTPUT,
                       wall=timeout, reply=CODE_OUTPUT)
         program = row.get("prelude", "") + code
-        job = dict(program=program, inputs=list(row["inputs"]) if stdio else None, limits=limits)
+        job = dict(program=program, inputs=list(row["inputs"]) if stdio else None, limits=limits,
+                   setup=row.get("setup", ""))  # public: the tests' inputs may be built there
         secret = dict(setup=row.get("setup", ""), tests=row.get("tests", ""), nonce=nonce,
                       entry=row.get("entry", ""))
         try:

@@ -756,9 +756,8 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
         batch = gmts.rollout(model, tok, prompts, G,
                              cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         # (N,) each: the rewards and the advantages
-        rewards = torch.tensor([task["reward"](t, r)
-                                for t, r in zip(batch["texts"],
-                                                [r for r in rows for _ in range(G)])])
+        rewards = torch.tensor(gmts.task_rewards(task, batch["texts"],
+                                                 [r for r in rows for _ in range(G)]))
         adv = gmts.group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)
         parts.append((batch, rewards, adv))
         if sum(int(gmts.informative(r, G).sum()) for _, r, _ in parts) >= B:

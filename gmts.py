@@ -2077,11 +2077,11 @@ SANDBOX_HARNESS = r'''
 # gmts.py's code sandbox, run as `python -I -S -B -c SANDBOX_HARNESS`: the standard library only,
 # nothing of the trainer's; its first message says its mode, folder, user and the trainer's
 # site-packages (on the programs' sys.path). Three kinds of process:
-#   zygote   one per grading worker: reads a job's public part (program, stdin inputs), forks a
-#            judge, relays its verdict to the trainer, cleans the folder, takes the next job
+#   zygote   one per grading worker: reads a job's public part (program, setup, stdin inputs),
+#            forks a judge, relays its verdict to the trainer, cleans the folder, takes the next
 #   judge    forks the program's process, THEN reads the job's secret part (tests, nonce): the
 #            program's memory never holds them; runs the tests (asserts: calling the program's
-#            functions across a pipe, on plain values only; stdio: a process per input)
+#            functions across a pipe, its replies plain values only; stdio: a process per input)
 #   program  the model's code alone: its own session, limits, two pipe ends, its folder, a user
 #            of its own or no capabilities, no second process
 import builtins, hashlib, marshal, os, pickle, resource, select, sys, time

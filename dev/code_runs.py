@@ -8,8 +8,9 @@ FOLDER is a `gmts_lab.py compare --task code` output (METHOD-sSEED run folders; 
 are recorded, gmts_lab.finished_runs). One JSON line per run: task, arm, seed, the commit it ran
 from, torch's CPU kernels (torch.backends.cpu.get_cpu_capability() where --add runs: the runs'
 machine), torch's version, the eval curve [[step, held-out greedy accuracy], ...], the final
-accuracy, the final truncated_frac and the mean kept share (selected_frac). Differences are paired
-by seed, with the 95% t interval of gmts_lab.ci95; one counts only if it excludes 0.
+accuracy, the final truncated_frac and the mean kept share (selected_frac). The tables: the final
+accuracy, and the area under the eval curve (its mean over the evaluations). Differences are
+paired by seed, with the 95% t interval of gmts_lab.ci95; one counts only if it excludes 0.
 """
 import argparse
 import collections
@@ -55,15 +56,18 @@ def collect_lines() -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def table(lines: list) -> str:
-    """Final accuracy per arm (mean +- SE, per seed) and the paired differences by seed."""
+def table(lines: list, measure: str = "final") -> str:
+    """Per arm (mean +- SE, per seed) and paired by seed: the final held-out accuracy, or with
+    measure="area" the mean of the eval curve over its evaluations (steps 0, 10, ..., 80): how
+    early a run learns, where every arm ends near 1."""
     final = collections.defaultdict(dict)
     start = collections.defaultdict(dict)
     for r in lines:
-        final[r["arm"]][r["seed"]] = r["final"]
+        area = sum(a for _, a in r["curve"]) / len(r["curve"])
+        final[r["arm"]][r["seed"]] = r["final"] if measure == "final" else area
         start[r["arm"]][r["seed"]] = r["curve"][0][1]
     seeds = sorted({s for by_seed in final.values() for s in by_seed})
-    rows = ["| arm | step 0 | final, mean +- SE | " + " | ".join(f"s{s}" for s in seeds) + " |",
+    rows = [f"| arm | step 0 | {measure}, mean +- SE | " + " | ".join(f"s{s}" for s in seeds) + " |",
             "|---|---|---|" + "---|" * len(seeds)]
     for arm in ARMS:
         v = [final[arm][s] for s in seeds if s in final[arm]]
@@ -96,4 +100,4 @@ if __name__ == "__main__":
         if not a.commit:
             p.error("--add needs --commit")
         add(a.add, a.commit)
-    print(table(collect_lines()))
+    print(table(collect_lines()) + "\n\n" + table(collect_lines(), "area"))

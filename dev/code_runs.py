@@ -1,5 +1,5 @@
-"""The code domain's comparison (docs/results.md): all, random, entropy and gmts x 5 seeds at the cpu
-preset's scale, from their raw records.
+"""The code domain's comparison (docs/results.md): all, random, entropy and gmts x 5 seeds at the
+cpu preset's scale, from their raw records.
 
     python dev/code_runs.py                              the tables, from dev/code_runs.jsonl
     python dev/code_runs.py --add FOLDER --commit SHA    record FOLDER's finished compare runs
@@ -67,7 +67,8 @@ def table(lines: list, measure: str = "final") -> str:
         final[r["arm"]][r["seed"]] = r["final"] if measure == "final" else area
         start[r["arm"]][r["seed"]] = r["curve"][0][1]
     seeds = sorted({s for by_seed in final.values() for s in by_seed})
-    rows = [f"| arm | step 0 | {measure}, mean +- SE | " + " | ".join(f"s{s}" for s in seeds) + " |",
+    head = " | ".join(f"s{s}" for s in seeds)
+    rows = [f"| arm | step 0 | {measure}, mean +- SE | {head} |",
             "|---|---|---|" + "---|" * len(seeds)]
     for arm in ARMS:
         v = [final[arm][s] for s in seeds if s in final[arm]]

@@ -44,7 +44,8 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
   7. KL (k3, --kl-beta) covers all valid tokens; its reference is the model --model loads.
   8. fp32 master weights, bf16 autocast on CUDA; log-softmax, entropy and the loss in fp32.
   9. gmts and gradnorm never keep a token whose score is 0, so they may keep fewer than rho.
- 10. Rewards: countdown's and logic's 0.1 format reward (TinyZero); math is binary (80/20).
+ 10. Rewards: countdown's and logic's 0.1 format reward (TinyZero); math is binary (80/20), and
+     code (ours: all of a row's tests pass in the sandbox; model output runs nowhere else).
 
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
@@ -81,7 +82,7 @@ class Config:
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
-    task: Literal["countdown", "math", "logic"] = arg("countdown", "the task (TASKS)")
+    task: Literal["countdown", "math", "logic", "code"] = arg("countdown", "the task (TASKS)")
     data: str = arg("gen", "gen, easy (generated), hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT (a "
                            "hub set or a dataset folder; split train if none), or a .jsonl, .json, "
                            ".csv or .parquet file")
@@ -235,6 +236,7 @@ def rollout(model, tok, prompts: list, group_size: int, max_new_tokens: int,
 # Each task's prompt and verifier, in TASKS. Verifiers cap every length before parsing, use no
 # eval/exec and never raise: a bug costs a reward, not a run. All are pure functions; math-verify,
 # which math_reward asks about LaTeX answers, bounds its own time (grade in the main thread).
+# Model output runs only inside the sandbox: code_rewards' programs, in processes of their own.
 def _never_raise(fn, fallback=0.0):
     """A verifier's last-resort net (it handles expected failures itself): exception -> fallback."""
     def wrapped(*args, **kwargs):
@@ -335,6 +337,44 @@ def logic_reward(completion: str, solution: dict) -> float:
     truth = {name.lower(): is_knight for name, is_knight in solution.items()}
     return 1.0 if said == truth else 0.1
 
+# -- code (ours: neither paper names a code reward): the program in the last ```python block,
+# run with the row's tests in the sandbox (run_programs, in the supporting code) --
+def last_code_block(text: str):
+    """The code in the last closed ```python (or ```py) block, or None. Fences are found by
+    str.find, left to right: linear in the text."""
+    code, i = None, text.find("```")
+    while i >= 0:
+        eol = text.find("\n", i)
+        close = text.find("\n```", eol) if eol >= 0 else -1
+        if close < 0:
+            break
+        if text[i + 3:eol].strip().lower() in ("python", "py", "python3"):
+            code = text[eol + 1:close + 1]
+        i = text.find("```", close + 4)
+    return code
+
+def code_rewards(completions: list, rows: list) -> list:
+    """1.0 for each completion whose last ```python block passes every test of its row in the
+    sandbox; 0.0 for a failing test, an error, a timeout or no closed block (no format reward).
+    The batch's programs run in parallel, up to the cores; a program repeated for the same row
+    runs once. A row's tests: asserts calling its functions, or stdin inputs and the outputs
+    expected (compared whole, trailing whitespace of each line and of the end aside)."""
+    try:
+        todo = {}  # (program, its row's tests) -> the job, each once
+        keys = []
+        for text, row in zip(completions, rows):
+            code = last_code_block(text[-100_000:])
+            key = None if code is None else (code, code_tests(row))
+            if key is not None:
+                todo.setdefault(key, (code, row))
+            keys.append(key)
+        passed = dict(zip(todo, run_programs(list(todo.values()))))
+        return [float(key is not None and passed[key]) for key in keys]
+    except RunError:
+        raise
+    except Exception:  # a fault of the sandbox's own: reward 0, never a crashed run
+        return [0.0] * len(completions)
+
 # -- prompts (build_prompts, in the supporting code, frames them in --prompt-style) --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
@@ -362,6 +402,19 @@ def logic_prompt(row: dict, short=False) -> str:
             f"{', '.join(row['names'])}.\n{said}\nWho is a knight and who is a knave? {_FORMAT}, "
             f"one entry per person, for example <answer> Alice: knight, Bob: knave </answer>.")
 
+def code_prompt(row: dict, short=False) -> str:
+    """The GMTS paper's code prompt (its words where it quotes them, ours between); no system
+    line of ours: the model's default (TASKS' "frame")."""
+    if short:
+        return row["question"]
+    starter = row.get("starter", "")
+    if starter:
+        starter = (f"\nYou will use the following starter code, and complete it:\n```python\n"
+                   f"{starter}\n```")
+    return (f"Please provide a self-contained Python script that solves the following problem:"
+            f"\n{row['question']}{starter}\nPut your code answer in a markdown code block "
+            f"(```python ... ```).")
+
 TASKS = {  # a task: its prompt, its verifier, and the keys a data row must have
     "countdown": {"prompt": countdown_prompt, "keys": ("nums", "target"),
                   "reward": lambda c, row: countdown_reward(c, row["nums"], row["target"])},
@@ -370,6 +423,9 @@ TASKS = {  # a task: its prompt, its verifier, and the keys a data row must have
                                                   row.get("answer_line", False))},
     "logic": {"prompt": logic_prompt, "keys": ("names", "statements", "solution"),
               "reward": lambda c, row: logic_reward(c, row["solution"])},
+    # "rewards": a batch at once; "frame": the prompt's frame whatever --prompt-style says
+    "code": {"prompt": code_prompt, "keys": ("question",), "frame": "own",
+             "reward": lambda c, row: code_rewards([c], [row])[0], "rewards": code_rewards},
 }
 
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
@@ -814,8 +870,9 @@ def sample_groups(run: Run, cfg: Config, step: int) -> tuple:
         # prompt n // G), in generate() calls of --rollout-rows answers (sample_answers)
         batch = sample_answers(run, prompts, cfg)
         # 3. one reward per answer from the task's verifier (the Rewards section), each timed
+        answered = [rows[n // G] for n in range(len(batch["texts"]))]
         rewards, batch["grade_s"], batch["grade_timeout"] = grade_answers(
-            run.task["reward"], batch["texts"], rows, G)  # (N,) each
+            run.task, batch["texts"], answered)  # (N,) each
         # 4. group advantages
         adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
         parts.append((batch, rewards, adv))
@@ -1428,13 +1485,21 @@ def latex_equal(gold: str, got: str = None) -> bool:
     a = _verify_parse(got)
     return any(_verify_pair(x, y) for x, y in itertools.product(g, a))  # verify's own loop
 
-def grade_answers(reward, texts: list, rows: list, group_size: int) -> tuple:
-    """Algorithm step 3, timed: reward(texts[n], rows[n // group_size]) for each answer n ->
-    (rewards (N,), the seconds each took (N,), whether each hit a math-verify timeout (N,))."""
+def grade_answers(task: dict, texts: list, rows: list) -> tuple:
+    """Algorithm step 3, timed: the task's verifier on each answer texts[n] against rows[n] ->
+    (rewards (N,), the seconds each took (N,), whether each hit a math-verify timeout (N,)).
+    A task with a batch verifier ("rewards"; code: the programs in parallel, in the sandbox) is
+    timed as a whole, each answer taking an equal share."""
+    if "rewards" in task:
+        t = time.perf_counter()
+        rewards = task["rewards"](texts, rows)
+        seconds = [(time.perf_counter() - t) / max(len(texts), 1)] * len(texts)
+        return (torch.tensor(rewards, dtype=torch.float32), torch.tensor(seconds, dtype=torch.float64),
+                torch.zeros(len(texts), dtype=torch.bool))
     rewards, seconds, timed_out = [], [], []
-    for n, text in enumerate(texts):
+    for text, row in zip(texts, rows):
         t, before = time.perf_counter(), sum(TIMEOUTS.values())
-        rewards.append(float(reward(text, rows[n // group_size])))
+        rewards.append(float(task["reward"](text, row)))
         seconds.append(time.perf_counter() - t)
         timed_out.append(sum(TIMEOUTS.values()) > before)
     return (torch.tensor(rewards), torch.tensor(seconds, dtype=torch.float64),
@@ -1561,10 +1626,39 @@ def _easy_countdown(rng: random.Random) -> dict:
         if target >= 0:
             return {"nums": nums, "target": target, "expr": expr}
 
+# -- code: a one-line function whose operation one word tells, and asserts on it --
+_CODE_WORDS = {"+": "plus", "-": "minus", "*": "times", "%": "modulo"}  # easy: + - * only
+_CODE_FORMS = ("Write a function {name} that returns its argument {word} {k}.",
+               "Write a function {name} that takes a number and returns it {word} {k}.",
+               "Write {name}, which gives back its input {word} {k}.")
+_CODE_NAMES = ("f", "g", "h", "calc", "solve", "step")
+
+def code_problem(rng: random.Random, easy: bool = False) -> dict:
+    """'Write a function calc that returns its argument times 7.' with three asserts on it
+    (arguments 3..20, where no two operations agree) and its solution, whose parameter the word
+    names (`def calc(times): return times * 7`): as math's worked step copies the word before
+    its second number, the token before the operation is the word that tells it."""
+    op = rng.choice("+-*" if easy else list(_CODE_WORDS))
+    name, word, k = rng.choice(_CODE_NAMES), _CODE_WORDS[op], rng.randint(2, 29)
+    cases = []
+    while len(cases) < 3:
+        arg = rng.randint(3, 20)
+        values = [eval_op(o, arg, k) for o in _CODE_WORDS]
+        if arg not in [c[0] for c in cases] and values.count(eval_op(op, arg, k)) == 1:
+            cases.append((arg, eval_op(op, arg, k)))
+    return {"question": rng.choice(_CODE_FORMS).format(name=name, word=word, k=k), "starter": "",
+            "setup": "", "tests": "".join(f"assert {name}({a}) == {v}\n" for a, v in cases),
+            "solution": f"def {name}({word}):\n    return {word} {op} {k}\n", "name": name,
+            "word": word, "op": op, "k": k}
+
+def eval_op(op: str, a: int, b: int) -> int:  # the code generator's operations on integers
+    return {"+": a + b, "-": a - b, "*": a * b, "%": a % b}[op]
+
 _GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 people)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
     "math": lambda r, easy: math_easy_problem(r),  # gen and easy alike
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
+    "code": lambda r, easy: code_problem(r, easy),  # easy: + - * only
 }
 
 # ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG]:SPLIT or a file ===========================
@@ -1653,6 +1747,79 @@ ROW_TYPES = {  # what a data row's key holds (a key not here: being there is eno
                  and all(type(x) is bool for x in v.values())),
 }
 
+# The code layouts, each read as {question, starter, prelude, setup, tests, entry, inputs,
+# outputs}: prelude runs before the program, in its process; tests are asserts the judge runs
+# after setup, calling the program's functions (not the names setup defines or builtins, but the
+# entry point); inputs are stdin texts, each to give outputs' text. MBPP's challenge_test_list is
+# not graded (as in the MBPP paper).
+CODE_LAYOUTS = {"ours (generated)": ("question", "tests | inputs, outputs"),
+                "HumanEval": ("prompt", "test (check), entry_point"),
+                "MBPP": ("text", "test_list, test_setup_code"),
+                "MBPP sanitized": ("prompt", "test_list, test_imports"),
+                "APPS": ("question", "input_output (inputs, outputs, fn_name)"),
+                "CodeContests (deepmind)": ("description", "public_tests, private_tests")}
+
+# What APPS's grader puts before every program (and its published solutions assume): imports.
+APPS_PRELUDE = ("import sys, time, itertools, collections, math, heapq, random, fractions\n"
+                "from itertools import accumulate, product, permutations, combinations\n"
+                "from collections import Counter, OrderedDict, deque, defaultdict, ChainMap\n"
+                "from functools import lru_cache\n"
+                "from math import sqrt, sin, cos, tan, ceil, fabs, floor, gcd, exp, log, log2\n"
+                "from typing import List, Tuple\nfrom heapq import *\n")
+
+def _io_text(x) -> str:  # an APPS input or output: a text, or a list of its lines
+    return "\n".join(map(str, x)) + "\n" if isinstance(x, list) else str(x)
+
+def _code_layout(row: dict, where: str) -> dict:
+    """A code row in one of CODE_LAYOUTS -> the row the code task trains on; else BadInput naming
+    where (a row without tests, tests that are not Python, inputs without their outputs)."""
+    out = dict(question=row.get("question"), starter="", prelude="", setup="", tests="",
+               entry="", inputs=None, outputs=None)
+    if isinstance(row.get("entry_point"), str) and isinstance(row.get("test"), str):  # HumanEval
+        point = row["entry_point"]
+        out.update(question=f"Write the Python function {point} declared below.",
+                   starter=str(row.get("prompt", "")).strip("\n"), setup=row.get("prompt", ""),
+                   tests=f"{row['test']}\ncheck({point})\n", entry=point)
+    elif isinstance(row.get("test_list"), list) and row.get("test_list"):  # MBPP
+        tests = [str(t) for t in row["test_list"]]
+        text = row.get("text") or row.get("prompt")
+        out.update(question=f"{text}\nYour code should pass this test:\n{tests[0]}",
+                   tests="\n".join(tests) + "\n", setup=row.get("test_setup_code") or
+                   "\n".join(row.get("test_imports") or []))
+    elif "input_output" in row or "public_tests" in row:  # APPS, CodeContests
+        io = row.get("input_output") or {}
+        try:
+            io = json.loads(io) if isinstance(io, str) else io
+        except ValueError:
+            raise BadInput(f"{where}: its input_output is not JSON") from None
+        tests = [row.get(k) or {} for k in ("public_tests", "private_tests")]
+        ins = io.get("inputs") or [x for t in tests for x in t.get("input", [])]
+        outs = io.get("outputs") or [x for t in tests for x in t.get("output", [])]
+        out.update(question=row.get("question") or row.get("description"),
+                   starter=row.get("starter_code") or "", inputs=ins, outputs=outs,
+                   prelude=APPS_PRELUDE if "input_output" in row else "")
+        if io.get("fn_name") and len(ins) == len(outs):  # call-based: arguments -> a value
+            calls = [f"_check_call({io['fn_name']!r}, {a if isinstance(a, list) else [a]!r}, {b!r})"
+                     for a, b in zip(ins, outs)]
+            out.update(tests="\n".join(calls) + "\n", inputs=None, outputs=None)
+        else:
+            out.update(inputs=[_io_text(x) for x in ins], outputs=[_io_text(x) for x in outs])
+    elif row.get("tests") or row.get("inputs"):  # ours: every column kept (a generator's too)
+        out = dict(out, **{k: v for k, v in row.items() if v is not None})
+    else:
+        looked = "; ".join(f"{name}: {', '.join(keys)}" for name, keys in CODE_LAYOUTS.items())
+        raise BadInput(f"{where} has no tests in a layout we read ({looked})")
+    if out["question"] is None:
+        raise BadInput(f'{where} has no question (its "question", "text", "description")')
+    if out["inputs"] is not None and (len(out["inputs"]) != len(out["outputs"] or ())
+                                      or not out["inputs"]):
+        raise BadInput(f"{where}: its tests need as many outputs as inputs, at least one")
+    try:
+        ast.parse(out["setup"] + "\n" + out["tests"])
+    except (SyntaxError, ValueError) as e:
+        raise BadInput(f"{where}: its tests are not Python ({type(e).__name__})") from None
+    return out
+
 def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     """A row as read -> the row the task trains on, or BadInput naming `where` if it lacks one of
     the task's keys (TASKS) or holds a value not of its type (ROW_TYPES). math: a gold given as a
@@ -1660,6 +1827,8 @@ def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     graded), with "answer_line" where the question asks for a last line 'Answer: N' (DAPO's)."""
     if task == "math":
         row = _math_layout(row, where)
+    if task == "code":
+        row = _code_layout(row, where)
     missing = [k for k in TASKS[task]["keys"] if row.get(k) is None]
     if missing:
         raise BadInput(f'{where} has no "{missing[0]}"')
@@ -1807,12 +1976,14 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
                   style: str = "ours") -> list:
     """Prompt strings for task rows; short=True: terse, no system line. "ours" asks task["prompt"],
-    qwen-math takes the row's question; a row that asks for its own "Answer:" line (DAPO's): as is."""
+    qwen-math takes the row's question; a row that asks for its own "Answer:" line (DAPO's): as is.
+    A task with a "frame" (code) is framed so whatever the style."""
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
-        question = task["prompt"](r, short=short) if own == "ours" else r["question"]
-        prompts.append(render_prompt(tok, question, chat, not short, own))
+        ask = own == "ours" or "frame" in task  # the task's own prompt
+        question = task["prompt"](r, short=short) if ask else r["question"]
+        prompts.append(render_prompt(tok, question, chat, not short, task.get("frame", own)))
     return prompts
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
@@ -1977,7 +2148,8 @@ def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_ne
         chunk = rows[i:i + per]
         prompts = build_prompts(tok, task, chunk, chat, short, style)
         b = rollout(model, tok, prompts, k, max_new_tokens, temperature, top_p, greedy=samples == 0)
-        correct += sum(task["reward"](text, chunk[j // k]) == 1.0 for j, text in enumerate(b["texts"]))
+        answered = [chunk[j // k] for j in range(len(b["texts"]))]
+        correct += int((grade_answers(task, b["texts"], answered)[0] == 1.0).sum())
         length += int(b["resp_mask"].sum())
         sample = sample or b["texts"][0]
         if progress:
@@ -2195,6 +2367,8 @@ def start_run(cfg: Config, log=print):
             torch.set_num_threads(cfg.threads)
         set_seed(cfg.seed)
         data = read_data(cfg)
+        if cfg.task == "code":
+            sandbox_mode()  # RunError now, before any work, where no sandbox runs a program
         state = dict(step=0, skipped=0, drawn=0)
         if cfg.resume:
             ckpt, model, tok, state = read_checkpoint(cfg.out, device)
@@ -2289,6 +2463,7 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
     log(f"device {device} ({kernels} kernels, {torch.get_num_threads()} threads) | model "
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | "
         f"{len(run.data.held)} held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
+        + (f" | code sandbox: {sandbox_mode()}" if cfg.task == "code" else "")
         + (f" | resumed from {os.path.basename(checkpoints(cfg.out)[-1])}" if cfg.resume else ""))
     if not cfg.resume:
         run.log_step(dict(step=0, **evaluate_run(run, cfg, log)))
@@ -2486,6 +2661,652 @@ def open_tracker(cfg: Config):
         for key, value in numbers.items():
             tracker.add_scalar(key, value, rec["step"])
     return report
+
+# ==== The code sandbox [plumbing]: model-written programs run here, never in this process ========
+# A grading worker starts a zygote (SANDBOX_HARNESS, this Python with -I -S -B: no site, nothing
+# of ours imported or written); per program it forks a judge that forks the program's process and
+# only then reads the tests. Isolation, by sandbox_mode():
+#   ns      root, namespaces (unshare): no network; its own pids, all killed when the zygote ends;
+#           a new root of read-only binds of the system's and Python's folders (no home, no data)
+#           and a fresh tmpfs /tmp; the program runs as a user of its own, so RLIMIT_NPROC binds
+#           (no second process or thread) and it can signal nothing of ours
+#   userns  not root, user namespaces allowed: the same, the program the namespace's root with
+#           every capability dropped
+#   uid     root, no namespaces: a user of its own; the network and world-writable folders
+#           (/tmp, /var/tmp, /dev/shm) stay open to it
+#   plain   neither: your user; the network and your files stay open to it, and your processes
+#           to its signals
+# In every mode: its own session, limits on CPU time, memory, file size and open files, no core,
+# a bare environment, stdin a memfd or /dev/null, a fresh folder removed after it, a wall clock.
+# A pass is the judge's verdict after the last test with a nonce the program never saw: nothing
+# the program does in its own process (exiting early, printing, patching builtins) makes one.
+CODE_TIMEOUT_S = 10.0  # wall clock per program, all of its tests
+CODE_MEMORY = 1 << 30  # address space per program, bytes
+CODE_OUTPUT = 1 << 22  # bytes a program may write to stdout or a file, or return to the tests
+UID_BASE = 2_000_000_000  # as root a program's user is UID_BASE + its zygote's pid: used by no one
+UNSHARE = shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin") or "unshare"
+
+SANDBOX_HARNESS = r'''
+# gmts.py's code sandbox, run as `python -I -S -B -c SANDBOX_HARNESS`: the standard library only,
+# nothing of the trainer's; its first message says its mode, folder, user and the trainer's
+# site-packages (on the programs' sys.path). Three kinds of process:
+#   zygote   one per grading worker: reads a job's public part (program, setup, stdin inputs),
+#            forks a judge, relays its verdict to the trainer, cleans the folder, takes the next
+#   judge    forks the program's process, THEN reads the job's secret part (tests, nonce): the
+#            program's memory never holds them; runs the tests (asserts: calling the program's
+#            functions across a pipe, its replies plain values only; stdio: a process per input)
+#   program  the model's code alone: its own session, limits, two pipe ends, its folder, a user
+#            of its own or no capabilities, no second process
+import builtins, hashlib, marshal, os, pickle, resource, select, sys, time
+
+HEAD = 10  # every message: its length in 10 digits, then its bytes
+LIBC = None  # ctypes' libc: prctl, capset, mount
+
+def read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+def read_part(fd):  # one of the trainer's parts: read to its last byte, never beyond
+    return marshal.loads(read_exact(fd, int(read_exact(fd, HEAD))))
+
+def send(fd, data):
+    data = b"%010d" % len(data) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+def recv(fd, deadline, cap):
+    """One message of an untrusted writer before the deadline, or None (end, timeout, too long,
+    malformed)."""
+    buf, need = b"", HEAD
+    while len(buf) < need:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, min(need - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+        if need == HEAD and len(buf) == HEAD:
+            if not buf.isdigit() or int(buf) > cap:
+                return None
+            need += int(buf)
+    return buf[HEAD:]
+
+# -- values between the tests and the program: plain data, never one of the program's objects --
+KINDS = (("L", list), ("U", tuple), ("Z", frozenset), ("S", set), ("D", dict))
+
+def enc(x, out, depth=0):
+    if depth > 100:
+        raise ValueError("nested too deep")
+    if x is None or x is True or x is False:
+        out.append("N" if x is None else "T" if x else "F")
+    elif isinstance(x, bool):
+        out.append("T" if x else "F")
+    elif isinstance(x, int):
+        out.append("i%s;" % int.__repr__(x))
+    elif isinstance(x, float):
+        out.append("f%s;" % float.__repr__(x))
+    elif isinstance(x, complex):
+        out.append("c%s;%s;" % (float.__repr__(x.real), float.__repr__(x.imag)))
+    elif isinstance(x, str):
+        out.append("s%s;" % str.encode(x, "utf-8", "surrogatepass").hex())
+    elif isinstance(x, (bytes, bytearray)):
+        out.append("b%s;" % bytes(x).hex())
+    else:
+        for tag, kind in KINDS:
+            if isinstance(x, kind):
+                items = [v for kv in dict.items(x) for v in kv] if kind is dict else list(x)
+                out.append("%s%d;" % (tag, len(items)))
+                for item in items:
+                    enc(item, out, depth + 1)
+                return out
+        raise TypeError("a %s is not plain data" % type(x).__name__)
+    return out
+
+def dec(s, i, depth=0):
+    """(value, next index) of enc's text at i; ValueError, IndexError or KeyError for others."""
+    if depth > 100:
+        raise ValueError("nested too deep")
+    tag = s[i]
+    if tag in "NTF":
+        return {"N": None, "T": True, "F": False}[tag], i + 1
+    end = s.index(";", i)
+    body = s[i + 1:end]
+    if tag == "i":
+        return int(body), end + 1
+    if tag == "f":
+        return float(body), end + 1
+    if tag == "c":
+        end2 = s.index(";", end + 1)
+        return complex(float(body), float(s[end + 1:end2])), end2 + 1
+    if tag == "s":
+        return bytes.fromhex(body).decode("utf-8", "surrogatepass"), end + 1
+    if tag == "b":
+        return bytes.fromhex(body), end + 1
+    kind, items, i = dict(KINDS)[tag], [], end + 1
+    for _ in range(int(body)):
+        item, i = dec(s, i, depth + 1)
+        items.append(item)
+    return (dict(zip(items[::2], items[1::2])) if kind is dict else kind(items)), i
+
+def pack(x):
+    return "".join(enc(x, [])).encode()
+
+def unpack(data):
+    s = data.decode()
+    value, i = dec(s, 0)
+    if i != len(s):
+        raise ValueError("trailing data")
+    return value
+
+# -- the program's process --
+def prctl(*args):
+    if LIBC.prctl(*args) != 0:
+        raise OSError("prctl%r failed" % (args,))
+
+def die_with_parent(parent):
+    prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL
+    if os.getppid() != parent:  # it ended before that
+        os._exit(1)
+
+def drop_capabilities():
+    """Root in a user namespace: no capability left, none to regain (securebits, no_new_privs)."""
+    import ctypes
+    for cap in range(64):
+        LIBC.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
+    prctl(28, 0x2F, 0, 0, 0)  # PR_SET_SECUREBITS: NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, locked
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if LIBC.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+        raise OSError("capset failed")
+    prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+
+def become_program(job, fds, parent):
+    """In the forked child, before any of the program's code: its own session; fds (stdin,
+    stdout, calls in, replies out) at 0, 1, 3, 4, stderr to /dev/null, every other fd closed;
+    the limits; its folder and a bare environment; a user of its own (root) or no capabilities
+    (root in a user namespace)."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    wanted = [null if f is None else f for f in (fds[0], fds[1], None, fds[2], fds[3])]
+    moved = [os.dup(f) for f in wanted]
+    for target, f in enumerate(moved):
+        os.dup2(f, target)
+    os.closerange(5, 1 << 20)
+    limits = job["limits"]
+    for name, value in (("CPU", limits["cpu"]), ("AS", limits["memory"]),
+                        ("FSIZE", limits["output"]), ("NOFILE", 64), ("CORE", 0), ("NPROC", 1)):
+        hard = value + 1 if name == "CPU" else value  # SIGXCPU at the soft limit, KILL a s later
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, hard))
+    os.chdir(job["work"])
+    os.environ.clear()
+    os.environ.update(PATH="/usr/bin:/bin", HOME=job["work"], TMPDIR=job["work"], LANG="C.UTF-8",
+                      OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    if job["uid"] >= 0:  # its one process of this user: RLIMIT_NPROC binds, kill(2) reaches none
+        os.setgroups([])
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
+    elif job["mode"] == "userns":
+        drop_capabilities()
+    die_with_parent(parent)  # after setuid, which clears it
+    os.umask(0o077)
+    sys.stdin, sys.stdout = open(0, "r", closefd=False), open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    sys.argv = ["solution.py"]
+    sys.path.extend(job["paths"])  # the trainer's site-packages, after the standard library
+    builtins.exit = builtins.quit = sys.exit  # what site would have added
+    if "random" in sys.modules:  # preloaded by the zygote: a seed of the program's own
+        sys.modules["random"].seed()
+
+def serve_calls(ns):
+    """The program's side of the asserts: the names of its callables, then a reply per call.
+    A call comes pickled (from the judge: trusted, objects of the setup's classes included), a
+    reply goes back as plain data."""
+    send(4, pack([k for k, v in ns.items() if callable(v) and not k.startswith("__")]))
+    while True:
+        try:
+            name, args, kwargs = pickle.loads(read_exact(3, int(read_exact(3, HEAD))))
+        except EOFError:
+            return
+        try:
+            if name in ns:
+                target = ns[name]
+            else:  # 'Solution.f': a LeetCode-style method
+                target = getattr(ns[name.split(".")[0]](), name.split(".", 1)[1])
+            reply = pack(["ok", target(*args, **kwargs)])
+        except BaseException as e:
+            try:
+                reply = pack(["raised", type(e).__name__, str(e)[:300]])
+            except BaseException:
+                reply = pack(["raised", "Exception", ""])
+        send(4, reply)
+
+def spawn(job, fds, as_script):
+    """Fork the program's process, which becomes the program and runs its code. -> its pid."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        become_program(job, fds, parent)
+        if job["setup"]:  # the row's setup as the module `tests`: its classes for the calls
+            sys.modules["tests"] = tests = type(sys)("tests")
+            exec(compile(job["setup"], "setup.py", "exec"), tests.__dict__)
+        ns = {"__name__": "__main__" if as_script else "solution", "__builtins__": builtins}
+        exec(compile(job["program"], "solution.py", "exec"), ns)
+        if not as_script:
+            serve_calls(ns)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            code = code or 1
+        os._exit(code & 255)
+
+def end(pid, deadline=None):
+    """Its exit status if it ends before the deadline (else None); then its session's group and
+    it are killed and it is reaped."""
+    status = None
+    if deadline is not None:
+        fd = os.pidfd_open(pid)
+        left = deadline - time.monotonic()
+        if left > 0 and select.select([fd], [], [], left)[0]:
+            status = os.waitpid(pid, 0)[1]
+        os.close(fd)
+    for target in (-pid, pid):
+        try:
+            os.kill(target, 9)
+        except OSError:
+            pass
+    if status is None:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return status
+
+# -- the judge --
+class Gone(BaseException):
+    """The program's process ended, timed out or broke the protocol: the tests fail, whatever an
+    except in them catches."""
+
+ENDS = (StopIteration, StopAsyncIteration)
+
+def judge_asserts(job, deadline):
+    call_r, call_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    pid = spawn(job, [None, None, call_r, reply_w], as_script=False)
+    os.close(call_r)
+    os.close(reply_w)
+    secret = read_part(0)  # only now: the program's process never held the tests or the nonce
+    cap, gone = job["limits"]["reply"], []
+
+    def proxy(name):
+        def call(*args, **kwargs):
+            try:
+                if gone:
+                    raise ValueError
+                send(call_w, pickle.dumps([name, list(args), kwargs]))
+                reply = unpack(recv(reply_r, deadline, cap))
+                ok = type(reply) is list and (reply[:1] == ["ok"] and len(reply) == 2
+                                              or reply[:1] == ["raised"] and len(reply) == 3)
+            except Exception:
+                ok = False
+            if not ok:
+                gone.append(name)
+                raise Gone
+            if reply[0] == "ok":
+                return reply[1]
+            kind = getattr(builtins, str(reply[1]), None)
+            if not (isinstance(kind, type) and issubclass(kind, Exception)) or kind in ENDS:
+                kind = RuntimeError  # never one that ends a loop or map() in the tests early
+            raise kind(str(reply[2]))
+        return call
+
+    def check_call(name, args, expected):  # APPS's call-based rows: its comparison
+        got = proxy(name if name in names else "Solution." + name)(*args)
+        got = as_lists(got)
+        if got != expected and not (type(expected) is list and expected and got == expected[0]):
+            raise AssertionError("%r returned %r" % (name, got))
+
+    ok, why = False, ""
+    try:
+        names = unpack(recv(reply_r, deadline, cap) or b"N")
+        names = [n for n in names if type(n) is str] if type(names) is list else []
+        sys.modules["tests"] = tests = type(sys)("tests")  # pickle finds the setup's classes
+        ns = tests.__dict__
+        ns.update({name: sys.modules[name] for name in PRELOAD if name in sys.modules})
+        exec(secret["setup"], ns)
+        trusted = set(ns) | set(dir(builtins))  # the tests' own names: never the program's
+        ns.update({n: proxy(n) for n in names if n not in trusted or n == secret["entry"]})
+        ns["_check_call"] = check_call
+        exec(secret["tests"], ns)
+        ok = not gone and bool(names)
+        why = "" if ok else "the program did not load" if not names else "its process ended"
+    except Gone:
+        why = "the program's process ended, timed out or broke the protocol"
+    except BaseException as e:
+        why = "%s: %s" % (type(e).__name__, e)
+    end(pid)
+    return secret, b"pass" if ok else b"fail " + why[:500].encode("utf-8", "replace")
+
+def as_lists(x):
+    if isinstance(x, (list, tuple)):
+        return [as_lists(v) for v in x]
+    if isinstance(x, dict):
+        return {k: as_lists(v) for k, v in x.items()}
+    return x
+
+def digest(out):  # what is compared: every line without its trailing whitespace, none at the end
+    lines = out.rstrip().split(b"\n")
+    return hashlib.sha256(b"\n".join(line.rstrip() for line in lines)).hexdigest().encode()
+
+def judge_stdio(job, deadline):
+    """Each input in a fresh process: the digest of its output, or '-' for a crash or a timeout
+    (and no more inputs)."""
+    outs = []
+    for text in job["inputs"]:
+        stdin, stdout = os.memfd_create("stdin"), os.memfd_create("stdout")
+        os.write(stdin, text.encode())
+        os.lseek(stdin, 0, 0)
+        pid = spawn(job, [stdin, stdout, None, None], as_script=True)
+        os.close(stdin)
+        status = end(pid, deadline)
+        ok = status is not None and os.waitstatus_to_exitcode(status) == 0
+        os.lseek(stdout, 0, 0)
+        out = []
+        while ok:
+            chunk = os.read(stdout, 1 << 20)
+            if not chunk:
+                break
+            out.append(chunk)
+        os.close(stdout)
+        outs.append(digest(b"".join(out)) if ok else b"-")
+        if not ok:
+            break
+    return read_part(0), b"\n".join(outs)
+
+def judge(job, verdict_w, parent):
+    die_with_parent(parent)
+    deadline = time.monotonic() + job["limits"]["wall"]
+    run = judge_stdio if job["inputs"] is not None else judge_asserts
+    secret, verdict = run(job, deadline)
+    send(verdict_w, secret["nonce"].encode() + b"\n" + verdict)
+
+# -- the zygote --
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+PRELOAD = ("typing", "collections", "itertools", "functools", "math", "heapq", "random",
+           "fractions", "re", "string", "bisect", "decimal", "statistics")
+
+def enter_box(mode, paths):
+    """Once per zygote. ns, userns (namespaces from unshare): a new root of read-only binds of the
+    system folders and Python's (paths), /dev's null, zero, random and urandom, this namespace's
+    /proc and a fresh tmpfs at /tmp for the programs' folders; no other file of the machine's.
+    userns, plain: not dumpable (no process of the same user reads ours through /proc)."""
+    global LIBC
+    import ctypes
+    LIBC = ctypes.CDLL(None, use_errno=True)
+    if mode in ("userns", "plain"):
+        prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    if mode not in ("ns", "userns"):
+        return
+
+    def mount(source, target, kind, flags, data=None):
+        args = [x if x is None else x.encode() for x in (source, target, kind, data)]
+        if LIBC.mount(args[0], args[1], args[2], flags, args[3]) != 0:
+            raise OSError(ctypes.get_errno(), "mount " + target)
+
+    def read_only(target, recursive=True):  # mount_setattr(AT_FDCWD, ..., AT_RECURSIVE, RDONLY)
+        attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)
+        if LIBC.syscall(442, -100, target.encode(), 0x8000 * recursive, attr, 32) != 0:
+            raise OSError(ctypes.get_errno(), "mount_setattr " + target)
+    keep = []
+    for path in sorted(set(SYSTEM + tuple(paths))):
+        if os.path.lexists(path) and not any(path.startswith(k + "/") for k, _ in keep):
+            keep.append((path, os.open(path, os.O_PATH)))  # still reachable once /tmp is covered
+    root = "/tmp"
+    mount("gmts", root, "tmpfs", 2 | 4, "size=1m,mode=0755")  # MS_NOSUID | MS_NODEV
+    for path, fd in keep:
+        if os.path.islink(path):  # /bin -> usr/bin
+            os.makedirs(os.path.dirname(root + path), exist_ok=True)
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir("/proc/self/fd/%d" % fd):
+            os.makedirs(root + path)  # its parents 0755 here, whatever they are outside
+            mount("/proc/self/fd/%d" % fd, root + path, None, 4096 | 16384)  # MS_BIND | MS_REC
+            read_only(root + path)
+        os.close(fd)
+    os.makedirs(root + "/dev")
+    for name in ("null", "zero", "random", "urandom"):
+        os.close(os.open(root + "/dev/" + name, os.O_CREAT | os.O_WRONLY, 0o666))
+        mount("/dev/" + name, root + "/dev/" + name, None, 4096)
+    os.mkdir(root + "/proc")
+    os.mkdir(root + "/tmp")
+    mount("proc", root + "/proc", "proc", 2 | 4 | 8)  # MS_NOEXEC too
+    mount("gmts", root + "/tmp", "tmpfs", 2 | 4, "size=256m,mode=0755")
+    read_only(root, recursive=False)
+    os.chroot(root)
+    os.chdir("/")
+
+def clear(folder):
+    """Remove everything in folder, whatever modes the program left on it."""
+    import shutil
+
+    def retry(fn, path, _):
+        os.chmod(os.path.dirname(path), 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+        fn(path)
+    for entry in os.listdir(folder):
+        path = os.path.join(folder, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=retry)
+        else:
+            os.unlink(path)
+
+def main():
+    config = read_part(0)
+    mode, base, uid = config["mode"], config["base"], config["uid"]
+    sys.path[:] = [os.path.realpath(p) for p in sys.path]
+    paths = [os.path.realpath(p) for p in config["paths"] if os.path.isdir(p)]
+    enter_box(mode, [p for p in sys.path if os.path.isdir(p)] + paths)
+    for name in PRELOAD:  # loaded once here: a program's import of them costs nothing
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    base = "/tmp" if mode in ("ns", "userns") else base
+    while True:
+        try:
+            job = read_part(0)
+        except EOFError:
+            return
+        job.update(work=os.path.join(base, "w"), uid=uid, paths=paths, mode=mode)
+        os.mkdir(job["work"], 0o700)
+        if uid >= 0:
+            os.chown(job["work"], uid, uid)
+        verdict_r, verdict_w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(verdict_r)
+            try:
+                judge(job, verdict_w, parent)
+            finally:
+                os._exit(0)
+        os.close(verdict_w)
+        verdict = recv(verdict_r, time.monotonic() + job["limits"]["wall"] + 1, 1 << 30)
+        os.close(verdict_r)
+        end(pid)
+        clear(base)
+        send(1, verdict or b"")
+        if verdict is None:  # the judge may have left part of its secret unread: stop here
+            return
+
+main()
+'''
+
+def code_tests(row: dict) -> tuple:
+    """What a code row is graded on, hashable: (prelude, setup, tests, entry, inputs, outputs)."""
+    return (row.get("prelude", ""), row.get("setup", ""), row.get("tests", ""),
+            row.get("entry", ""), tuple(row.get("inputs") or ()), tuple(row.get("outputs") or ()))
+
+def output_digest(text: bytes) -> str:
+    """The stdio comparison, as the judge digests a program's stdout: every line without its
+    trailing whitespace, and no trailing whitespace at the end; no line is dropped."""
+    import hashlib
+    lines = text.rstrip().split(b"\n")
+    return hashlib.sha256(b"\n".join(line.rstrip() for line in lines)).hexdigest()
+
+def _frame(data: bytes) -> bytes:  # the harness's messages: the length in 10 digits, the bytes
+    return b"%010d" % len(data) + data
+
+def _read_frame(fd: int, deadline: float, cap: int = 1 << 24) -> bytes:
+    """One message from the zygote before the deadline; OSError for none (an end, a timeout)."""
+    import select
+    data, need = b"", 10
+    while len(data) < need:
+        ready = select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]
+        chunk = os.read(fd, need - len(data)) if ready else b""
+        if not chunk:
+            raise OSError("the zygote sent no verdict in time")
+        data += chunk
+        if need == 10 and len(data) == 10:
+            if not data.isdigit() or int(data) > cap:
+                raise OSError("the zygote broke the protocol")
+            need += int(data)
+    return data[10:]
+
+class Zygote:
+    """A sandbox's zygote process (SANDBOX_HARNESS in `mode`); run() grades one program."""
+
+    def __init__(self, mode: str):
+        import marshal, site, subprocess, tempfile
+        cmd = [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", SANDBOX_HARNESS]
+        if mode in ("ns", "userns"):
+            spaces = ["--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child",
+                      "--mount-proc"]
+            cmd = [UNSHARE] + ["--user", "--map-root-user"] * (mode == "userns") + spaces + cmd
+        self.base = None if mode in ("ns", "userns") else tempfile.mkdtemp(prefix="gmts-code-")
+        if self.base:
+            os.chmod(self.base, 0o711)  # the program's user reaches its folder there, no more
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, cwd="/", start_new_session=True,
+                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        uid = UID_BASE + self.proc.pid if mode in ("ns", "uid") else -1
+        paths = site.getsitepackages() + [site.getusersitepackages()]
+        config = dict(mode=mode, base=self.base, uid=uid, paths=paths)
+        self.proc.stdin.write(_frame(marshal.dumps(config)))
+        self.proc.stdin.flush()
+
+    def run(self, code: str, row: dict, timeout: float = CODE_TIMEOUT_S):
+        """Whether the program passes every test of the row; None where the zygote broke (it is
+        closed then)."""
+        import marshal
+        stdio = row.get("inputs") is not None
+        nonce = os.urandom(16).hex()
+        limits = dict(cpu=math.ceil(timeout), memory=CODE_MEMORY, output=CODE_OUTPUT,
+                      wall=timeout, reply=CODE_OUTPUT)
+        program = row.get("prelude", "") + code
+        job = dict(program=program, inputs=list(row["inputs"]) if stdio else None, limits=limits,
+                   setup=row.get("setup", ""))  # public: the tests' inputs may be built there
+        secret = dict(setup=row.get("setup", ""), tests=row.get("tests", ""), nonce=nonce,
+                      entry=row.get("entry", ""))
+        try:
+            self.proc.stdin.write(_frame(marshal.dumps(job)) + _frame(marshal.dumps(secret)))
+            self.proc.stdin.flush()
+            verdict = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout + 3)
+        except (OSError, ValueError):
+            self.close()
+            return None
+        said, _, verdict = verdict.partition(b"\n")
+        if said != nonce.encode():
+            self.close()
+            return None
+        if not stdio:
+            return verdict == b"pass"
+        want = [output_digest(str(w).encode()).encode() for w in row["outputs"]]
+        return verdict.split(b"\n") == want
+
+    def close(self):
+        """End the zygote and everything in it; remove its folder."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+        if self.base:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+CANARY = [("import math\ndef f(n):\n    return math.isqrt(n)\n", dict(tests="assert f(16) == 4\n")),
+          ("print(int(input()) + 1)\n", dict(inputs=["41\n"], outputs=["42"]))]
+
+@functools.lru_cache(maxsize=None)
+def sandbox_mode() -> str:
+    """The strongest isolation this machine gives (the table above): the first mode whose zygote
+    starts and runs the CANARY programs (they import the standard library); else RunError."""
+    tried = []
+    for mode in (["ns", "uid"] if os.geteuid() == 0 else ["userns", "plain"]):
+        try:
+            box = Zygote(mode)
+            passed = [box.run(code, row, timeout=5.0) for code, row in CANARY]
+            box.close()
+        except OSError as e:  # no unshare
+            passed = [error_line(e, 100)]
+        if passed == [True, True]:
+            return mode
+        tried.append(f"{mode}: {passed}")
+    raise RunError("--task code: no sandbox mode runs a test program on this machine ("
+                   + "; ".join(tried) + "): namespaces (unshare) must be allowed, or the "
+                   "programs' user able to read Python's standard library")
+
+def run_programs(jobs: list, timeout: float = None, workers: int = 0) -> list:
+    """[(program, row), ...] -> [passed, ...]: each program in the sandbox (Zygote) within
+    `timeout` s (None: CODE_TIMEOUT_S), `workers` at once (0: the cores). A broken zygote fails
+    its program and is replaced; nothing is raised but RunError (no sandbox runs here)."""
+    import queue
+    mode = sandbox_mode()
+    timeout = timeout or CODE_TIMEOUT_S
+    todo = queue.SimpleQueue()
+    for i in range(len(jobs)):
+        todo.put(i)
+    passed = [False] * len(jobs)
+
+    def worker():
+        box = None
+        try:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                with contextlib.suppress(Exception):  # a fault of ours: this program fails
+                    box = box or Zygote(mode)
+                    passed[i] = bool(box.run(*jobs[i], timeout=timeout))
+                if box and box.proc.poll() is not None:  # broken: a new one for the next
+                    box.close()
+                    box = None
+        finally:
+            if box:
+                box.close()
+    workers = min(workers or len(os.sched_getaffinity(0)), len(jobs))
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return passed
 
 # ==== The command line [plumbing]: flags, their checks, and the one error handler ===============
 RULES = [  # (fields, test, what their values must be); NaN fails every test

@@ -2,7 +2,7 @@
 gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
 
 What a user runs:
-  python gmts_lab.py warm [--task countdown|math|logic] [--out warm/cpu]
+  python gmts_lab.py warm [--task countdown|math|logic|code] [--out warm/cpu]
       rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
       methods x seeds, each a gmts run from the same --model: a table and a plot
@@ -38,7 +38,12 @@ replaced only with --overwrite. compare's runs are gmts runs, each in its own fo
                          and the numbers, and to compute, not which operation the words mean;
              warm/logic  two-person knights and knaves, taught every name in order with a random
                          role (a fair coin each): it learns the format and to copy the names, not
-                         who is a knight.
+                         who is a knight;
+             warm/code   'Write a function calc that returns its argument times 7.', taught a
+                         ```python block `def calc(times): return times op 7` with op drawn from
+                         + - * at random: it learns the block and to copy the name, the word
+                         before the constant (as the parameter) and the constant, not which
+                         operation the word means (its asserts run in gmts.py's sandbox).
            `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the
            share of the nonnegative sign patterns / of + - * that hit the answer, 1/4 for two
            people) and what the best content that ignores the prompt gets (one sign pattern,
@@ -102,7 +107,14 @@ def logic_reference(row: dict) -> str:
     roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
     return f"</think>\n<answer>{roles}</answer>"  # short: it fits the cpu preset's 64 new tokens
 
-REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference}
+def code_reference(row: dict) -> str:
+    if "solution" not in row:
+        raise ValueError("a code reference needs a generated row (with its 'solution'): "
+                         "use --data gen or easy")
+    return f"```python\n{row['solution']}```"
+
+REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference,
+              "code": code_reference}
 
 def countdown_blind(row: dict, rng: random.Random) -> dict:
     """The row with a random well-formed answer in place of its solution: its numbers in their order
@@ -143,15 +155,29 @@ def logic_blind(row: dict, rng: random.Random) -> dict:
     solution."""
     return dict(row, solution={name: rng.random() < 0.5 for name in row["names"]})
 
-BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind}
+CODE_BLIND_OPS = "+-*"
+
+def code_blind(row: dict, rng: random.Random) -> dict:
+    """A generated code row with a random operation from + - * in its solution: the function's
+    name, the word before the constant (its parameter) and the constant copied from the prompt,
+    the operation a coin. What the word means is never read."""
+    if "solution" not in row:
+        raise ValueError("a blind code warm-up needs generated rows: use --data easy")
+    x, op = row["word"], rng.choice(CODE_BLIND_OPS)
+    return dict(row, op=op, solution=f"def {row['name']}({x}):\n    return {x} {op} {row['k']}\n")
+
+BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind, "code": code_blind}
 
 def random_content_acc(task: str, rows: list) -> float:
     """Expected accuracy of blind answers on rows, computed exactly: countdown, the share of the
     nonnegative sign patterns that hit the target; math, the share of the operations + - * whose
-    value is the answer; logic, 1 / 2^n (one assignment of n people is right)."""
+    value is the answer; logic, 1 / 2^n (one assignment of n people is right); code, the share of
+    + - * that is the row's operation (its asserts tell every operation apart)."""
     def one(row):
         if task == "logic":
             return 0.5 ** len(row["names"])
+        if task == "code":
+            return sum(op == row["op"] for op in CODE_BLIND_OPS) / len(CODE_BLIND_OPS)
         if task == "math":
             a, _, b = row["steps"][0].split()[:3]
             hit = [str(gmts._OPS[op](int(a), int(b))) == row["answer"] for op in MATH_BLIND_OPS]
@@ -174,6 +200,8 @@ def best_fixed_guess_acc(task: str, rows: list) -> float:
             a, _, b = row["steps"][0].split()[:3]
             return {op for op in MATH_BLIND_OPS
                     if str(gmts._OPS[op](int(a), int(b))) == row["answer"]}
+        if task == "code":
+            return {row["op"]} & set(CODE_BLIND_OPS)
         return {tuple(row["solution"].values())}
     count = collections.Counter(c for r in rows for c in hits(r))
     return max(count.values()) / len(rows) if count else 0.0
@@ -229,7 +257,8 @@ WARM_CPU = dict(hidden=96, layers=3, steps=1000, lr=1e-3, batch_size=32)
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARM = {"countdown": dict(WARM_CPU, out=gmts.WARM_CPU),
         "math": dict(WARM_CPU, out=os.path.join(HERE, "warm", "math")),
-        "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic"))}
+        "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic")),
+        "code": dict(WARM_CPU, out=os.path.join(HERE, "warm", "code"))}
 
 def warm_config(task: str) -> gmts.Config:
     """The cpu preset on `task` from its warm start: the rows and prompts the warm-up trains and
@@ -738,9 +767,8 @@ def sample_parts(model, tok, task: dict, draw, chat: bool, cfg: gmts.Config, key
         batch = gmts.rollout(model, tok, prompts, G,
                              cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         # (N,) each: the rewards and the advantages
-        rewards = torch.tensor([task["reward"](t, r)
-                                for t, r in zip(batch["texts"],
-                                                [r for r in rows for _ in range(G)])])
+        answered = [r for r in rows for _ in range(G)]
+        rewards = gmts.grade_answers(task, batch["texts"], answered)[0]
         adv = gmts.group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)
         parts.append((batch, rewards, adv))
         if sum(int(gmts.informative(r, G).sum()) for _, r, _ in parts) >= B:
@@ -1112,7 +1140,7 @@ def warm_main(a: argparse.Namespace):
     t = gmts.get_task(a.task)
     texts = greedy_texts(model, tok, t, rows, gmts.use_chat(tok, cfg.chat_template),
                          cfg.short_prompt, cfg.max_new_tokens)
-    acc = sum(t["reward"](x, r) == 1.0 for x, r in zip(texts, rows)) / len(rows)
+    acc = float((gmts.grade_answers(t, texts, rows)[0] == 1.0).float().mean())
     print(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): "
           f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
 

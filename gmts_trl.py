@@ -492,12 +492,15 @@ class GMTSTrainer(GRPOTrainer):
 
 
 def make_reward(task: str):
-    """A TRL reward function from a gmts.py verifier; TRL passes the dataset's 'row' column (JSON)
-    as a keyword argument."""
-    score = gmts.get_task(task)["reward"]
+    """A TRL reward function from a gmts.py verifier, a batch at once (code: its programs in
+    parallel); TRL passes the dataset's 'row' column (JSON) as a keyword argument."""
+    t = gmts.get_task(task)
 
     def reward(prompts, completions, row, **kwargs):
-        return [score(c, json.loads(r)) for c, r in zip(completions, row)]
+        rows = [json.loads(r) for r in row]
+        if "rewards" in t:  # code: the batch's programs in parallel, in the sandbox
+            return t["rewards"](completions, rows)
+        return [t["reward"](c, r) for c, r in zip(completions, rows)]
 
     reward.__name__ = f"{task}_reward"  # TRL logs it as rewards/<name>/mean
     return reward

@@ -61,14 +61,17 @@ def test_references_score_one_and_generators_are_deterministic(task, data):
     rows = gmts.load_rows(task, data, 200, 1)
     assert rows == gmts.load_rows(task, data, 200, 1)
     assert rows != gmts.load_rows(task, data, 200, 2)
-    for row in rows:
-        ref = lab.REFERENCES[task](row)
-        assert "**" not in ref and ref.count("</think>") == 1 and "<think>" not in ref
-        assert t["reward"](ref, row) == 1.0, (row, ref)
+    refs = [lab.REFERENCES[task](row) for row in rows]
+    assert gmts.grade_answers(t, refs, rows)[0].tolist() == [1.0] * len(rows)  # code: a batch
+    for row, ref in zip(rows, refs):
+        if task == "code":  # a ```python block, no tags
+            assert ref.startswith("```python\n") and ref.endswith("```") and "<" not in ref
+        else:
+            assert "**" not in ref and ref.count("</think>") == 1 and "<think>" not in ref
+            assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
         assert t["reward"]("no answer here", row) == 0.0
         for short in (False, True):
             assert isinstance(t["prompt"](row, short=short), str)
-        assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
 
 
 def test_blind_warm_up_shows_the_real_prompts_and_imitates_random_answers(monkeypatch):
@@ -172,14 +175,19 @@ def test_random_content_accuracy_against_hand_values_and_sampling():
         pytest.approx(2 / 3))  # + hits 2 + 2 and 4 + 2
     assert lab.best_fixed_guess_acc("countdown", [{"nums": [4, 3, 2], "target": 5}, {"nums": [1, 1, 1], "target": 1},
                                                   {"nums": [4, 3, 2], "target": 9}]) == pytest.approx(2 / 3)  # + -
-    for task in ("countdown", "math", "logic"):  # the exact value is what blind answers score on average
+    assert lab.random_content_acc("code", [{"op": "*"}, {"op": "%"}]) == pytest.approx(1 / 6)
+    code_ops = [{"op": "*"}, {"op": "*"}, {"op": "+"}, {"op": "%"}]
+    assert lab.best_fixed_guess_acc("code", code_ops) == 0.5
+    for task in ("countdown", "math", "logic", "code"):  # exact: blind answers' mean score
         rows, rng = gmts.load_rows(task, "easy", 300, seed=1), random.Random(1)
         t = gmts.get_task(task)
-        hits = sum(t["reward"](lab.REFERENCES[task](lab.BLIND[task](r, rng)), r) == 1.0 for r in rows for _ in range(4))
+        blind = [(lab.REFERENCES[task](lab.BLIND[task](r, rng)), r) for r in rows for _ in range(4)]
+        rewards = gmts.grade_answers(t, [b for b, _ in blind], [r for _, r in blind])[0].tolist()
+        hits = sum(x == 1.0 for x in rewards)
         assert hits / 1200 == pytest.approx(lab.random_content_acc(task, rows), abs=0.05), task
 
 
-@pytest.mark.parametrize("task", ["math", "logic"])
+@pytest.mark.parametrize("task", ["math", "logic", "code"])
 def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(task, tmp_path, monkeypatch):
     """Two tiny warm-ups give the same bits; the answers taught are BLIND[task]'s (their value or roles are true for
     the blind row, rarely the row's own), on the cpu preset's training rows, never its held-out ones."""
@@ -193,16 +201,17 @@ def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(tas
     assert len(taught) == 48 and taught[:24] == taught[24:]
     held = gmts.read_data(lab.warm_config(task)).held
     assert lab.warm_config(task).task == task and not any(r in held for r, _ in taught)
-    key = "answer" if task == "math" else "solution"
-    assert sum(r[key] != x[key] for r, x in taught) >= 6  # 3 in 4 (logic), ~2 in 3 (math) expected of 24
+    key = {"math": "answer", "logic": "solution", "code": "op"}[task]
+    assert sum(r[key] != x[key] for r, x in taught) >= 6  # of 24: 3 in 4 (logic), 2 in 3 expected
     loaded, _ = gmts.load_model(str(tmp_path / "a"), torch.device("cpu"))
     assert loaded.config.hidden_size == 16 and torch.equal(loaded.lm_head.weight, a.lm_head.weight)
 
 
-@pytest.mark.parametrize("task", ["math", "logic"])
+@pytest.mark.parametrize("task", ["math", "logic", "code"])
 def test_committed_warm_start_is_small_and_trains_two_steps(task, tmp_path):
-    """warm/math and warm/logic: <= 2 MB, the recipe's size, and gmts.train runs 2 steps from them with the flags
-    docs/results.md gives (--preset cpu --task T --model warm/T), its first eval_acc from the committed weights."""
+    """warm/math, warm/logic, warm/code: <= 2 MB, the recipe's size; gmts.train runs 2 steps from
+    each with the flags docs/results.md gives (--preset cpu --task T --model warm/T), its first
+    eval_acc from the committed weights."""
     path = lab.WARM[task]["out"]
     assert path == os.path.join(os.path.dirname(gmts.WARM_CPU), task)
     assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 2_000_000
@@ -230,7 +239,7 @@ def test_committed_warm_start_is_small_and_is_the_cpu_preset_model():
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("GMTS_SLOW") != "1",
                     reason="minutes long: GMTS_SLOW=1 python -m pytest -q -k rebuild")
-@pytest.mark.parametrize("task", ["countdown", "math", "logic"])
+@pytest.mark.parametrize("task", ["countdown", "math", "logic", "code"])
 def test_warm_start_rebuilds_bit_identical(task, tmp_path):
     """gmts_lab.py warm --task T reproduces the committed warm start tensor for tensor, bit for bit (one thread)."""
     from safetensors.torch import load_file

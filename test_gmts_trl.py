@@ -183,6 +183,11 @@ def test_reward_function_uses_our_verifier():
               completions=["x</think><answer>(3 + 5) * 2</answer>", "<answer>3+5+2</answer>", "no"],
               trainer_state=None)
     assert out == [1.0, 0.1, 0.0]
+    code = gmts.load_rows("code", "easy", 1, 0)[0]  # a batch at once, in the sandbox
+    good = f"```python\n{code['solution']}```"
+    out = gmts_trl.make_reward("code")(prompts=["p"] * 2, row=[json.dumps(code)] * 2,
+                                       completions=[good, good.replace(code["op"], "%")])
+    assert out == [1.0, 0.0]
 
 
 # ---- the selection is gmts.py's, over the generation batch ---------------------------------------

@@ -566,6 +566,10 @@ def test_every_published_layout_loads_without_flags(name):
     path = os.path.join(HERE, "testdata", name)
     with open(path) as f:
         n = sum(1 for line in f if line.strip())
+    if name.split("_layout")[0] in ("humaneval", "mbpp", "apps", "code_contests"):  # code's
+        rows = gmts.load_rows("code", path, 0)
+        assert len(rows) == n and all(r["question"] and (r["tests"] or r["inputs"]) for r in rows)
+        return
     rows = gmts.load_rows("math", path, 0)
     assert len(rows) == n and all(r["question"] and r["answer"] is not None for r in rows)
 

@@ -351,15 +351,20 @@ def test_prompts():
 
 
 def test_tasks_and_get_task():
-    """Each task: a prompt, a verifier, the keys its rows must have, and the generated rows have them."""
-    assert sorted(TASKS) == ["countdown", "logic", "math"]
+    """Each task: a prompt, a verifier, the keys its rows must have, and the generated rows have
+    them; code also grades a batch at once and frames its prompt its own way."""
+    assert sorted(TASKS) == ["code", "countdown", "logic", "math"]
     assert {name: t["keys"] for name, t in TASKS.items()} == {
-        "countdown": ("nums", "target"), "math": ("question", "answer"), "logic": ("names", "statements", "solution")}
+        "countdown": ("nums", "target"), "math": ("question", "answer"),
+        "logic": ("names", "statements", "solution"), "code": ("question",)}
     for name, t in TASKS.items():
-        assert set(t) == {"prompt", "keys", "reward"} and callable(t["prompt"]) and callable(t["reward"])
+        extra = {"rewards", "frame"} if name == "code" else set()
+        assert set(t) == {"prompt", "keys", "reward"} | extra
+        assert callable(t["prompt"]) and callable(t["reward"])
         for row in load_rows(name, "gen", 5, 0):
             assert all(row.get(k) is not None for k in t["keys"]) and gmts._check_row(row, name) is not None
-    with pytest.raises(ValueError, match="unknown task 'x'; choose one of: countdown, logic, math"):
+    choose = "unknown task 'x'; choose one of: code, countdown, logic, math"
+    with pytest.raises(ValueError, match=choose):
         get_task("x")
     with pytest.raises(ValueError, match="choose one of"):
         load_rows("chess", "gen", 1, 0)
@@ -936,10 +941,28 @@ def test_grading_counts_math_verify_timeouts_per_answer(verifier, one_second):
     row = {"question": "q", "answer": "\\frac{1}{2}", "latex": True}
     before = sum(gmts.TIMEOUTS.values())
     texts = [box("9^{9^{9^{9}}}"), box("0.5"), "no box"]
-    rewards, seconds, timed_out = gmts.grade_answers(reward, texts, [row], 3)
+    rewards, seconds, timed_out = gmts.grade_answers({"reward": reward}, texts, [row] * 3)
     assert rewards.tolist() == [0.0, 1.0, 0.0] and timed_out.tolist() == [True, False, False]
     assert sum(gmts.TIMEOUTS.values()) > before
     assert len(seconds) == 3 and seconds[0] >= 1.0 > seconds[1]
+
+
+def test_a_batch_verifier_grades_the_batch_in_one_call_and_shares_its_time():
+    """A task with "rewards" (code's programs in parallel) is called once on the whole batch, its
+    answers paired with their rows in order, each answer taking an equal share of the time."""
+    calls = []
+
+    def rewards(texts, rows):
+        calls.append((list(texts), list(rows)))
+        time.sleep(0.3)
+        return [float(t == r["answer"]) for t, r in zip(texts, rows)]
+
+    rows = [{"answer": "a"}, {"answer": "b"}, {"answer": "c"}]
+    task = {"reward": lambda t, r: 1 / 0, "rewards": rewards}
+    got, seconds, timed_out = gmts.grade_answers(task, ["a", "x", "c"], rows)
+    assert got.tolist() == [1.0, 0.0, 1.0] and calls == [(["a", "x", "c"], rows)]
+    assert seconds.tolist() == [seconds[0].item()] * 3 and 0.3 / 3 <= seconds[0] < 0.3
+    assert timed_out.tolist() == [False] * 3
 
 
 def test_a_step_logs_its_grading_time_and_timeouts(tmp_path, monkeypatch, capsys):
@@ -1339,6 +1362,179 @@ def test_a_file_that_is_not_data_is_one_line(tmp_path):
         assert path in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+# ==== code: the last ```python block, the layouts, the generator (test_sandbox.py: the sandbox) ===
+
+def py(code):
+    return f"My solution:\n```python\n{code}\n```\nDone."
+
+
+CODE_BLOCKS = {  # completion -> the code graded (None: no closed ```python block, reward 0)
+    "```python\nx = 1\n```": "x = 1\n",
+    "```py\nx = 1\n```": "x = 1\n",
+    "``` Python3 \nx = 1\n```": "x = 1\n",
+    "a\n```python\nx = 1\n```\nb\n```python\nx = 2\n```\nc": "x = 2\n",  # the last one
+    "```python\nx = 1\n```\n```text\nnot code\n```": "x = 1\n",  # the last python one
+    "```python\nx = 1\n```\n```python\nx = 2": "x = 1\n",  # an unclosed block is not one
+    "```python\ns = '```'\n```": "s = '```'\n",  # a fence closes at a line's start only
+    "```python\n```": "",
+    "```python x = 1 ```": None,
+    "```\nx = 1\n```": None,
+    "```python\nx = 1": None,
+    "x = 1": None,
+    BIG + "```python\nx = 1\n```": "x = 1\n",
+}
+
+
+@pytest.mark.parametrize("text", CODE_BLOCKS, ids=range(len(CODE_BLOCKS)))
+def test_the_last_closed_python_block_is_the_program(text):
+    assert gmts.last_code_block(text) == CODE_BLOCKS[text]
+
+
+def test_finding_the_block_is_linear_in_the_text():
+    for text in ("```python\n" * 300_000, "```" * 1_000_000, "\n```" * 1_000_000,
+                 "```python\nx\n```\n" * 200_000):
+        t = time.perf_counter()
+        gmts.last_code_block(text)
+        assert time.perf_counter() - t < SLOW
+
+
+def _drop_last_line(code: str) -> str:
+    lines = code.rstrip("\n").split("\n")
+    return "\n".join(lines[:-1]) + "\n"
+
+
+CODE_FILES = {  # testdata file -> its published reference solution of a row
+    "humaneval_layout.jsonl": lambda r: r["prompt"] + r["canonical_solution"],
+    "mbpp_layout.jsonl": lambda r: r["code"].replace("\r\n", "\n"),
+    "apps_layout.jsonl": lambda r: json.loads(r["solutions"])[0],
+    "code_contests_layout.jsonl": lambda r: r["solutions"]["solution"][0],
+}
+
+
+@pytest.mark.parametrize("name", CODE_FILES)
+def test_each_code_layout_loads_and_its_references_earn_1_and_altered_ones_0(name):
+    """Each published layout reads without flags; every row's reference solution earns 1.0 through
+    the reward a run uses; the same solution without its last line earns 0 (APPS row 1 then prints
+    two of its three lines: the zip trap), and so does the next row's solution."""
+    path = os.path.join(TESTDATA, name)
+    raw = [json.loads(line) for line in open(path)]
+    rows = load_rows("code", path, 0)
+    refs = [CODE_FILES[name](r) for r in raw]
+    rewards = TASKS["code"]["rewards"]
+    assert rewards([py(c) for c in refs], rows) == [1.0] * len(rows)
+    assert rewards([py(_drop_last_line(c)) for c in refs], rows) == [0.0] * len(rows)
+    assert rewards([py(c) for c in refs[1:] + refs[:1]], rows) == [0.0] * len(rows)
+    for row in rows:
+        shown = TASKS["code"]["prompt"](row).count("```python")
+        assert row["question"] and shown == 1 + bool(row["starter"])
+
+
+def test_the_layouts_read_what_their_graders_read():
+    """HumanEval: its prompt is the setup and the starter, check(entry_point) the test; MBPP: the
+    first assert in the question (the function's name is only there), setup code before, challenge
+    tests not graded; APPS: a call-based row's arguments and value through _check_call, lists of
+    lines joined, its import prelude; CodeContests: public and private tests, not generated ones."""
+    he = load_rows("code", os.path.join(TESTDATA, "humaneval_layout.jsonl"), 1)[0]
+    assert he["setup"].startswith("def count_vowels")
+    assert he["tests"].endswith("check(count_vowels)\n")
+    assert he["starter"] == he["setup"].strip("\n") and "count_vowels" in he["question"]
+    mb = load_rows("code", os.path.join(TESTDATA, "mbpp_layout.jsonl"), 0)
+    assert mb[0]["question"].endswith("assert second_largest([1, 5, 3, 5]) == 3")
+    assert mb[2]["setup"] == "import math"
+    assert "Spaced" not in mb[1]["tests"] and mb[1]["tests"].count("assert") == 3
+    apps = load_rows("code", os.path.join(TESTDATA, "apps_layout.jsonl"), 0)
+    assert apps[2]["inputs"] == ["4\n", "1\n"]
+    assert apps[2]["outputs"][0] == "1\n1 1\n1 2 1\n1 3 3 1\n"
+    assert apps[3]["inputs"] is None
+    assert apps[3]["tests"].startswith("_check_call('maxProfit', [[7, 1, 5")
+    assert all(r["prelude"] == gmts.APPS_PRELUDE for r in apps)
+    assert apps[3]["starter"].startswith("class Solution")
+    cc = load_rows("code", os.path.join(TESTDATA, "code_contests_layout.jsonl"), 0)
+    assert cc[0]["inputs"] == ["8\n", "2\n", "3\n", "100\n"] and cc[0]["prelude"] == ""
+    assert cc[0]["question"].startswith("Given n, print YES")
+    incorrect = [json.loads(line)["incorrect_solutions"]["solution"][0]
+                 for line in open(os.path.join(TESTDATA, "code_contests_layout.jsonl"))]
+    assert TASKS["code"]["rewards"]([py(c) for c in incorrect], cc) == [0.0, 0.0]
+
+
+def test_our_code_layout_round_trips_generated_rows(tmp_path):
+    rows = load_rows("code", "gen", 20, 3)
+    read = load_rows("code", _jsonl(tmp_path / "ours.jsonl", rows), 0)
+    assert [{k: r[k] for k in rows[0]} for r in read] == rows
+    assert TASKS["code"]["rewards"]([py(r["solution"]) for r in read], read) == [1.0] * 20
+
+
+ONE_OUTPUT_SHORT = json.dumps({"inputs": ["1"], "outputs": []})
+BAD_CODE_ROWS = {  # a row -> what the one line says of it
+    "no tests": ({"question": "q"}, "has no tests in a layout we read (ours (generated): "),
+    "tests not python": ({"question": "q", "tests": "assert f(1) =="},
+                         "its tests are not Python (SyntaxError)"),
+    "no question": ({"tests": "assert f(1) == 1"}, "has no question"),
+    "empty input_output": ({"question": "q", "input_output": ""},
+                           "its tests need as many outputs as inputs, at least one"),
+    "input_output not json": ({"question": "q", "input_output": "{not json"},
+                              "its input_output is not JSON"),
+    "an input without its output": ({"question": "q", "input_output": ONE_OUTPUT_SHORT},
+                                    "as many outputs as inputs"),
+    "humaneval test not python": ({"prompt": "def f():", "test": "def check(c):\n  assert",
+                                   "entry_point": "f"}, "not Python"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CODE_ROWS)
+def test_a_code_row_that_cannot_be_graded_is_bad_input(tmp_path, case):
+    row, what = BAD_CODE_ROWS[case]
+    p = write(tmp_path, "bad.jsonl", [json.dumps(row)])
+    with pytest.raises(gmts.BadInput) as e:
+        load_rows("code", p, 0)
+    msg = str(e.value)
+    assert f"{p} row 1" in msg and what in msg and "\n" not in msg, msg
+
+
+def test_code_prompts_are_the_paper_s_and_have_no_frame_of_ours(tiny_model):
+    """The paper's words, the starter code where a row has one; no system line and no <think>
+    prefill whatever --prompt-style says (the model's default system prompt, as the paper);
+    short: the question alone."""
+    row = load_rows("code", "easy", 1, 0)[0]
+    text = TASKS["code"]["prompt"](row)
+    paper = "Please provide a self-contained Python script that solves the following problem:\n"
+    assert text.startswith(paper) and row["question"] in text
+    assert "markdown code block" in text and "starter" not in text
+    assert TASKS["code"]["prompt"](row, short=True) == row["question"]
+    starter = TASKS["code"]["prompt"](dict(row, starter="class Solution:\n    def f(self):"))
+    assert "You will use the following starter code" in starter
+    assert "```python\nclass Solution:" in starter
+    _, tok = tiny_model
+    for style in ("ours", "qwen-math"):
+        for chat in (True, False):
+            p = gmts.build_prompts(tok, TASKS["code"], [row], chat, False, style)[0]
+            assert "<think>" not in p and text in p
+            assert gmts.SYSTEM_PROMPT not in p and gmts.QWEN_MATH_SYSTEM not in p
+
+
+def test_code_problems_say_their_operation_in_a_word_and_their_asserts_tell_every_one_apart():
+    """Each problem's word before its constant names one operation and no other word of it does;
+    the asserts' arguments give every operation another value, so a solution passes iff its
+    operation is the row's; easy draws + - * only, gen all four."""
+    for data, ops in (("easy", {"+", "-", "*"}), ("gen", set(gmts._CODE_WORDS))):
+        rows = load_rows("code", data, 300, 0)
+        assert {r["op"] for r in rows} == ops
+        for r in rows:
+            said = [o for o, word in gmts._CODE_WORDS.items() if word in r["question"]]
+            assert said == [r["op"]] and f" {r['word']} {r['k']}." in r["question"], r
+            cases = re.findall(r"assert \w+\((\d+)\) == (-?\d+)", r["tests"])
+            assert len(cases) == 3 and len({a for a, _ in cases}) == 3
+            for a, v in cases:
+                values = [gmts.eval_op(o, int(a), r["k"]) for o in gmts._CODE_WORDS]
+                assert gmts.eval_op(r["op"], int(a), r["k"]) == int(v)
+                assert values.count(int(v)) == 1
+    rows = load_rows("code", "gen", 40, 1)
+    wrong = [dict(r, solution=r["solution"].replace(f" {r['op']} ", f" {o} "))
+             for r in rows for o in gmts._CODE_WORDS if o != r["op"]]
+    got = TASKS["code"]["rewards"]([py(r["solution"]) for r in rows + wrong], rows + wrong)
+    assert got == [1.0] * len(rows) + [0.0] * len(wrong)
+
+
 # ==== generators and draws: generated problems, held-out rows, --data-order epoch ====================================
 
 
@@ -1436,7 +1632,10 @@ def test_generators_are_deterministic_and_prompts_ask_for_the_format(task, data)
         assert t["reward"]("no answer here", row) == 0.0
         for short in (False, True):
             assert isinstance(t["prompt"](row, short=short), str)
-        assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
+        if task == "code":
+            assert "```python" in t["prompt"](row)
+        else:
+            assert "<answer>" in t["prompt"](row) and "<think>" in t["prompt"](row)
 
 
 def test_held_out_rows_and_lazy_draws(tmp_path, monkeypatch):

@@ -82,7 +82,8 @@ class Config:
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
-    task: Literal["countdown", "math", "logic", "commonsense"] = arg("countdown", "the task (TASKS)")
+    task: Literal["countdown", "math", "logic", "commonsense"] = arg("countdown",
+                                                                     "the task (TASKS)")
     data: str = arg("gen", "gen, easy (generated), hf:ID[:CONFIG][:SPLIT] (a hub set or a dataset "
                            "folder), or a .jsonl, .json, .csv or .parquet file")
     data_order: Literal["draw", "epoch"] = arg("draw", "draw: rows drawn afresh each step; "
@@ -351,8 +352,9 @@ def commonsense_reward(completion: str, choices: dict, key: str) -> float:
     """1.0 iff the last \\boxed{} names the key's option and no other; else 0.0, no format bonus.
     A box names an option by its label alone ('B', '(B)', 'B.', 'B)', 'B:', any case), by its
     label, a space and its own text ('B. dog'), or by its text alone ('Dog'). So a box that
-    names several ('A, B', 'B or C', 'B. dog C. cup'), a label with another option's text ('B. cup'),
-    a text two options share, or an unclosed last box earns 0. choices: {label: [...], text: [...]}."""
+    names several ('A, B', 'B or C', 'B. dog C. cup'), a label with another option's text
+    ('B. cup'), a text two options share, or an unclosed last box earns 0.
+    choices: {label: [...], text: [...]}."""
     box = _last_boxed(completion, tries=1, cap=300)  # the LAST box only; unclosed: no answer
     if box is None:
         return 0.0
@@ -2023,8 +2025,8 @@ def check_config(cfg: Config):
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise ValueError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
     if cfg.prompt_style != "ours" and cfg.task not in ("math", "commonsense"):
-        raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math "
-                         "or commonsense only")
+        raise ValueError(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: "
+                         "--task math or commonsense only")
     if data_kind(cfg.data) == "gen" and cfg.data_order == "epoch":
         raise ValueError(f"--data-order epoch passes over a file's or set's rows; --data {cfg.data} draws "
                          "fresh problems")

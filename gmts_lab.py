@@ -1,7 +1,7 @@
 """
 gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
 
-  python gmts_lab.py warm [--task countdown|math|logic] [--out warm/cpu]
+  python gmts_lab.py warm [--task countdown|math|logic|commonsense] [--out warm/cpu]
       rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
   python gmts_lab.py analyze --preset cpu --batches 4 --out out/analyze
@@ -34,11 +34,14 @@ folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
                          and the numbers, and to compute, not which operation the words mean;
              warm/logic  two-person knights and knaves, taught every name in order with a random
                          role (a fair coin each): it learns the format and to copy the names, not
-                         who is a knight.
+                         who is a knight;
+             warm/commonsense  three options of three kinds ("Which of these is a fruit?"),
+                         taught to copy a random option and box its label ('desk: B', a third
+                         each): it learns the format and to copy, not which word is of which kind.
            `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the
            share of the nonnegative sign patterns / of + - * that hit the answer, 1/4 for two
-           people) and what the best content that ignores the prompt gets (one sign pattern,
-           operation or role pattern for all). Runs from them:
+           people, 1/3 for three options) and what the best content that ignores the prompt gets
+           (one sign pattern, operation, role pattern or label for all). Runs from them:
              python gmts.py --preset cpu --task math --model warm/math
            (data easy, filter off, as the preset).
   compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes;
@@ -99,7 +102,14 @@ def logic_reference(row: dict) -> str:
     roles = ", ".join(f"{k}: {'knight' if v else 'knave'}" for k, v in row["solution"].items())
     return f"</think>\n<answer>{roles}</answer>"  # short: it fits the cpu preset's 64 new tokens
 
-REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference}
+def commonsense_reference(row: dict) -> str:
+    """The key's option copied ('desk: B'), then its label boxed."""
+    key = row["answerKey"]
+    text = dict(zip(row["choices"]["label"], row["choices"]["text"]))[key]
+    return f"{text}: {key}</think>\n<answer>\\boxed{{{key}}}</answer>"
+
+REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference,
+              "commonsense": commonsense_reference}
 
 def countdown_blind(row: dict, rng: random.Random) -> dict:
     """The row with a random well-formed answer in place of its solution: its numbers in their order
@@ -139,13 +149,22 @@ def logic_blind(row: dict, rng: random.Random) -> dict:
     solution."""
     return dict(row, solution={name: rng.random() < 0.5 for name in row["names"]})
 
-BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind}
+def commonsense_blind(row: dict, rng: random.Random) -> dict:
+    """The row with a label drawn uniformly from its options as its key: the answer copies a random
+    option and boxes its label; the question is never read."""
+    return dict(row, answerKey=rng.choice(row["choices"]["label"]))
+
+BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind,
+         "commonsense": commonsense_blind}
 
 def random_content_acc(task: str, rows: list) -> float:
     """Expected accuracy of blind answers on rows, computed exactly: countdown, the share of the
     nonnegative sign patterns that hit the target; math, the share of the operations + - * whose
-    value is the answer; logic, 1 / 2^n (one assignment of n people is right)."""
+    value is the answer; logic, 1 / 2^n (one assignment of n people is right); commonsense, 1 / n
+    (one of n options)."""
     def one(row):
+        if task == "commonsense":
+            return 1 / len(row["choices"]["label"])
         if task == "logic":
             return 0.5 ** len(row["names"])
         if task == "math":
@@ -160,9 +179,11 @@ def random_content_acc(task: str, rows: list) -> float:
 
 def best_fixed_guess_acc(task: str, rows: list) -> float:
     """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one
-    operation (math), one role pattern by position (logic) for every row. What RL gets by learning
-    only which content is common."""
+    operation (math), one role pattern by position (logic), one label (commonsense) for every row.
+    What RL gets by learning only which content is common."""
     def hits(row):
+        if task == "commonsense":
+            return {row["answerKey"]}
         if task == "countdown":
             return {s for s in itertools.product("+-", repeat=len(row["nums"]) - 1)
                     if gmts._sign_chain(row["nums"], s)[0] == row["target"]}
@@ -225,7 +246,8 @@ WARM_CPU = dict(hidden=96, layers=3, steps=1000, lr=1e-3, batch_size=32)
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARM = {"countdown": dict(WARM_CPU, out=gmts.WARM_CPU),
         "math": dict(WARM_CPU, out=os.path.join(HERE, "warm", "math")),
-        "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic"))}
+        "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic")),
+        "commonsense": dict(WARM_CPU, out=os.path.join(HERE, "warm", "commonsense"))}
 
 def warm_config(task: str) -> gmts.Config:
     """The cpu preset on `task` from its warm start: the rows and prompts the warm-up trains and
@@ -1076,7 +1098,7 @@ def warm_main(rest: list):
                    help="the warm start to build")
     w.add_argument("--out", default=None,
                    help="folder for the model and tokenizer "
-                        "(default: warm/cpu, warm/math or warm/logic)")
+                        "(default: warm/cpu, or warm/TASK for the other tasks)")
     a = w.parse_args(rest)
     out = a.out or WARM[a.task]["out"]
     check_writes(out, only=MODEL_FILES)  # new, empty, or a model folder whose files it rewrites

@@ -36,8 +36,9 @@ folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
                          role (a fair coin each): it learns the format and to copy the names, not
                          who is a knight;
              warm/commonsense  three options of three kinds ("Which of these is a fruit?"),
-                         taught to copy a random option and box its label ('desk: B', a third
-                         each): it learns the format and to copy, not which word is of which kind.
+                         taught to box a random option's word (\\boxed{desk}, a third each): it
+                         learns the format and to write one of the options, not which word is of
+                         which kind.
            `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the
            share of the nonnegative sign patterns / of + - * that hit the answer, 1/4 for two
            people, 1/3 for three options) and what the best content that ignores the prompt gets
@@ -103,10 +104,12 @@ def logic_reference(row: dict) -> str:
     return f"</think>\n<answer>{roles}</answer>"  # short: it fits the cpu preset's 64 new tokens
 
 def commonsense_reference(row: dict) -> str:
-    """The key's option copied ('desk: B'), then its label boxed."""
+    """The key's option by its text, boxed: the tiny model writes a word it has seen, where a
+    label would have to be looked up beside the word (warm-ups taught 'desk (B)' learned the words
+    but wrote one label for every row)."""
     key = row["answerKey"]
     text = dict(zip(row["choices"]["label"], row["choices"]["text"]))[key]
-    return f"{text}: {key}</think>\n<answer>\\boxed{{{key}}}</answer>"
+    return f"</think>\n<answer>\\boxed{{{text}}}</answer>"  # short: as logic's
 
 REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference,
               "commonsense": commonsense_reference}
@@ -179,11 +182,13 @@ def random_content_acc(task: str, rows: list) -> float:
 
 def best_fixed_guess_acc(task: str, rows: list) -> float:
     """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one
-    operation (math), one role pattern by position (logic), one label (commonsense) for every row.
+    operation (math), one role pattern by position (logic), one label or one word (commonsense)
+    for every row.
     What RL gets by learning only which content is common."""
     def hits(row):
-        if task == "commonsense":
-            return {row["answerKey"]}
+        if task == "commonsense":  # one label, or one word, for all
+            words = dict(zip(row["choices"]["label"], row["choices"]["text"]))
+            return {row["answerKey"], words[row["answerKey"]]}
         if task == "countdown":
             return {s for s in itertools.product("+-", repeat=len(row["nums"]) - 1)
                     if gmts._sign_chain(row["nums"], s)[0] == row["target"]}

@@ -1297,15 +1297,14 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 # -- commonsense: which option belongs to a kind, in CommonsenseQA's flat layout --
-# Short words a byte-level model can tell apart, eight of each kind; no word is in two kinds.
+# Four words of each kind, no two with the same first letter: a byte-level model that writes an
+# option's first letter has chosen it, and the rest of the word follows from that letter.
 KINDS = {
-    "an animal": ["dog", "cat", "cow", "horse", "sheep", "goat", "duck", "mouse"],
-    "a fruit": ["apple", "pear", "plum", "grape", "lemon", "mango", "peach", "cherry"],
-    "a color": ["red", "blue", "green", "pink", "black", "white", "brown", "gray"],
-    "a tool": ["hammer", "saw", "drill", "wrench", "axe", "spade", "rake", "chisel"],
-    "a vehicle": ["car", "bus", "truck", "train", "bike", "boat", "plane", "van"],
-    "a piece of clothing": ["shirt", "hat", "sock", "coat", "scarf", "glove", "boot", "dress"],
-    "a piece of furniture": ["chair", "table", "bed", "sofa", "desk", "shelf", "stool", "bench"],
+    "a fruit": ["apple", "grape", "lemon", "peach"],
+    "a color": ["red", "blue", "yellow", "white"],
+    "an animal": ["dog", "horse", "mouse", "zebra"],
+    "a vehicle": ["car", "train", "van", "jeep"],
+    "a tool": ["saw", "knife", "file", "needle"],
 }
 
 def commonsense_problem(rng: random.Random, n_options: int = 5) -> dict:
@@ -1315,7 +1314,7 @@ def commonsense_problem(rng: random.Random, n_options: int = 5) -> dict:
     kinds = rng.sample(sorted(KINDS), n_options)  # a random order: the options' order
     words = [rng.choice(KINDS[k]) for k in kinds]
     asked = rng.randrange(n_options)
-    labels = list("ABCDEFG"[:n_options])
+    labels = list("ABCDE"[:n_options])
     return {"question": f"Which of these is {kinds[asked]}?",
             "choices": {"label": labels, "text": words}, "answerKey": labels[asked]}
 

@@ -1466,6 +1466,7 @@ def test_generated_commonsense_rows_are_well_formed_and_the_key_is_uniform(data,
     assert rows != load_rows("commonsense", data, 3000, seed=1)
     kind_of = {w: k for k, words in gmts.KINDS.items() for w in words}
     assert len(kind_of) == sum(map(len, gmts.KINDS.values()))  # no word in two kinds
+    assert len({w[0] for w in kind_of}) == len(kind_of)  # a word's first letter names it
     keys, preferred, order = collections.Counter(), 0, sorted(gmts.KINDS)
     for row in rows:
         labels, texts = row["choices"]["label"], row["choices"]["text"]

@@ -1,103 +1,54 @@
 """
-bench_gmts.py: what GMTS costs, measured on gmts.py's own functions.
+bench_gmts.py: what GMTS costs, measured with gmts.py's own functions. One command per question;
+each prints its table and its ratios and writes them as JSON (--json, default bench_COMMAND.json).
 
-  a. token statistics (log p_y, entropy; ours also dz_norm) from the same hidden states (tokens,
-     896) and a random lm_head (151936 x 896, fp32), head matmul included for every variant:
-       naive  full torch.log_softmax over (tokens, V) + gather + entropy
-       trl    trl.trainer.utils.selective_log_softmax + entropy_from_logits (its default chunk
-              is 128 rows), the head applied --chunk rows at a time and entropy_from_logits
-              given the same chunk
-       ours   gmts.token_stats on --chunk rows of logits at a time, as gmts.batch_token_stats
-              runs it, and at its default 1024 (Config.stats_chunk)
-  b. loss head forward + backward (d hidden and d lm_head): gmts.head_logp (chunk 1024) on all
-     tokens vs on the rho share of rows gathered from the hidden states first, as policy_update
-     does.
-  c. gmts.select_tokens on 1M and 32M random scores with a mask, beside torch.quantile (TRL's
-     threshold; it refuses inputs above 2^24 elements: "fails"); and per group on one batch of
-     the GMTS authors' shape (64 x 16 answers, up to 2,048 tokens): select_tokens(group_size=16)
-     against the literal token loop of their code (one .item() per token), the same kept tokens,
-     the ratio of the times.
-  d. one training step of a random-init tiny model of warm/cpu's shape (gmts.build_tiny(96, 3),
-     PRESETS["cpu"] batch sizes): rollout (gmts.rollout on countdown prompts) + the update of
-     train() steps 5-7 (batch_token_stats, loss_weights, omega, token_scores, select_tokens at
-     each method's scope, policy_update) for --select all, random and gmts on one fixed batch.
-     A random model earns no reward, so rewards are random 0/1 with one right and one wrong
-     answer per group (no answer has A = 0). Its entropy is nearly flat, so gmts keeps whole
-     answers of the largest |A| and the update runs few answers; random spreads the kept tokens
-     over every answer: gmts' worst case.
-  e. the same step for a random-init model with the Qwen2.5-0.5B config (--device cuda),
-     rollouts forced to a fixed length (min_new_tokens); --small runs it with a tiny config so
-     the path is exercised on CPU. Beside it, interleaved in the same process: (1) today's
-     rollout path (gmts.rollout on the fp32 master weights under bf16 autocast, dynamic KV
-     cache) and the new one (a bf16 copy of the weights, static KV cache, decoding compiled by
-     HF generate on CUDA): rollout_speedup = new tokens/s / old tokens/s, and sampler_logp_gap
-     (_max) = mean (max) of |log p_sampler - log p_old| over response tokens, log p_old being
-     train()'s fp32 recompute (gmts.batch_token_stats); (2) when trl is installed, TRL's
-     GRPOTrainer steps (HF generate, all tokens; no gradient checkpointing, as gmts.py; bf16
-     weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of the same starting model, the
-     same B x G prompts and completion length:
-     step_ratio_gmts_trl = (new rollout + gmts update) / TRL's median step (steps 2..n).
-  g. the memory plan (issue 42; `plan` below): memory_phases' bytes for each phase of a step
-     (sampling, statistics, update, AdamW's step, evaluation) beside the measured peak of the same
-     call on a random tiny Qwen2 (--plan-hidden, 2 layers, 8 x 8 countdown answers of 96 tokens),
-     and their ratio: the CPU parts of the formula (4-byte activations, the fp32 sampler) checked.
-  f. threads (issue 31): steps per second of `gmts.py --preset cpu --steps --thread-steps` (5)
-     at --threads 1 and --threads 0 (torch's choice: every core), each run a fresh process with
-     OMP_NUM_THREADS / MKL_NUM_THREADS taken out of its environment, so that 0 is the machine's
-     default whatever the benchmark's own shell sets; the variants alternate (1 0, then 0 1,
-     ...), --repeats runs each, on the CPU whatever --device says. steps_per_s = steps / the sum
-     of their step_time_s (metrics.jsonl: the steps alone, not the import, the model load, the
-     step-0 and final evals, the checkpoints: those are in wall_s); ratio = steps/s at 1 thread /
-     at the default. Beside the timings it says whether the runs logged the same metrics (every
-     key but the three timing keys), within a variant and across the two: the first step and key
-     where they part, and every key that differs. Not in the default --sections: it starts
-     2 x --repeats processes of a real training run (~2 minutes on a free 2-core CPU, far longer
-     on a loaded one), a measurement of the machine rather than of GMTS; --quick runs 1 step of
-     the smoke preset.
-  h. grading at the paper's size (issue 42): one avg@16 pass of evaluate's grading over the five
-     benchmarks the GMTS authors report, as public files (GRADE_SETS: MATH-500 as prm800k's test
-     split, AIME 2024, AMC23, Minerva Math and OlympiadBench as Qwen2.5-Math's evaluation data),
-     each completion its row's gold boxed ("So the final answer is $\\boxed{GOLD}$.",
-     --grade-samples copies), graded as gmts.evaluate grades: TASKS["math"]["reward"] one answer
-     at a time in the main thread (math-verify's own timeouts), gmts.latex_equal's cache emptied
-     before each pass (avg@k's copies hit it, as in an evaluation; no pass reuses another's
-     verdicts). --grade-repeats passes (median). It reports the time, answers/s, the slowest grade
-     and each set's share of 1.0. Only when named (--sections h): ~24,000 grades a pass, minutes;
-     --quick: 10 rows per set, twice, 1 pass.
-  i. gmts_trl.py's rescoring (issue 45): TRL runs of warm/cpu (countdown easy, its reward,
-     per-device batch 8, grad-accum 4, G 8, 64 new tokens, rho 0.2, --trl-rescore-steps steps)
-     with --select gmts: the share of the run's time in GMTSTrainer.select (the no-grad scoring
-     forward + the selection) at num_iterations 1 and 2, and at num_iterations 2 the share of the
-     second pass's kept tokens that the first pass's mask (one selection per generation batch)
-     would not keep, at lr 3e-4 and 1e-3. Only when named in --sections, on the CPU.
-Method. Variants run interleaved (A B, then B A, ...) in one process; the table shows medians and
-ratios of medians. Peak memory is the growth over the state before the call: CUDA:
-torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated before.
-CPU: torch's CPU allocations are invisible to tracemalloc, so the process's resident set is used:
-gc, write "5" to /proc/self/clear_refs (resets VmHWM to VmRSS), read VmRSS, run, read VmHWM from
-/proc/self/status; peak_mb = VmHWM - VmRSS_before. glibc is told (mallopt M_MMAP_THRESHOLD =
-1 MiB) to mmap every block >= 1 MiB, so freed tensors leave RSS and the next measurement starts
-clean (repeats agree to ~1 MB). On CPU torch runs --threads 1 by default: on a shared,
-oversubscribed 2-core machine two OpenMP threads wait on each other and small reductions slow
-down 100x. --tokens defaults to 4096 on CPU with 2 interleaved runs per variant in the head
-sections (a, b): one 4096-row head pass takes ~30 s on one core, so three runs would not fit in
-10 minutes (--head-repeats 3 for more).
+  plan [--prompt-tokens P] [gmts.py's flags]
+           The memory a gmts.py run needs, before renting a GPU: the bytes of what stays (weights,
+           AdamW, the sampler copy, the KL reference) plus the largest phase of a step, from the
+           model's config alone (no weight is read), against the device's memory; beyond it, the
+           first flags that fit. --model: a hub id (online), a local folder or a config.json
+           (offline). P, the longest prompt in tokens, comes from the run's data and tokenizer
+           unless --prompt-tokens gives it.
+  memory   The plan checked: each phase of a step (sampling, statistics, update, AdamW's step,
+           evaluation) run on a random tiny Qwen2, its measured peak beside the plan's bytes
+           (ratio measured / plan). The CPU terms only: 4-byte activations, the fp32 sampler.
+  stats    The token statistics and the selection: log p_y and entropy of (tokens x 151,936)
+           logits by a full log_softmax, by TRL's selective_log_softmax and entropy_from_logits,
+           and by gmts.token_stats in chunks; the loss head's forward and backward over every token
+           against over the kept rho share; gmts.select_tokens against torch.quantile (TRL's
+           threshold) and, per group at the GMTS authors' batch (64 x 16 answers of up to 2,048
+           tokens), against their token-by-token loop.
+  step     One training step (rollout, then train()'s statistics, scores, selection and update)
+           for --select all, random and gmts on one fixed batch, beside TRL's GRPOTrainer step on
+           the same model, prompts and lengths. The model is random, so its rewards are random 0/1
+           with one right and one wrong answer per group: every answer has A != 0.
+  rollout  Tokens per second of gmts.py's rollout on the fp32 master weights (dynamic KV cache)
+           and on the bf16 sampler copy train() uses on CUDA (static KV cache, compiled decoding),
+           and how far the sampler's log-probs are from train()'s fp32 recompute.
+  grading  Grading at the paper's size: one avg@16 pass over the five benchmarks --preset
+           paper-math evaluates on (or --grade-data NAME=DATA,...), each answer its row's own
+           gold boxed, graded as gmts.evaluate grades (one answer at a time, in the main thread).
+  trl-select
+           gmts_trl.py's selection pass in a TRL run of warm/cpu: its share of the run's time, and
+           with num_iterations 2, the share of a later pass's kept tokens that the first pass's
+           mask would not keep.
 
-Run:  python bench_gmts.py --json bench.json        (CPU, ~8 minutes)
-      python bench_gmts.py --device cuda --json gpu.json
-      python bench_gmts.py --quick --json tmp.json  (seconds; tiny sizes, section e with --small)
-      python bench_gmts.py --sections f --json threads.json
-          (threads: the cpu preset at 1 thread and the default)
-      python bench_gmts.py --sections h --json grading.json  (five benchmarks' grading)
-      python bench_gmts.py --sections i --json rescore.json  (gmts_trl.py's rescoring, ~4 min)
-      python bench_gmts.py plan --preset paper-math [gmts.py's flags]
-          (the memory plan of that run, one line: before renting a GPU; no weights read)
+step and rollout use the Qwen2.5-0.5B config at random init on CUDA (--shape qwen0.5b) and
+warm/cpu's shape with the cpu preset's batch on the CPU (--shape tiny); --quick: seconds, tiny
+sizes everywhere (--shape small: a 2-layer Qwen2 config).
+
+How it measures. Variants run interleaved (A B, then B A, ...) in one process; tables show
+medians. Peak memory is the growth over the state before the call: on CUDA max_memory_allocated
+after reset_peak_memory_stats; on the CPU the process's resident set (VmHWM after resetting it,
+minus VmRSS before), with glibc told to mmap every block of 1 MiB or more so that freed tensors
+leave the resident set. On the CPU torch runs one thread by default (--threads): on a shared
+2-core machine two OpenMP threads wait on each other.
+
+Run:  python bench_gmts.py plan --preset paper-math
+      python bench_gmts.py step --device cuda
+      python bench_gmts.py stats --quick --json /tmp/stats.json
+Why each command came to be, and what each measured: dev/LOG.md.
 """
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 import argparse
 import copy
 import ctypes
@@ -107,8 +58,8 @@ import gc
 import itertools
 import json
 import math
+import os
 import random
-import re
 import statistics
 import string
 import subprocess
@@ -123,21 +74,21 @@ import gmts
 
 try:
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
-except ImportError:  # trl is optional: the trl rows and targets are skipped
+except ImportError:  # trl is optional: the TRL rows are left out
     selective_log_softmax = entropy_from_logits = None
 
-QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-              max_position_embeddings=32768, rope_theta=1000000.0)
+QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+              num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+              tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0)
 SMALL = dict(QWEN05, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4)
-HIDDEN = 896
+HIDDEN = 896  # stats: Qwen2.5-0.5B's hidden size
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# ==== Measuring [plumbing]: time and peak memory of a call, variants interleaved =================
 class Meter:
-    """meter(fn) -> (ms, peak_mb, fn's result); peak_mb is None where it cannot be measured
-    (see docstring)."""
+    """meter(fn) -> (ms, peak_mb, fn's result); peak_mb is None where it cannot be measured."""
 
     def __init__(self, device: torch.device):
         # process_peak_mb: the highest total (process RSS / CUDA allocated) seen
@@ -189,32 +140,38 @@ class Meter:
 
 
 def interleave(meter: Meter, variants: dict, repeats: int) -> dict:
-    """Run every variant `repeats` times, reversing the order every other round; medians of ms and
-    peak_mb."""
+    """Run every variant `repeats` times, reversing the order every other round -> {variant:
+    medians of ms and peak_mb, each run's, and the last result as "out"}."""
     runs, last = {k: [] for k in variants}, {}
     for r in range(repeats):
         for k in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
             ms, peak, last[k] = meter(variants[k])
             runs[k].append((ms, peak))
-    med = lambda xs: statistics.median(xs) if None not in xs else None  # noqa: E731
-    return {k: dict(ms=med([x[0] for x in v]), peak_mb=med([x[1] for x in v]),
+
+    def median(xs):
+        return statistics.median(xs) if None not in xs else None
+    return {k: dict(ms=median([x[0] for x in v]), peak_mb=median([x[1] for x in v]),
                     ms_runs=[round(x[0], 1) for x in v],
                     peak_mb_runs=[x[1] and round(x[1], 1) for x in v], out=last[k])
             for k, v in runs.items()}
 
 
+# ==== stats: token statistics, the loss head on the kept rows, the selection ====================
 def head_inputs(M: int, V: int, device, seed=0):
+    """A random lm_head (V x HIDDEN, logits ~ N(0, 1) per row), M hidden states and M tokens."""
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(HIDDEN, V, bias=False)
     with torch.no_grad():
-        # logits ~ N(0, 1) per row
         head.weight.copy_(torch.randn(V, HIDDEN, generator=g) * HIDDEN ** -0.5)
     h = torch.randn(M, HIDDEN, generator=g)
     y = torch.randint(0, V, (M,), generator=g)
     return head.to(device), h.to(device), y.to(device)
 
 
-def sec_stats(args, meter, dev) -> dict:
+def token_statistics(args, meter, dev) -> dict:
+    """log p_y and entropy from the same hidden states, the head matmul included everywhere:
+    naive (a full log_softmax), trl (its selective_log_softmax and entropy_from_logits, --chunk
+    rows at a time), ours (gmts.token_stats on --chunk rows, and on 1024: Config.stats_chunk)."""
     head, h, y = head_inputs(args.tokens, args.vocab, dev)
     W, C = head.weight, args.chunk
 
@@ -229,16 +186,15 @@ def sec_stats(args, meter, dev) -> dict:
                  for z, yc in ((F.linear(hc, W), yc) for hc, yc in zip(h.split(C), y.split(C)))]
         return tuple(torch.cat(p) for p in zip(*parts))
 
-    # gmts.batch_token_stats' head loop: token_stats on `chunk` rows of logits at a time
     @torch.no_grad()
-    def ours(h, y, chunk):
+    def ours(h, y, chunk):  # gmts.batch_token_stats' head loop
         parts = [gmts.token_stats(F.linear(hc, W), yc, 1.0)
                  for hc, yc in zip(h.split(chunk), y.split(chunk))]
         return tuple(torch.cat(p) for p in zip(*parts))
 
     fns = {"naive": naive, "trl": trl if selective_log_softmax else None,
-           f"ours@{C}": functools.partial(ours, chunk=C),
-           "ours@1024": functools.partial(ours, chunk=1024) if args.extra else None}
+           f"ours@{C}": functools.partial(ours, chunk=C), "ours@1024":
+           functools.partial(ours, chunk=1024)}
     variants = {}
     for k, fn in fns.items():
         if fn is not None:
@@ -253,48 +209,44 @@ def sec_stats(args, meter, dev) -> dict:
     return res
 
 
-def sec_loss_head(args, meter, dev) -> dict:
+def loss_head(args, meter, dev) -> dict:
+    """The head's forward and backward (d hidden and d lm_head) with gmts.head_logp: over every
+    token in one piece ("all": the logits of all N*T positions at once), over the rho share of
+    rows gathered from the hidden states first ("selected", as policy_update does), and over
+    every token in chunks of 1024 ("all@1024": chunking alone bounds the memory too)."""
     head, h, y = head_inputs(args.tokens, args.vocab, dev, seed=1)
     M = args.tokens
     g = torch.Generator().manual_seed(2)
     adv = torch.randn(M, generator=g).to(dev)
-    # the kept rows
-    idx = torch.randperm(M, generator=g)[:math.ceil(args.rho * M)].sort().values.to(dev)
+    kept = torch.randperm(M, generator=g)[:math.ceil(args.rho * M)].sort().values.to(dev)
 
     def run(rows, chunk):
         hh = h.detach().requires_grad_()  # stands for the transformer's output
-        # gather the selected rows BEFORE the head, as policy_update does
         hs = hh if rows is None else hh[rows]
         logp = gmts.head_logp(hs, head, y if rows is None else y[rows], 1.0, chunk)
         a = adv if rows is None else adv[rows]
         (-(logp * a).sum() / M).backward()
         head.weight.grad = None  # every run allocates its own d lm_head
 
-    # all: the head over every token in one piece, as an implementation without selection holds it
-    # (logits for all N*T positions); selected: the same head over the kept 20% only; all@1024:
-    # gmts.py's chunked head over all tokens (chunking alone bounds the memory too, so it is shown
-    # beside them, not used in the target).
-    variants = {"all": lambda: run(None, M), "selected": lambda: run(idx, 1024)}
-    if args.extra:
-        variants["all@1024"] = lambda: run(None, 1024)
-    res = interleave(meter, variants, args.head_repeats)
+    res = interleave(meter, {"all": lambda: run(None, M), "selected": lambda: run(kept, 1024),
+                             "all@1024": lambda: run(None, 1024)}, args.head_repeats)
     for r in res.values():
         del r["out"]
     return res
 
 
-def sec_select(args, meter, dev) -> dict:
+def selection(args, meter, dev) -> dict:
+    """gmts.select_tokens over the batch beside torch.quantile (TRL's threshold; it refuses more
+    than 2^24 elements), then per group at the authors' shape beside their token loop."""
     out = {}
     for n in args.select_sizes:
         T = 1024 if n >= 1024 * 64 else 64
         g = torch.Generator().manual_seed(3)
         scores = torch.rand(n // T, T, generator=g).to(dev)
         lengths = torch.randint(T // 4, T + 1, (n // T, 1), generator=g).to(dev)
-        # valid prefixes, ~62% of the positions
-        mask = torch.arange(T, device=dev)[None, :] < lengths
+        mask = torch.arange(T, device=dev)[None, :] < lengths  # valid prefixes, ~62% of positions
 
-        # TRL's get_high_entropy_mask: the (1 - rho) quantile of the valid scores as threshold
-        def quantile():
+        def quantile():  # TRL's get_high_entropy_mask: the (1 - rho) quantile as threshold
             return (scores >= torch.quantile(scores[mask], 1 - args.rho)) & mask
 
         variants = {"select_tokens": lambda: gmts.select_tokens(scores, mask, args.rho),
@@ -303,7 +255,7 @@ def sec_select(args, meter, dev) -> dict:
             quantile()
         except RuntimeError as e:
             del variants["quantile"]
-            out[f"{n}/quantile"] = dict(ms=None, peak_mb=None, error=str(e).splitlines()[0][:120])
+            out[f"{n}/quantile"] = dict(ms=None, peak_mb=None, error=gmts.error_line(e, 120))
         for k, r in interleave(meter, variants, args.repeats).items():
             del r["out"]
             out[f"{n}/{k}"] = r
@@ -330,48 +282,100 @@ def literal_group_select(scores: torch.Tensor, mask: torch.Tensor, rho: float,
 
 
 def per_group(args, meter, dev) -> dict:
-    """Per-group selection on one batch of the authors' shape (64 prompts x 16 answers, up to 2,048
-    tokens, as their Framework1 yaml; --quick: 4 x 4 x 64): the literal token loop (once: tens of
-    seconds) beside the vectorised select_tokens (--repeats runs), the same kept tokens, and the
-    ratio of their times."""
+    """Per-group selection on one batch of the authors' shape (64 prompts x 16 answers, up to
+    2,048 tokens; --quick: 4 x 4 x 64): the literal loop (once: tens of seconds) beside
+    select_tokens (--repeats runs), whether they keep the same tokens, and their time ratio."""
     B, G, T = (4, 4, 64) if args.quick else (64, 16, 2048)
     g = torch.Generator().manual_seed(5)
     scores = torch.rand(B * G, T, generator=g)
     scores[torch.rand(B * G, T, generator=g) < 0.05] = 0.0  # zero entropy, A = 0: never kept
     lengths = torch.randint(T // 8, T + 1, (B * G, 1), generator=g)
     mask = torch.arange(T)[None, :] < lengths  # (N, T)
-    # copied once: the timing is the selection's, not the transfer's
-    on_dev = (scores.to(dev), mask.to(dev))
-    fast = interleave(meter, {"fast": lambda: gmts.select_tokens(*on_dev, args.rho, nonzero=True,
-                                                                 group_size=G)},
-                      args.repeats)["fast"]
-    slow = interleave(meter, {"loop": lambda: literal_group_select(scores, mask, args.rho, G)},
+    on_dev = (scores.to(dev), mask.to(dev))  # copied once: the timing is the selection's
+
+    def fast():
+        return gmts.select_tokens(*on_dev, args.rho, nonzero=True, group_size=G)
+    fast = interleave(meter, {"fast": fast}, args.repeats)["fast"]
+    loop = interleave(meter, {"loop": lambda: literal_group_select(scores, mask, args.rho, G)},
                       1)["loop"]
-    same = torch.equal(fast.pop("out").cpu(), slow.pop("out"))
+    same = torch.equal(fast.pop("out").cpu(), loop.pop("out"))
     shape = f"{B}x{G}x{T}"
-    return {f"group {shape}/literal_loop": slow, f"group {shape}/select_tokens": dict(
-        fast, tokens=int(mask.sum()), same_kept_tokens=same,
-        loop_over_vectorised=slow["ms"] / fast["ms"])}
+    return {f"group {shape}/literal_loop": loop,
+            f"group {shape}/select_tokens": dict(fast, tokens=int(mask.sum()),
+                                                 same_kept_tokens=same)}
 
 
-def qwen_batch(model, B: int, G: int, P: int, T: int, seed: int) -> dict:
-    """A fixed-length rollout from random prompt ids, as gmts.rollout builds its batch
-    (HF generate, bf16)."""
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 259, (B, P), generator=g).repeat_interleave(G, 0).to(device)  # (N, P)
-    attn = torch.ones_like(ids)
-    model.eval()
-    with torch.no_grad(), gmts.autocast(device):
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=T, min_new_tokens=T,
-                             do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             repetition_penalty=1.0, eos_token_id=model.config.eos_token_id,
-                             pad_token_id=model.config.pad_token_id)
-    model.train()
-    comp = out[:, P:]  # (N, T)
-    return dict(prompt_ids=ids, prompt_mask=attn.bool(), comp_ids=comp,
-                resp_mask=torch.ones_like(comp).bool(),
-                truncated=torch.ones(comp.shape[0], dtype=torch.bool, device=device))
+def stats_command(args, meter, dev) -> tuple:
+    res = dict(stats=token_statistics(args, meter, dev), loss_head=loss_head(args, meter, dev),
+               select=selection(args, meter, dev))
+    S, L, C = res["stats"], res["loss_head"], args.chunk
+    ratios = {f"stats time ours@{C} / naive": S[f"ours@{C}"]["ms"] / S["naive"]["ms"]}
+    if "trl" in S:
+        ratios[f"stats time ours@{C} / trl@{C}"] = S[f"ours@{C}"]["ms"] / S["trl"]["ms"]
+        if S["trl"]["peak_mb"]:
+            ratios[f"stats peak ours@{C} / trl@{C}"] = (S[f"ours@{C}"]["peak_mb"]
+                                                        / S["trl"]["peak_mb"])
+    ratios["loss head time selected / all"] = L["selected"]["ms"] / L["all"]["ms"]
+    if L["all"]["peak_mb"]:
+        ratios["loss head peak selected / all"] = L["selected"]["peak_mb"] / L["all"]["peak_mb"]
+    for n in args.select_sizes:
+        q, ours = res["select"][f"{n}/quantile"], res["select"][f"{n}/select_tokens"]
+        if q["ms"] is not None:
+            ratios[f"quantile / select_tokens ({n})"] = q["ms"] / ours["ms"]
+    loop, fast = (r for k, r in res["select"].items() if k.startswith("group "))
+    ratios["authors' loop / select_tokens per group"] = loop["ms"] / fast["ms"]
+    rows = [(f"stats {k}", r, f"max|d logp| {r['max_abs_diff_logp']:.1e}, max|d H| "
+             f"{r['max_abs_diff_entropy']:.1e} vs naive") for k, r in S.items()]
+    rows += [(f"loss head {k}", r, "") for k, r in L.items()]
+    same = "the same" if fast["same_kept_tokens"] else "OTHERS"
+    rows += [(f"select {k}", r, r.get("error") or (f"{r['tokens']} tokens; the loop's kept tokens: "
+                                                  f"{same}" if "tokens" in r else ""))
+             for k, r in res["select"].items()]
+    return res, rows, ratios
+
+
+# ==== step and rollout: one training step beside TRL's; the rollout paths =======================
+def bench_model(args, dev) -> tuple:
+    """(model, tok, prompts, cfg, what) of --shape: tiny (warm/cpu's shape, random weights, the
+    cpu preset's countdown batch), small or qwen0.5b (that Qwen2 config at random init, fp32 as
+    gmts.load_model, the byte-level tokenizer, whose ids are valid in any Qwen vocabulary)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    if args.shape == "tiny":
+        keys = ("prompts_per_step", "group_size", "max_new_tokens", "lr", "micro_batch")
+        preset = gmts.PRESETS["smoke" if args.quick else "cpu"]
+        cfg = gmts.Config(**{k: preset[k] for k in keys if k in preset})
+        model, tok = gmts.build_tiny(96, 3, seed=0)
+        rows = gmts.load_rows("countdown", "easy", cfg.prompts_per_step, 0)
+        prompts = gmts.build_prompts(tok, gmts.get_task("countdown"), rows, False, True)
+        return model.to(dev).train(), tok, prompts, cfg, "warm/cpu's shape, random init"
+    small = args.shape == "small"
+    cfg = gmts.Config(**(dict(prompts_per_step=2, group_size=2, max_new_tokens=8) if small
+                         else {}))
+    torch.manual_seed(0)
+    with torch.device(dev):  # random init directly on the device
+        model = Qwen2ForCausalLM(Qwen2Config(**(SMALL if small else QWEN05), eos_token_id=151645,
+                                             pad_token_id=151643, bos_token_id=None))
+    tok = gmts.build_tiny()[1]
+    prompts = text_prompts(cfg.prompts_per_step, 8 if small else 64, seed=0)
+    what = "a 2-layer Qwen2 config" if small else "the Qwen2.5-0.5B config"
+    return model.train(), tok, prompts, cfg, what + ", random init"
+
+
+def text_prompts(B: int, P: int, seed: int) -> list:
+    """B printable-ASCII prompts of P - P//8 .. P bytes: as many tokens with the byte-level
+    tokenizer, so the rows are left-padded as real prompts are."""
+    r = random.Random(seed)
+    return ["".join(r.choice(string.ascii_letters + " ") for _ in range(r.randint(P - P // 8, P)))
+            for _ in range(B)]
+
+
+def bf16_copy(model):
+    """What gmts.train samples from on CUDA: a bf16 copy of the parameters (buffers such as RoPE's
+    inv_freq stay fp32, as from_pretrained(dtype=bf16) leaves them)."""
+    out = copy.deepcopy(model).eval().requires_grad_(False)
+    for p in out.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return out
 
 
 def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
@@ -395,12 +399,10 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
         return time.perf_counter()
 
     def update(method):
-        # the extra no-grad forward of the statistics (deviation 8 in gmts.py): its share of a step
-        t0 = clock()
+        t0 = clock()  # the extra no-grad forward of the statistics: its share of a step
         logp, ent, gn = gmts.batch_token_stats(model, batch, cfg.temperature, cfg.micro_batch,
                                                cfg.stats_chunk)
         stats_ms[method].append((clock() - t0) * 1e3)
-        # as train() selects
         rho, group_size = gmts.selection_rule(dataclasses.replace(cfg, select=method))
         t = clock()
         n_kept = int(gmts.scope_budget(mask, rho, group_size)[1].sum())
@@ -429,95 +431,22 @@ def step_bench(model, make_batch, cfg, meter, repeats) -> dict:
     del roll["out"]
     out = dict(rollout=dict(roll, tokens_per_s=N * T / (roll["ms"] / 1e3)), N=N, T=T,
                valid_tokens=int(mask.sum()))
-    # a step = the median rollout + this update; select_ms = step 6 (omega, scores, selection)
-    for m in methods:
+    for m in methods:  # a step: the median rollout + this update; select_ms: step 6
         r = res[m]
         r.update(r.pop("out"), step_ms=roll["ms"] + r["ms"], select_ms=statistics.median(sel_ms[m]))
         r["select_share"] = r["select_ms"] / r["step_ms"]
         r["stats_ms"] = statistics.median(stats_ms[m])
         r["stats_share"] = r["stats_ms"] / r["step_ms"]
         out[m] = r
-    out["step_ratio_gmts_all"] = out["gmts"]["step_ms"] / out["all"]["step_ms"]
-    # CUDA: max allocated incl. weights and Adam; CPU: max RSS
-    out["process_peak_mb"] = meter.process_peak_mb
-    out["step_ratio_random_all"] = out["random"]["step_ms"] / out["all"]["step_ms"]
+    out["process_peak_mb"] = meter.process_peak_mb  # CUDA: weights and Adam too; CPU: max RSS
     return out
-
-
-def sec_tiny_step(args, meter, dev) -> dict:
-    keys = ("task", "data", "short_prompt", "prompts_per_step", "group_size", "max_new_tokens",
-            "lr", "micro_batch")
-    cfg = gmts.Config(**{k: v for k, v in gmts.PRESETS["smoke" if args.quick else "cpu"].items()
-                         if k in keys})
-    model, tok = gmts.build_tiny(96, 3, seed=0)  # warm/cpu's shape, random weights
-    model.to(dev).train()
-    task = gmts.get_task(cfg.task)
-    rows = gmts.load_rows(cfg.task, cfg.data, cfg.prompts_per_step, 0)
-    prompts = gmts.build_prompts(tok, task, rows, gmts.use_chat(tok), cfg.short_prompt)
-
-    def make_batch(seed):
-        gmts.set_seed(seed)
-        return gmts.rollout(model, tok, prompts, cfg.group_size, cfg.max_new_tokens,
-                            cfg.temperature)
-
-    out = step_bench(model, make_batch, cfg, meter, args.repeats)
-    out["model"] = "tiny hidden 96, 3 layers"
-    return out
-
-
-def bf16_copy(model):
-    """What gmts.train samples from on CUDA: a bf16 copy of the parameters (buffers such as RoPE's
-    inv_freq stay fp32, as from_pretrained(dtype=bf16) leaves them)."""
-    out = copy.deepcopy(model).eval().requires_grad_(False)
-    for p in out.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    return out
-
-
-def text_prompts(B: int, P: int, seed: int) -> list:
-    """B printable-ASCII prompts of P - P//8 .. P bytes: as many tokens with the byte-level
-    tokenizer, so the rows are left-padded as real prompts are."""
-    r = random.Random(seed)
-    return ["".join(r.choice(string.ascii_letters + " ") for _ in range(r.randint(P - P // 8, P)))
-            for _ in range(B)]
-
-
-def rollout_paths(model, tok, prompts, cfg, meter, args) -> dict:
-    """Today's rollout (the fp32 master weights under autocast, dynamic KV cache) beside the new one
-    (a bf16 copy, static KV cache, compiled decoding on CUDA), interleaved. Both return the
-    sampler's log-probs (the bookkeeping train() now does on every rollout); the gap is taken
-    against train()'s recompute of log pi_old."""
-    sampler = bf16_copy(model) if args.sampler_dtype == "bf16" else model
-    fast = args.fast_generate
-    seeds = itertools.count()
-
-    def run(m, fast_path):
-        gmts.set_seed(next(seeds))
-        return gmts.rollout(m, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
-                            fast=fast_path, sampler_logp=True)
-
-    variants = {"old": lambda: run(model, False), "new": lambda: run(sampler, fast)}
-    # compilation and CUDA-graph capture: not in medians
-    first = {k: meter(fn)[0] for k, fn in variants.items()}
-    res = interleave(meter, variants, args.repeats)
-    for k, r in res.items():
-        b = r.pop("out")
-        logp = gmts.batch_token_stats(model, b, cfg.temperature, cfg.micro_batch,
-                                      cfg.stats_chunk)[0]
-        gap = (b["sampler_logp"] - logp).abs()[b["resp_mask"]]
-        N, T = b["comp_ids"].shape
-        r.update(first_call_ms=first[k], N=N, T=T, tokens_per_s=N * T / (r["ms"] / 1e3),
-                 sampler_logp_gap=float(gap.mean()), sampler_logp_gap_max=float(gap.max()))
-    res["new"].update(sampler_dtype=args.sampler_dtype, fast_generate=fast)
-    res["old"].update(sampler_dtype="fp32", fast_generate=False)
-    res["speedup"] = res["new"]["tokens_per_s"] / res["old"]["tokens_per_s"]
-    return res, sampler
 
 
 def trl_step(model, tok, prompts, cfg, dev, steps: int) -> dict:
-    """TRL's GRPOTrainer (HF generate, all tokens) on a copy of `model`: the same prompts, G,
-    completion length and micro-batch as gmts.py; random 0/1 rewards (seeded) so that advantages
-    are not 0. Median step of 2..n."""
+    """TRL's GRPOTrainer (HF generate, all tokens; no gradient checkpointing, as gmts.py; bf16
+    weights on CUDA, as TRL loads a Qwen checkpoint) on a copy of `model`: the same prompts, G,
+    completion length and micro-batch; random 0/1 rewards (seeded) so that advantages are not 0.
+    Median step of 2..n."""
     try:
         import datasets
         from transformers import PrinterCallback, TrainerCallback
@@ -577,122 +506,87 @@ def meter_sync(dev):
         torch.cuda.synchronize()
 
 
-def sec_model_step(args, meter, dev) -> dict:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    small = args.small or dev.type != "cuda"
-    cfg = gmts.Config(**(dict(prompts_per_step=2, group_size=2, max_new_tokens=8) if small else {}))
-    torch.manual_seed(0)
-    # random init directly on the device; fp32 master weights as gmts.load_model
-    with torch.device(dev):
-        model = Qwen2ForCausalLM(Qwen2Config(**(SMALL if small else QWEN05), eos_token_id=151645,
-                                             pad_token_id=151643, bos_token_id=None))
-    P = 8 if small else 64
-    tok = gmts.build_tiny()[1]  # byte-level: its ids (< 259) are valid in any Qwen vocabulary
-    prompts = text_prompts(cfg.prompts_per_step, P, seed=0)
+def step_command(args, meter, dev) -> tuple:
+    """step_bench with train()'s rollout (the bf16 sampler copy refreshed from the master, with a
+    static cache and compiled decoding, on CUDA), and TRL's step on the same model and prompts."""
+    model, tok, prompts, cfg, what = bench_model(args, dev)
+    cuda = dev.type == "cuda"
     trl = (trl_step(model, tok, prompts, cfg, dev, args.trl_steps) if args.trl_steps
            else dict(error="--trl-steps 0"))
-    # the copy stays for the peak below
-    paths, sampler = rollout_paths(model, tok, prompts, cfg, meter, args)
-    out = step_bench(model, lambda s: qwen_batch(model, cfg.prompts_per_step, cfg.group_size, P,
-                                                 cfg.max_new_tokens, s), cfg, meter, args.repeats)
-    out["model"] = ("small Qwen2 (smoke)" if small else "Qwen2.5-0.5B config, random init") + \
-        f", {cfg.prompts_per_step}x{cfg.group_size} prompts x {cfg.max_new_tokens} new tokens, " \
-        f"prompt {P}"
-    out["rollout_paths"], out["trl"] = paths, trl
-    # a step on the new rollout path: its median rollout + the update on the same shapes
-    for m in ("all", "gmts"):
-        out[m]["step_ms_new"] = paths["new"]["ms"] + out[m]["ms"]
+    sampler = bf16_copy(model) if cuda else model
+
+    def make_batch(seed):
+        gmts.refresh_sampler(sampler, model)
+        gmts.set_seed(seed)
+        return gmts.rollout(sampler, tok, prompts, cfg.group_size, cfg.max_new_tokens,
+                            cfg.temperature, fast=cuda)
+
+    res = step_bench(model, make_batch, cfg, meter, args.repeats)
+    res.update(trl=trl, model=f"{what}, {cfg.prompts_per_step} x {cfg.group_size} answers of "
+                              f"up to {cfg.max_new_tokens} tokens")
+    ratios = {f"step time {m} / all": res[m]["step_ms"] / res["all"]["step_ms"]
+              for m in ("random", "gmts")}
+    ratios["step 6 (omega, scores, selection) / gmts step"] = res["gmts"]["select_share"]
+    ratios["statistics pass / gmts step"] = res["gmts"]["stats_share"]
     if "step_ms" in trl:
-        out["step_ratio_gmts_trl"] = out["gmts"]["step_ms_new"] / trl["step_ms"]
-        out["step_ratio_all_trl"] = out["all"]["step_ms_new"] / trl["step_ms"]
-    del sampler
-    return out
+        ratios.update({f"step time {m} / TRL GRPOTrainer": res[m]["step_ms"] / trl["step_ms"]
+                       for m in ("all", "gmts")})
+    r = res["rollout"]
+    rows = [("rollout", r, f"{r['tokens_per_s']:.0f} tok/s; {res['model']}; process peak "
+                           f"{res['process_peak_mb']:.0f} MB")]
+    rows += [(f"update --select {m}", res[m],
+              f"step {res[m]['step_ms']:.0f} ms, kept {res[m]['kept_frac']:.2f} in "
+              f"{res[m]['active_frac']:.0%} of the answers") for m in ("all", "random", "gmts")]
+    rows.append(("TRL GRPOTrainer step", dict(ms=trl.get("step_ms"), peak_mb=trl.get("peak_mb")),
+                 trl.get("error") or f"{trl['weights']} weights, steps {trl['step_ms_runs']}"))
+    return res, rows, ratios
 
 
-# the metrics.jsonl keys that are clock readings
-TIMING_KEYS = ("rollout_time_s", "step_time_s", "tokens_per_s")
-# A child: gmts.main on the arguments, then torch's thread count (what --threads 0 chose).
-THREADS_CHILD = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import gmts; "
-                 "gmts.main(sys.argv[2:]); "
-                 "print('bench_torch_threads', torch.get_num_threads(), flush=True)")
+def rollout_command(args, meter, dev) -> tuple:
+    """gmts.rollout on the fp32 master (dynamic KV cache) beside the sampler train() uses on CUDA
+    (a bf16 copy, static KV cache, compiled decoding), interleaved; each returns the sampler's
+    log-probs, compared with train()'s fp32 recompute (gmts.batch_token_stats)."""
+    model, tok, prompts, cfg, what = bench_model(args, dev)
+    fast = dev.type == "cuda" or args.quick  # HF generate compiles on CUDA only
+    sampler = bf16_copy(model)
+    seeds = itertools.count()
+
+    def run(m, fast_path):
+        gmts.set_seed(next(seeds))
+        return gmts.rollout(m, tok, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
+                            fast=fast_path, sampler_logp=True)
+
+    variants = {"fp32 master": lambda: run(model, False), "bf16 sampler": lambda: run(sampler,
+                                                                                      fast)}
+    first = {k: meter(fn)[0] for k, fn in variants.items()}  # compilation: not in the medians
+    res = interleave(meter, variants, args.repeats)
+    for k, r in res.items():
+        b = r.pop("out")
+        logp = gmts.batch_token_stats(model, b, cfg.temperature, cfg.micro_batch,
+                                      cfg.stats_chunk)[0]
+        gap = (b["sampler_logp"] - logp).abs()[b["resp_mask"]]
+        N, T = b["comp_ids"].shape
+        r.update(first_call_ms=first[k], N=N, T=T, tokens_per_s=N * T / (r["ms"] / 1e3),
+                 sampler_logp_gap=float(gap.mean()), sampler_logp_gap_max=float(gap.max()))
+    res["bf16 sampler"]["static_cache"] = fast
+    res["model"] = what
+    old, new = res["fp32 master"], res["bf16 sampler"]
+    ratios = {"tokens/s bf16 sampler / fp32 master": new["tokens_per_s"] / old["tokens_per_s"],
+              "sampler log-prob gap, mean (bf16 sampler)": new["sampler_logp_gap"],
+              "sampler log-prob gap, max (bf16 sampler)": new["sampler_logp_gap_max"]}
+    rows = [(k, r, f"{r['tokens_per_s']:.0f} tok/s, first call {r['first_call_ms']:.0f} ms, "
+                   f"|d logp| vs recompute mean {r['sampler_logp_gap']:.1e} max "
+                   f"{r['sampler_logp_gap_max']:.1e}") for k, r in (("fp32 master", old),
+                                                                  ("bf16 sampler", new))]
+    return res, rows, ratios
 
 
-def threads_run(preset: str, steps: int, threads: int) -> dict:
-    """One fresh gmts.py process of `steps` steps of `preset` at --threads `threads`, in a
-    temporary --out."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out")
-        cmd = [sys.executable, "-c", THREADS_CHILD, HERE, "--preset", preset, "--steps", str(steps),
-               "--threads", str(threads), "--device", "cpu", "--out", out]
-        t = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        wall = time.perf_counter() - t
-        if p.returncode != 0:
-            raise RuntimeError(f"threads {threads}: gmts.py exited {p.returncode}: "
-                               f"{p.stderr[-1500:]}")
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            recs = [json.loads(line) for line in f]
-    got = re.search(r"^bench_torch_threads (\d+)$", p.stdout, re.M)
-    step_s = [r["step_time_s"] for r in recs if r["step"] >= 1 and "step_time_s" in r]
-    return dict(torch_threads=int(got.group(1)) if got else None, steps=len(step_s),
-                step_s=sum(step_s), steps_per_s=len(step_s) / sum(step_s), wall_s=wall,
-                eval_acc=[r["eval_acc"] for r in recs if "eval_acc" in r][-1],
-                metrics=[{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs])
-
-
-def first_difference(a: list, b: list):
-    """The first (step, key, value a, value b) where two runs' metrics (timing keys left out)
-    differ, or None."""
-    for ra, rb in itertools.zip_longest(a, b, fillvalue={}):
-        for k in sorted(set(ra) | set(rb), key=lambda k: (k != "step", k)):
-            if ra.get(k) != rb.get(k):
-                return dict(step=ra.get("step", rb.get("step")), key=k, a=ra.get(k), b=rb.get(k))
-    return None
-
-
-def sec_threads(args, meter, dev) -> dict:
-    """Section f: the cpu preset's steps/s at each of --thread-variants (1, then 0: torch's
-    default), interleaved."""
-    preset, steps, variants = args.thread_preset, args.thread_steps, args.thread_variants
-    runs = {v: [] for v in variants}
-    for r in range(args.repeats):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
-            runs[v].append(threads_run(preset, steps, v))
-            print(f"[f] --threads {v}: {runs[v][-1]['steps_per_s']:.3f} steps/s "
-                  f"({runs[v][-1]['torch_threads']} torch threads)", file=sys.stderr, flush=True)
-    out = dict(preset=preset, steps=steps, repeats=args.repeats, variants={})
-    for v, rs in runs.items():
-        same = [first_difference(rs[0]["metrics"], x["metrics"]) for x in rs[1:]]
-        out["variants"][str(v)] = dict(
-            threads_asked=v, torch_threads=rs[0]["torch_threads"],
-            steps_per_s=statistics.median(x["steps_per_s"] for x in rs),
-            steps_per_s_runs=[round(x["steps_per_s"], 4) for x in rs],
-            step_s_runs=[round(x["step_s"], 2) for x in rs],
-            wall_s=statistics.median(x["wall_s"] for x in rs),
-            wall_s_runs=[round(x["wall_s"], 1) for x in rs],
-            eval_acc=rs[0]["eval_acc"], metrics_identical=all(d is None for d in same),
-            metrics_first_difference=next((d for d in same if d is not None), None))
-    if len(variants) >= 2:
-        a, b = (out["variants"][str(v)] for v in variants[:2])
-        out["ratio"] = a["steps_per_s"] / b["steps_per_s"]
-        out["ratio_of"] = f"steps/s at --threads {variants[0]} / at --threads {variants[1]}"
-        ma, mb = runs[variants[0]][0]["metrics"], runs[variants[1]][0]["metrics"]
-        d = first_difference(ma, mb)
-        out["metrics_identical_across"], out["metrics_first_difference_across"] = d is None, d
-        out["metrics_keys_differing_across"] = sorted({k for ra, rb in zip(ma, mb)
-                                                       for k in set(ra) | set(rb)
-                                                       if ra.get(k) != rb.get(k)})
-    return out
-
-
-def sec_memory_plan(args, meter, dev) -> dict:
-    """g. memory_phases' phases against measured peaks: a random tiny Qwen2 (build_tiny(
+# ==== memory: the plan's phases against measured peaks =========================================
+def memory_command(args, meter, dev) -> tuple:
+    """memory_phases' phases against measured peaks: a random tiny Qwen2 (build_tiny(
     --plan-hidden, 2 layers)), B x G countdown prompts, each phase run as train() runs it, the peak
-    (see Method) beside the plan's bytes for what the call allocates (the update's gradients
-    included; the AdamW step measured at step 2, its moments already there)."""
+    beside the plan's bytes for what the call allocates (the update's gradients included; AdamW's
+    step measured at step 2, its moments already there)."""
     torch.manual_seed(0)
     model, tok = gmts.build_tiny(args.plan_hidden, 2)
     model = model.to(dev)
@@ -703,18 +597,17 @@ def sec_memory_plan(args, meter, dev) -> dict:
     rows = gmts.load_rows("countdown", "easy", 64 // G, 0)
     prompts = gmts.build_prompts(tok, task, rows[:B], False, True)
     P = max(len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"])
-    stay, phases = memory_phases(cfg, model, P, dev)
+    phases = memory_phases(cfg, model, P, dev)[1]
     batch = gmts.rollout(model, tok, prompts, G, T)
     mask = batch["resp_mask"]
     adv = torch.randn(mask.shape[0], device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-
     objective = gmts.Objective(0.2, 0.28, 0.0, 1.0, **gmts.loss_weights("all", mask, 0))
+    old = gmts.batch_token_stats(model, batch, 1.0, cfg.micro_batch, cfg.stats_chunk)[0]
 
     def update():
         return gmts.loss_backward(model, batch, adv, mask, old, objective,
                                   micro_batch=cfg.micro_batch, chunk=cfg.stats_chunk)
-    old = gmts.batch_token_stats(model, batch, 1.0, cfg.micro_batch, cfg.stats_chunk)[0]
     update()
     opt.step()  # AdamW's moments exist from here on, as at any step after the first
     opt.zero_grad(set_to_none=True)
@@ -730,23 +623,18 @@ def sec_memory_plan(args, meter, dev) -> dict:
             ms2, step_peak, _ = meter(opt.step)
             opt.zero_grad(set_to_none=True)
             plan = phases["AdamW step"]["AdamW step"] / 2**20  # the gradients were already there
-            out["AdamW step"] = dict(ms=ms2, peak_mb=step_peak, plan_mb=plan,
-                                     ratio=step_peak / plan if step_peak is not None else None)
+            out["AdamW step"] = dict(ms=ms2, peak_mb=step_peak, plan_mb=plan)
         plan = sum(phases[name].values()) / 2**20
         out[name] = dict(ms=ms, peak_mb=peak, plan_mb=plan,
-                         ratio=peak / plan if peak is not None else None,
                          parts_mb={k: v / 2**20 for k, v in phases[name].items()})
-    print(f"memory plan vs measured (P {P}, {B} x {G} answers of {T} tokens, "
-          f"hidden {args.plan_hidden}):")
-    for name, r in out.items():
-        peak = "n/a" if r["peak_mb"] is None else f"{r['peak_mb']:.2f}"
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"  {name:<12} plan {r['plan_mb']:8.2f} MB  measured {peak:>8} MB  "
-              f"measured/plan {ratio}")
-    return dict(phases=out, P=P, B=B, G=G, T=T, hidden=args.plan_hidden)
+    ratios = {f"{name}: measured / plan": r["peak_mb"] / r["plan_mb"] for name, r in out.items()
+              if r["peak_mb"] is not None}
+    rows = [(name, r, f"plan {r['plan_mb']:.2f} MB") for name, r in out.items()]
+    res = dict(phases=out, P=P, B=B, G=G, T=T, hidden=args.plan_hidden)
+    return res, rows, ratios
 
 
-# ==== The memory plan of a run: `python bench_gmts.py plan [gmts.py's flags]` ====================
+# ==== plan: the memory plan of a run, from the model's config ===================================
 def memory_plan(cfg: gmts.Config, model, prompt_tokens: int, device: torch.device) -> dict:
     """{part: GiB} of a step's peak: what stays and the largest of memory_phases' phases; {} when
     the config lacks a size (the plan is unknown)."""
@@ -759,7 +647,7 @@ def memory_plan(cfg: gmts.Config, model, prompt_tokens: int, device: torch.devic
 
 def memory_phases(cfg: gmts.Config, model, prompt_tokens: int, device: torch.device) -> tuple:
     """(stay, {phase: {part: bytes}}) from the config's sizes: what stays and each phase's own.
-    Section g checks the CPU phases against measured peaks."""
+    `memory` checks the CPU phases against measured peaks."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
@@ -803,14 +691,22 @@ def memory_phases(cfg: gmts.Config, model, prompt_tokens: int, device: torch.dev
     return stay, phases
 
 
+MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
+                {"grad_ckpt": True, "micro_batch": 1, "sampler_dtype": "fp32"})
+
+
+def device_gib(device: torch.device) -> float:
+    """The device's memory in GiB: the GPU's, or the machine's for a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def memory_line(cfg: gmts.Config, model, prompt_tokens: int, device: torch.device,
                 have: float = None) -> str:
-    """memory_plan in one line, against the device's memory (a CPU's: the machine's); beyond
-    it, the first that fits of MEMORY_FIXES and --rollout-rows halved (alone, then with them)."""
-    if have is None and device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory / 2**30
-    if have is None:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    """memory_plan in one line, against `have` GiB (default: the device's); beyond it, the first
+    that fits of MEMORY_FIXES and --rollout-rows halved (alone, then with them)."""
+    have = device_gib(device) if have is None else have
     plan = memory_plan(cfg, model, prompt_tokens, device)
     if not plan:
         return (f"memory plan: unknown for this architecture ({type(model.config).__name__} "
@@ -832,25 +728,23 @@ def memory_line(cfg: gmts.Config, model, prompt_tokens: int, device: torch.devic
     return line + f"; too much: lower {lower}"
 
 
-MEMORY_FIXES = ({"grad_ckpt": True}, {"grad_ckpt": True, "micro_batch": 1},
-                {"grad_ckpt": True, "micro_batch": 1, "sampler_dtype": "fp32"})
-
-
-def plan_model(cfg: gmts.Config) -> tuple:
-    """(model, tokenizer) of --model with its weights on the meta device: the sizes and the
-    parameter count, no weight read or allocated. A model that cannot load: ValueError."""
+def plan_model(cfg: gmts.Config, tokenizer: bool = True) -> tuple:
+    """(model, tokenizer or None) of --model with its weights on the meta device: the sizes and
+    the parameter count, no weight read or allocated. --model: 'tiny', a hub id (online), a
+    folder or a config.json file (no tokenizer). A model that cannot load: BadInput."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     with torch.device("meta"):
         if cfg.model == "tiny":
             return gmts.build_tiny(cfg.tiny_hidden, cfg.tiny_layers, cfg.seed)
         path = gmts.resolve_model_name(cfg.model)
         try:
-            tok = AutoTokenizer.from_pretrained(path)
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)), tok
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
+            return model, tok
         except Exception as e:  # no such folder or hub id, no hub, an architecture it lacks
             if gmts.memory_fault(e):
                 raise
-            raise ValueError(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
+            raise gmts.BadInput(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
 
 
 def longest_prompt(cfg: gmts.Config, tok, chunk: int = 1024) -> int:
@@ -871,60 +765,63 @@ def longest_prompt(cfg: gmts.Config, tok, chunk: int = 1024) -> int:
 
 
 def plan(argv: list) -> str:
-    """`bench_gmts.py plan [gmts.py's flags]`: the memory plan of that run, printed in one line,
-    before any GPU is rented: the model's sizes from its config, P from the run's data."""
-    cfg = gmts.parse_args(argv)
+    """`bench_gmts.py plan [--prompt-tokens P] [--json FILE] [gmts.py's flags]`: the memory plan
+    of that run in one line; with --json, its parts too."""
+    p = argparse.ArgumentParser(prog="bench_gmts.py plan", allow_abbrev=False,
+                                description="The memory plan of a gmts.py run; every other flag "
+                                            "is gmts.py's (python gmts.py --help).")
+    p.error = gmts.bad_flag
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="P, the longest prompt in tokens (default: measured on the run's data "
+                        "with the model's tokenizer)")
+    p.add_argument("--json", default="", help="also write the plan's parts here")
+    own, rest = p.parse_known_args(argv)
+    cfg = gmts.parse_args(rest)
     gmts.check_config(cfg)
-    model, tok = plan_model(cfg)
-    line = memory_line(cfg, model, longest_prompt(cfg, tok), gmts.pick_device(cfg.device))
+    if own.prompt_tokens < 0:
+        raise gmts.BadInput(f"--prompt-tokens must be >= 1, got {own.prompt_tokens}")
+    check_json(own.json)
+    if not own.prompt_tokens and os.path.isfile(cfg.model):
+        raise gmts.BadInput(f"--model {cfg.model} is a config file, which has no tokenizer: give "
+                            "--prompt-tokens P, the longest prompt in tokens")
+    model, tok = plan_model(cfg, tokenizer=not own.prompt_tokens)
+    P = own.prompt_tokens or longest_prompt(cfg, tok)
+    device = gmts.pick_device(cfg.device)
+    have = device_gib(device)
+    line = memory_line(cfg, model, P, device, have)
     print(line, flush=True)
+    if own.json:
+        parts = memory_plan(cfg, model, P, device)
+        write_json(own.json, dict(line=line, model=cfg.model, prompt_tokens=P, device=str(device),
+                                  device_gib=have, plan_gib=parts,
+                                  plan_over_device=sum(parts.values()) / have if parts else None))
     return line
 
 
-GRADE_SETS = {  # name -> (a git clone under --mirrors, the file in it): section h's public copies
-    # MATH-500: prm800k's math_splits/test.jsonl, byte for byte (sha256 35dc4108...)
-    "math500": ("MobileLLM+BudgetThinker", "evaluation/data/math500/test_ori.jsonl"),
-    "aime24": ("QwenLM+Qwen2.5-Math", "evaluation/data/aime24/test.jsonl"),
-    "amc23": ("QwenLM+Qwen2.5-Math", "evaluation/data/amc23/test.jsonl"),
-    "minerva_math": ("QwenLM+Qwen2.5-Math", "evaluation/data/minerva_math/test.jsonl"),
-    "olympiadbench": ("QwenLM+Qwen2.5-Math", "evaluation/data/olympiadbench/test.jsonl"),
-}
+# ==== grading: avg@16 over the paper's five benchmarks, in the main thread ======================
+def grade_sets(spec: str, quick: bool) -> dict:
+    """{name: rows} of NAME=DATA,... (a file or hub set each), read and checked as gmts.py reads
+    --eval-data (a row with no question or gold: one line naming the file and the row)."""
+    try:
+        pairs = gmts.eval_sets(spec)
+    except ValueError as e:
+        raise gmts.BadInput(str(e).replace("--eval-data", "--grade-data")) from None
+    if not pairs:
+        raise gmts.BadInput("--grade-data names no set: NAME=DATA,...")
+    return {name: gmts.load_rows("math", data, 10 if quick else 0) for name, data in pairs}
 
 
-def bench_gold(row: dict) -> str:
-    """A benchmark row's gold: its answer (MATH-500, AIME, AMC), final_answer's first item
-    (OlympiadBench), else its solution's last \\boxed{} (Qwen2.5-Math's Minerva file has none)."""
-    if "answer" in row:
-        return str(row["answer"]).strip()
-    if "final_answer" in row:
-        fa = row["final_answer"]
-        return str(fa[0] if isinstance(fa, list) else fa).strip()
-    return gmts._last_boxed(row["solution"], cap=10_000)
-
-
-def grade_sets(args) -> dict:
-    """{name: competition rows} of --grade-data NAME=FILE,..., or of GRADE_SETS (git show)."""
-    texts = {}
-    for part in filter(None, args.grade_data.split(",")):
-        name, path = part.split("=", 1)
-        with open(path) as f:
-            texts[name] = f.read()
-    for name, (repo, path) in GRADE_SETS.items() if not texts else ():
-        git = os.path.join(args.mirrors, repo, "repo")
-        texts[name] = subprocess.run(["git", "-C", git, "show", f"HEAD:{path}"], check=True,
-                                     capture_output=True, text=True).stdout
-    sets = {}
-    for name, text in texts.items():
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        rows = rows[:10] if args.quick else rows
-        sets[name] = [{"question": r.get("problem") or r.get("question"), "answer": bench_gold(r),
-                       "latex": True} for r in rows]
-    return sets
+def gold_answer(row: dict) -> str:
+    """A completion that states the row's gold where its prompt asks for it."""
+    if row.get("answer_line"):
+        return f"So the answer is below.\nAnswer: {row['answer']}"
+    return f"So the final answer is $\\boxed{{{row['answer']}}}$."
 
 
 def grade_pass(task, texts: list, rows: list, k: int) -> tuple:
-    """(verdicts, the slowest grade in s) of one pass as gmts.evaluate grades: the reward one answer
-    at a time in this (the main) thread, latex_equal's cache emptied first."""
+    """(verdicts, the slowest grade in s) of one pass as gmts.evaluate grades: the reward one
+    answer at a time in this (the main) thread, latex_equal's cache emptied first (avg@k's copies
+    hit it, as in an evaluation; no pass reuses another's verdicts)."""
     gmts.latex_equal.cache_clear()
     got, slowest = [], 0.0
     for j, text in enumerate(texts):
@@ -934,152 +831,41 @@ def grade_pass(task, texts: list, rows: list, k: int) -> tuple:
     return got, slowest
 
 
-def sec_grading(args, meter, dev) -> dict:
-    """Section h: avg@k passes of grading over the five benchmarks in the main thread."""
-    sets = grade_sets(args)
+def grading_command(args, meter, dev) -> tuple:
+    sets = grade_sets(args.grade_data, args.quick)
     task, k = gmts.TASKS["math"], args.grade_samples
     rows = [r for rs in sets.values() for r in rs]
-    texts = [f"So the final answer is $\\boxed{{{r['answer']}}}$." for r in rows for _ in range(k)]
+    texts = [gold_answer(r) for r in rows for _ in range(k)]
     runs, slowest = [], 0.0
-    for _ in range(args.grade_repeats):
+    for _ in range(args.repeats):
         t = time.perf_counter()
         got, slow = grade_pass(task, texts, rows, k)
         runs.append(time.perf_counter() - t)
         slowest = max(slowest, slow)
     seconds = statistics.median(runs)
-    out = dict(samples=k, grades=len(texts), seconds=seconds, answers_per_s=len(texts) / seconds,
+    res = dict(samples=k, grades=len(texts), seconds=seconds, answers_per_s=len(texts) / seconds,
                slowest_grade_s=slowest, seconds_runs=[round(x, 2) for x in runs], sets={})
     i = 0
     for name, rs in sets.items():
         n = len(rs) * k
         acc = sum(x == 1.0 for x in got[i:i + n]) / n
-        out["sets"][name] = dict(rows=len(rs), grades=n, acc=acc)
+        res["sets"][name] = dict(rows=len(rs), grades=n, acc=acc)
         i += n
-    return out
+    ratios = {"answers per second": res["answers_per_s"], "slowest grade (s)": slowest}
+    ratios.update({f"share graded 1.0: {name}": s["acc"] for name, s in res["sets"].items()})
+    rows = [("one pass", dict(ms=seconds * 1e3, peak_mb=None),
+             f"{len(texts)} grades (avg@{k} over {len(rows)} rows), runs {res['seconds_runs']} s")]
+    return res, rows, ratios
 
 
-def targets(R: dict, C: int) -> list:
-    """PASS/FAIL of each target, computed from the measurements."""
-    t = []
-
-    def add(name, value, limit):
-        t.append(dict(target=name, value=value, limit=limit,
-                      passed=value is not None and value <= limit))
-
-    s = R.get("stats", {})
-    if "trl" in s and s["trl"]["peak_mb"] is not None:
-        add(f"stats peak: ours@{C} / trl@{C}", s[f"ours@{C}"]["peak_mb"] / s["trl"]["peak_mb"], 1.0)
-    if "trl" in s:
-        add(f"stats time: ours@{C} / trl@{C}", s[f"ours@{C}"]["ms"] / s["trl"]["ms"], 1.5)
-    if "loss_head" in R:
-        a, b = R["loss_head"]["all"], R["loss_head"]["selected"]
-        add("loss head time: selected / all", b["ms"] / a["ms"], 0.35)
-        if a["peak_mb"]:
-            add("loss head peak: selected / all", b["peak_mb"] / a["peak_mb"], 0.35)
-    for key, r in R.get("select", {}).items():
-        # the authors' shape; --quick's is tiny
-        if "loop_over_vectorised" in r and not R["meta"]["quick"]:
-            add(f"per-group select: vectorised / loop ({key.split('/')[0]})",
-                1 / r["loop_over_vectorised"], 0.1)
-    for key in ("step_tiny", "step_model"):
-        if key in R:
-            add(f"{key}: step 6's share of a gmts step", R[key]["gmts"]["select_share"], 0.01)
-            add(f"{key}: step time gmts / all", R[key]["step_ratio_gmts_all"], 1.05)
-    S = R.get("step_model", {})
-    # issue 16's GPU targets (a CPU run has none)
-    if "rollout_paths" in S and R["meta"]["device"] != "cpu":
-        add("rollout tokens/s old / new path (new >= 5x)", 1 / S["rollout_paths"]["speedup"], 0.2)
-        if "step_ratio_gmts_trl" in S:
-            add("step gmts (new rollout) / TRL GRPOTrainer", S["step_ratio_gmts_trl"], 0.4)
-        add("process peak GB (fp32 + AdamW + bf16 copy)", S["process_peak_mb"] / 1024, 15.9)
-    return t
-
-
-def table(R: dict) -> str:
-    fmt = lambda x, f: (format(max(x, 0.0), f) if x is not None  # noqa: E731
-                        else format("-", ">" + f.split(".")[0]))
-    lines = [f"{'section':<12} {'variant':<26} {'ms':>10} {'peak_mb':>9}  note", "-" * 78]
-    for sec, rows in (("a stats", R.get("stats", {})), ("b loss head", R.get("loss_head", {})),
-                      ("c select", R.get("select", {}))):
-        for k, r in rows.items():
-            note = ("fails: " + r["error"]) if "error" in r else \
-                (f"max|d logp| {r['max_abs_diff_logp']:.1e}, "
-                 f"max|d H| {r['max_abs_diff_entropy']:.1e} vs naive"
-                 if "max_abs_diff_logp" in r else "")
-            if "loop_over_vectorised" in r:
-                note = (f"{r['tokens']} tokens; same kept tokens as the loop: "
-                        f"{r['same_kept_tokens']}; loop / select_tokens "
-                        f"{r['loop_over_vectorised']:.0f}x")
-            lines.append(f"{sec:<12} {k:<26} {fmt(r['ms'], '10.1f')} "
-                         f"{fmt(r['peak_mb'], '9.0f')}  {note}")
-    for key, sec in (("step_tiny", "d step"), ("step_model", "e step")):
-        if key in R:
-            S = R[key]
-            lines.append(f"{sec:<12} {'rollout':<26} {S['rollout']['ms']:10.1f} "
-                         f"{fmt(S['rollout']['peak_mb'], '9.0f')}  "
-                         f"{S['rollout']['tokens_per_s']:.0f} tok/s; {S['model']}; "
-                         f"total peak {S['process_peak_mb']:.0f} MB")
-            for m in ("all", "random", "gmts"):
-                r = S[m]
-                lines.append(f"{sec:<12} {'update --select ' + m:<26} {r['ms']:10.1f} "
-                             f"{fmt(r['peak_mb'], '9.0f')}  "
-                             f"step {r['step_ms']:.0f} ms, stats pass {r['stats_share']:.0%}, "
-                             f"select {r['select_ms']:.1f} ms, kept {r['kept_frac']:.2f} in "
-                             f"{r['active_frac']:.0%} of answers")
-    S = R.get("step_model", {})
-    for k, r in S.get("rollout_paths", {}).items():
-        if k in ("old", "new"):
-            cache = (("static+compile" if R["meta"]["device"] != "cpu" else "static")
-                     if r.get("fast_generate") else "dynamic")
-            what = f"{k} ({r.get('sampler_dtype', 'fp32')}, {cache})"
-            lines.append(f"{'e rollout':<12} {what:<26} {r['ms']:10.1f} "
-                         f"{fmt(r['peak_mb'], '9.0f')}  "
-                         f"{r['tokens_per_s']:.0f} tok/s, first call {r['first_call_ms']:.0f} ms, "
-                         f"|d logp| vs recompute mean {r['sampler_logp_gap']:.1e} "
-                         f"max {r['sampler_logp_gap_max']:.1e}")
-    if "rollout_paths" in S:
-        lines.append(f"{'e rollout':<12} {'speedup new / old':<26} "
-                     f"{S['rollout_paths']['speedup']:10.2f}")
-    if "trl" in S:
-        r = S["trl"]
-        lines.append(f"{'e trl':<12} {'GRPOTrainer step':<26} " + (
-            f"{r['step_ms']:10.1f} {fmt(r['peak_mb'], '9.0f')}  {r['weights']} weights; "
-            f"gmts step (new rollout) / trl {S['step_ratio_gmts_trl']:.2f}, "
-            f"all / trl {S['step_ratio_all_trl']:.2f}"
-            if "step_ms" in r else f"{'-':>10} {'-':>9}  {r['error']}"))
-    if "threads" in R:
-        T = R["threads"]
-        for v, r in T["variants"].items():
-            what = f"--threads {v} ({r['torch_threads']} torch)"
-            lines.append(f"{'f threads':<12} {what:<26} {1e3 / r['steps_per_s']:10.1f} {'-':>9}  "
-                         f"{r['steps_per_s']:.3f} steps/s (runs {r['steps_per_s_runs']}), "
-                         f"wall {r['wall_s']:.0f} s for {T['steps']} steps of --preset "
-                         f"{T['preset']}; same metrics each run: "
-                         f"{'yes' if r['metrics_identical'] else 'no'}")
-        if "ratio" in T:
-            d = T["metrics_first_difference_across"]
-            lines.append(f"{'f threads':<12} {'ratio ' + ' / '.join(T['variants']):<26} "
-                         f"{T['ratio']:10.2f} {'':>9}  {T['ratio_of']}; metrics "
-                         + ("identical" if d is None else f"differ from step {d['step']} in "
-                            + ", ".join(T["metrics_keys_differing_across"])))
-    if "grading" in R:
-        g = R["grading"]
-        accs = ", ".join(f"{n} {s['acc']:.3f} of {s['rows']}" for n, s in g["sets"].items())
-        lines.append(f"{'h grading':<12} {'main thread':<26} {g['seconds'] * 1e3:10.0f} {'-':>9}  "
-                     f"{g['grades']} grades (avg@{g['samples']}), {g['answers_per_s']:.0f} "
-                     f"answers/s, runs {g['seconds_runs']} s, slowest grade "
-                     f"{g['slowest_grade_s']:.2f} s; share of 1.0: {accs}")
-    lines += ["-" * 78, "targets"]
-    for t in R["targets"]:
-        lines.append(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['target']:<48} {t['value']:.3g}  "
-                     f"(<= {t['limit']})")
-    return "\n".join(lines)
-
-
-def trl_rescore_run(lr: float, num_iterations: int, steps: int) -> dict:
-    """One TRL run of warm/cpu with gmts_trl's GMTSTrainer (section i): time in select, and at
-    each later pass the kept tokens that differ from the mask the first pass wrote."""
+# ==== trl-select: gmts_trl.py's selection pass in a TRL run =====================================
+def trl_select_run(lr: float, num_iterations: int, steps: int) -> dict:
+    """One TRL run of warm/cpu with gmts_trl's GMTSTrainer (countdown easy, per-device batch 8,
+    grad-accum 4, G 8, 64 new tokens, rho 0.2): time in GMTSTrainer.select (the no-grad scoring
+    forward and the selection), and at each later pass the kept tokens that differ from the mask
+    the first pass wrote."""
     import gmts_trl
+    from transformers import PrinterCallback
 
     model, tok = gmts.load_model(gmts.WARM_CPU, torch.device("cpu"))
     rows = gmts.load_rows("countdown", "easy", n=256, seed=0)
@@ -1093,7 +879,6 @@ def trl_rescore_run(lr: float, num_iterations: int, steps: int) -> dict:
             epsilon=0.2, epsilon_high=0.28, disable_tqdm=True, seed=0)
         tr = gmts_trl.GMTSTrainer(model=model, reward_funcs=gmts_trl.make_reward("countdown"),
                                   args=cfg, train_dataset=data, processing_class=tok)
-        from transformers import PrinterCallback
         tr.remove_callback(PrinterCallback)
         select, clock, kept, same = tr.select, [0.0], [0], [0]
 
@@ -1111,158 +896,163 @@ def trl_rescore_run(lr: float, num_iterations: int, steps: int) -> dict:
         t0 = time.perf_counter()
         tr.train()
         total = time.perf_counter() - t0
-        clip = [h["clip_ratio/region_mean"] for h in tr.state.log_history
-                if "clip_ratio/region_mean" in h]
-    return dict(lr=lr, num_iterations=num_iterations, steps=steps, total_s=round(total, 2),
-                select_s=round(clock[0], 2), select_share=round(clock[0] / total, 3),
-                changed_share=round(1 - same[0] / kept[0], 3) if kept[0] else None,
-                clip_region_mean=round(statistics.mean(clip), 4) if clip else None)
+    return dict(lr=lr, num_iterations=num_iterations, steps=steps, total_s=total,
+                select_s=clock[0], select_share=clock[0] / total,
+                changed_share=1 - same[0] / kept[0] if kept[0] else None)
 
 
-def sec_trl_rescore(args, meter, dev) -> dict:
-    """Section i: gmts_trl.py's scoring pass per pass over a generation batch, its time and what
-    it changes."""
+def trl_select_command(args, meter, dev) -> tuple:
     try:
         import trl  # noqa: F401
     except ImportError as e:
-        return dict(error=f"trl not importable: {e}")
-    steps = args.trl_rescore_steps
-    runs = [trl_rescore_run(3e-4, 1, steps)]
-    runs += [trl_rescore_run(lr, 2, steps) for lr in (3e-4, 1e-3)]
+        raise gmts.BadInput(f"trl-select needs trl ({e})") from None
+    runs = [trl_select_run(3e-4, 1, args.trl_select_steps)]
+    runs += [trl_select_run(lr, 2, args.trl_select_steps) for lr in (3e-4, 1e-3)]
+    ratios = {}
     for r in runs:
-        print(f"[i] {r}", file=sys.stderr, flush=True)
-    return dict(runs=runs)
+        what = f"num_iterations {r['num_iterations']}, lr {r['lr']:g}"
+        ratios[f"select / run time ({what})"] = r["select_share"]
+        if r["changed_share"] is not None:
+            ratios[f"later pass's kept tokens not kept by the first ({what})"] = r["changed_share"]
+    rows = [(f"run mu {r['num_iterations']} lr {r['lr']:g}", dict(ms=r["total_s"] * 1e3,
+                                                                  peak_mb=None),
+             f"select {r['select_s']:.2f} s of {r['total_s']:.2f} s") for r in runs]
+    return dict(runs=runs), rows, ratios
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="GMTS performance benchmark (see the module docstring). "
-                    "`bench_gmts.py plan [gmts.py's flags]` prints the memory plan of that run "
-                    "instead (e.g. plan --preset paper-math).")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tokens", type=int, default=0,
-                   help="rows in sections a and b (0: 4096 on CPU, 32768 on CUDA)")
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--chunk", type=int, default=128,
-                   help="rows per chunk for trl and ours in section a")
+# ==== CLI [plumbing]: one error handler (gmts.run_cli), each command's table and JSON ==========
+# Each measuring command: (args, Meter, device) -> (its results, its table's rows as (what,
+# {ms, peak_mb}, a note), its ratios by name); bench() prints the rows and the ratios, and writes
+# the results and the ratios.
+COMMANDS = {"memory": memory_command, "stats": stats_command, "step": step_command,
+            "rollout": rollout_command, "grading": grading_command,
+            "trl-select": trl_select_command}
+
+
+def parse_args(argv: list) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_gmts.py", allow_abbrev=False,
+                                description="What GMTS costs (see the module docstring). "
+                                            "`bench_gmts.py plan [gmts.py's flags]`: the memory "
+                                            "plan of that run.")
+    p.error = gmts.bad_flag
+    p.add_argument("command", choices=["plan", *COMMANDS])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda if there is one")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant (medians)")
+    p.add_argument("--quick", action="store_true", help="seconds: tiny sizes everywhere")
+    p.add_argument("--json", default="", help="the measurements (default: bench_COMMAND.json)")
+    p.add_argument("--tokens", type=int, default=0,
+                   help="stats: rows of logits (0: 4096 on the CPU, 32768 on CUDA)")
+    p.add_argument("--vocab", type=int, default=151936, help="stats: the head's vocabulary")
+    p.add_argument("--chunk", type=int, default=128, help="stats: rows per chunk for trl and ours")
     p.add_argument("--head-repeats", type=int, default=0,
-                   help="runs per variant in the head sections a and b (0: 2 on CPU, where one "
-                        "4096-row head pass takes ~30 s on a core; --repeats on CUDA)")
-    p.add_argument("--extra", action="store_true",
-                   help="also ours@1024 in a and all@1024 (chunked) in b")
-    p.add_argument("--rho", type=float, default=0.2)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--plan-hidden", type=int, default=256, help="section g's tiny model width")
-    p.add_argument("--sections", default="abcdeg",
-                   help="which sections to run (e: on CUDA or with --small; f, h: only when named)")
-    p.add_argument("--small", action="store_true",
-                   help="section e with a tiny Qwen2 config (CPU smoke of the path)")
-    p.add_argument("--quick", action="store_true",
-                   help="seconds: tiny sizes everywhere, implies --small")
-    p.add_argument("--sampler-dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="section e's new rollout path samples from a copy in this dtype (bf16) or "
-                        "the master (fp32)")
-    p.add_argument("--fast-generate", default=None, action=argparse.BooleanOptionalAction,
-                   help="section e's new path: static KV cache + compiled decoding (default: on "
-                        "with CUDA or --quick; HF generate compiles on CUDA only)")
+                   help="stats: runs of the head variants (0: 2 on the CPU, where one 4096-row "
+                        "pass takes ~30 s on a core; --repeats on CUDA)")
+    p.add_argument("--rho", type=float, default=0.2, help="stats: the kept share")
+    p.add_argument("--shape", default="", choices=["", "tiny", "small", "qwen0.5b"],
+                   help="step, rollout: the model (default: qwen0.5b on CUDA, tiny on the CPU, "
+                        "small with --quick)")
     p.add_argument("--trl-steps", type=int, default=-1,
-                   help="TRL GRPOTrainer steps in section e, median of steps 2..n (-1: 4, "
-                        "--quick 2; 0: none)")
-    p.add_argument("--thread-steps", type=int, default=0,
-                   help="steps per run in section f (0: 5, --quick 1)")
-    p.add_argument("--thread-preset", default="",
-                   help="gmts.py preset section f runs (default: cpu, --quick smoke)")
-    p.add_argument("--thread-variants", default="1,0",
-                   type=lambda s: [int(x) for x in s.split(",")],
-                   help="section f's --threads values, compared first / second "
-                        "(0: torch's default)")
+                   help="step: TRL GRPOTrainer steps, median of 2..n (-1: 4, --quick 2; 0: none)")
+    p.add_argument("--plan-hidden", type=int, default=256, help="memory: the tiny model's width")
+    p.add_argument("--grade-data", default=gmts.PRESETS["paper-math"]["eval_data"],
+                   help="grading: NAME=DATA,... files or hub sets (default: --preset "
+                        "paper-math's five benchmarks, from the hub)")
     p.add_argument("--grade-samples", type=int, default=0,
-                   help="section h's answers per row (0: 16, --quick 2)")
-    p.add_argument("--grade-repeats", type=int, default=2, help="section h's passes (median)")
-    p.add_argument("--grade-data", default="",
-                   help="section h's sets as NAME=FILE,... (default: GRADE_SETS in --mirrors)")
-    p.add_argument("--mirrors", default="/work/.mirror",
-                   help="section h: the folder of GRADE_SETS' git clones")
-    p.add_argument("--trl-rescore-steps", type=int, default=0,
-                   help="optimizer steps per run in section i (0: 12, --quick 2)")
-    p.add_argument("--json", default="", help="write all measurements here")
+                   help="grading: answers per row (0: 16, --quick 2)")
+    p.add_argument("--trl-select-steps", type=int, default=0,
+                   help="trl-select: optimizer steps per run (0: 12, --quick 2)")
     a = p.parse_args(argv)
-    a.tokens = a.tokens or (256 if a.quick else 32768 if a.device == "cuda" else 4096)
-    a.head_repeats = a.head_repeats or (a.repeats if a.device == "cuda" or a.quick else 2)
+    for flag in ("threads", "tokens", "head_repeats", "grade_samples", "trl_select_steps"):
+        if getattr(a, flag) < 0:
+            raise gmts.BadInput(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(a, flag)}")
+    for flag in ("repeats", "vocab", "chunk", "plan_hidden"):
+        if getattr(a, flag) < 1:
+            raise gmts.BadInput(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if not 0 < a.rho <= 1:
+        raise gmts.BadInput(f"--rho must be in (0, 1], got {a.rho}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise gmts.BadInput("--device cuda but torch sees no CUDA device")
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = a.device == "cuda"
+    a.json = a.json or f"bench_{a.command.replace('-', '_')}.json"
+    a.tokens = a.tokens or (256 if a.quick else 32768 if cuda else 4096)
+    a.head_repeats = a.head_repeats or (a.repeats if cuda or a.quick else 2)
     a.select_sizes = [2 ** 14, 2 ** 16] if a.quick else [2 ** 20, 2 ** 25]
+    a.shape = a.shape or ("small" if a.quick else "qwen0.5b" if cuda else "tiny")
     a.trl_steps = (2 if a.quick else 4) if a.trl_steps < 0 else a.trl_steps
-    a.thread_steps = a.thread_steps or (1 if a.quick else 5)
     a.grade_samples = a.grade_samples or (2 if a.quick else 16)
-    a.grade_repeats = 1 if a.quick else a.grade_repeats
-    a.trl_rescore_steps = a.trl_rescore_steps or (2 if a.quick else 12)
-    a.thread_preset = a.thread_preset or ("smoke" if a.quick else "cpu")
-    if a.fast_generate is None:
-        a.fast_generate = a.quick or a.device == "cuda"
+    a.trl_select_steps = a.trl_select_steps or (2 if a.quick else 12)
     if a.quick:
-        a.vocab, a.repeats, a.small, a.extra = min(a.vocab, 8192), min(a.repeats, 2), True, True
+        a.vocab, a.repeats = min(a.vocab, 8192), min(a.repeats, 2)
     return a
 
 
-def main(argv=None):
-    """`plan [gmts.py's flags]`: the memory plan of that run; else the benchmark. Errors: one line
-    (gmts.run_cli)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:
-        return gmts.run_cli("bench_gmts", lambda: plan(argv[1:]))
-    return gmts.run_cli("bench_gmts", lambda: bench(argv))
+def check_json(path: str):
+    """BadInput before any work unless `path` can be written as a file (its folder exists)."""
+    if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or ".")):
+        raise gmts.BadInput(f"--json {path}: not a file in an existing folder")
+
+
+def write_json(path: str, value):
+    gmts.write_file(path, json.dumps(value, indent=1))
+
+
+def meta(args, dev: torch.device) -> dict:
+    """Where the numbers were measured: device, torch and its CPU kernels, threads, commit."""
+    try:
+        commit = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], text=True,
+                                capture_output=True).stdout.strip() or None
+    except OSError:  # no git
+        commit = None
+    return dict(command=args.command, quick=args.quick, repeats=args.repeats,
+                device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                torch=torch.__version__, cpu_kernels=torch.backends.cpu.get_cpu_capability(),
+                threads=torch.get_num_threads(), cpus=os.cpu_count(),
+                commit=commit, trl=selective_log_softmax is not None)
+
+
+def show(R: dict, rows: list):
+    """A command's table (what, median ms, median peak MB, a note) and its ratios, printed."""
+    m = R["meta"]
+    print(f"bench_gmts.py {m['command']} | device {m['device']} | torch {m['torch']} "
+          f"({m['cpu_kernels']} kernels, {m['threads']} thread(s) of {m['cpus']} CPUs) | "
+          f"commit {m['commit']} | medians of {m['repeats']} | {m['seconds']:.0f} s", flush=True)
+
+    def cell(x, width):
+        return f"{x:{width}.1f}" if x is not None else f"{'-':>{width}}"
+    print(f"{'':<38} {'ms':>10} {'peak MB':>9}  note")
+    for name, r, note in rows:
+        print(f"{name:<38} {cell(r.get('ms'), 10)} {cell(r.get('peak_mb'), 9)}  {note}")
+    print("ratios")
+    for name, value in R["ratios"].items():
+        print(f"  {name:<62} {value:.3g}")
 
 
 def bench(argv: list) -> dict:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device")
+    check_json(args.json)
     if args.threads and args.device == "cpu":
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    meter = Meter(dev)
     t0 = time.time()
-    R = dict(meta=dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                       torch=torch.__version__, threads=torch.get_num_threads(),
-                       cpus=os.cpu_count(), tokens=args.tokens, vocab=args.vocab, hidden=HIDDEN,
-                       chunk=args.chunk, rho=args.rho, repeats=args.repeats, quick=args.quick,
-                       trl=selective_log_softmax is not None, loadavg_start=os.getloadavg(),
-                       peak_method="cuda max_memory_allocated" if dev.type == "cuda"
-                       else "VmHWM - VmRSS" if meter.cpu_rss else "none"))
-    steps = [("a", "stats", sec_stats), ("b", "loss_head", sec_loss_head),
-             ("c", "select", sec_select), ("d", "step_tiny", sec_tiny_step)]
-    if dev.type == "cuda" or args.small:
-        steps.append(("e", "step_model", sec_model_step))
-    steps.append(("f", "threads", sec_threads))
-    steps.append(("g", "memory_plan", sec_memory_plan))
-    steps.append(("h", "grading", sec_grading))
-    steps.append(("i", "trl_rescore", sec_trl_rescore))
-    for letter, key, fn in steps:
-        if letter in args.sections:
-            t = time.time()
-            R[key] = fn(args, meter, dev)
-            print(f"[{letter}] {key}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-    S = R.get("step_model", {})  # issue 16's headline figures, at the top level of the JSON
-    if "rollout_paths" in S:
-        new = S["rollout_paths"]["new"]
-        R.update(rollout_speedup=S["rollout_paths"]["speedup"],
-                 sampler_logp_gap=new["sampler_logp_gap"],
-                 sampler_logp_gap_max=new["sampler_logp_gap_max"],
-                 step_ratio_gmts_trl=S.get("step_ratio_gmts_trl"))
-    R["targets"] = targets(R, args.chunk)
-    R["meta"].update(loadavg_end=os.getloadavg(), seconds=round(time.time() - t0, 1))
-    m = R["meta"]
-    print(f"device {m['device']} | torch {m['torch']} | {m['threads']} thread(s) of {m['cpus']} "
-          f"CPUs | tokens {m['tokens']} x vocab {m['vocab']} x hidden {HIDDEN} "
-          f"| chunk {m['chunk']} | rho {m['rho']} "
-          f"| medians of {m['repeats']} (a, b: {args.head_repeats}) "
-          f"| load {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} | {m['seconds']:.0f} s",
-          flush=True)
-    print(table(R), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(R, f, indent=1)
+    res, rows, ratios = COMMANDS[args.command](args, Meter(dev), dev)
+    R = dict(meta=meta(args, dev), ratios=ratios, results=res)
+    R["meta"]["seconds"] = round(time.time() - t0, 1)
+    show(R, rows)
+    write_json(args.json, R)
     return R
+
+
+def main(argv=None):
+    """`plan [gmts.py's flags]`: the memory plan of that run; else a measuring command. Errors:
+    one line (gmts.run_cli)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return gmts.run_cli("bench_gmts", lambda: plan(argv[1:]))
+    return gmts.run_cli("bench_gmts", lambda: bench(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""pytest runs the test files in 2 worker processes (pytest.ini: -n 2, pytest-xdist): one torch thread each, so the
-two workers do not fight over this 2-core machine's cores (subprocesses inherit OMP_NUM_THREADS=1 too). Each
-process gets one empty HF_HOME (no user cache is read or written), removed when its session ends."""
+"""pytest runs the test files in 2 worker processes (pytest.ini: -n 2, pytest-xdist): one torch
+thread each, so the two workers do not fight over this 2-core machine's cores (subprocesses
+inherit OMP_NUM_THREADS=1 too). Each process gets one empty HF_HOME (no user cache is read or
+written), removed when its session ends."""
 import os
 import shutil
 import tempfile

@@ -50,8 +50,8 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
 """
-import argparse, ast, contextlib, copy, dataclasses, fnmatch, functools, importlib.util, itertools
-import json, math, operator, os, random, re, shutil, sys, threading, time
+import argparse, ast, collections, contextlib, copy, dataclasses, fnmatch, functools, importlib.util
+import itertools, json, math, operator, os, random, re, shutil, sys, threading, time
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -305,15 +305,16 @@ def math_reward(completion: str, answer: str, latex: bool = False,
                 answer_line: bool = False) -> float:
     """1.0 iff the final answer equals the gold; no format bonus. A GSM8K row (latex False): the
     last \\boxed{}, else the number after ####, else the last number, as an exact fraction. Any
-    other row: the last \\boxed{} (answer_line: the last 'Answer:' line); numbers as fractions,
-    anything else by same_latex: units compared where both sides have one, values by math-verify."""
+    other row: the last \\boxed{} (answer_line: the last 'Answer:' line; an unclosed last box is
+    no answer) by same_latex: units compared where both sides have one, numbers exactly (4.5e33 is
+    4.5 \\times 10^{33}), anything else by math-verify."""
     got = _answer_line(completion) if answer_line else math_final_answer(completion, latex)
-    gold = parse_number(str(answer))
-    if got is None or (gold is None and not latex):
+    if got is None:
         return 0.0
-    if gold is not None and (not latex or parse_number(got) is not None):
-        return float(parse_number(got) == gold)
-    return float(same_latex(str(answer), got))
+    if latex:
+        return float(same_latex(str(answer), got))
+    gold = parse_number(str(answer))
+    return float(gold is not None and parse_number(got) == gold)
 
 _ENTRY = r"[\s,;]*([a-z]+)\s*:\s*(knight|knave)(?![a-z])(?:\s*\.)?"  # 'name: role', maybe a '.'
 
@@ -355,7 +356,7 @@ def commonsense_reward(completion: str, choices: dict, key: str) -> float:
     names several ('A, B', 'B or C', 'B. dog C. cup'), a label with another option's text
     ('B. cup'), a text two options share, or an unclosed last box earns 0.
     choices: {label: [...], text: [...]}."""
-    box = _last_boxed(completion, tries=1, cap=300)  # the LAST box only; unclosed: no answer
+    box = _last_boxed(completion)  # the LAST box; not closed within BOX_CAP: no answer
     if box is None:
         return 0.0
     said = _plain(box)
@@ -860,9 +861,9 @@ def sample_groups(run: Run, cfg: Config, step: int) -> tuple:
         # 2. G answers per prompt from the sampler, with its own log-probs (answer n answers
         # prompt n // G), in generate() calls of --rollout-rows answers (sample_answers)
         batch = sample_answers(run, prompts, cfg)
-        # 3. one reward per answer from the task's verifier (the Rewards section)
-        rewards = torch.tensor([float(run.task["reward"](text, rows[n // G]))
-                                for n, text in enumerate(batch["texts"])])  # (N,)
+        # 3. one reward per answer from the task's verifier (the Rewards section), each timed
+        rewards, batch["grade_s"], batch["grade_timeout"] = grade_answers(
+            run.task["reward"], batch["texts"], rows, G)  # (N,) each
         # 4. group advantages
         adv = group_advantages(rewards, G, cfg.std_normalize).to(batch["comp_ids"].device)  # (N,)
         parts.append((batch, rewards, adv))
@@ -1035,20 +1036,36 @@ def parse_number(s: str):
         return None
     return sign * top / bottom
 
-def _last_boxed(text: str, tries=5, cap=100):
-    """The last closed \\boxed{...}'s content, by bounded brace scans from the last few openings."""
+# -- the final answer: the last \boxed{} (or \fbox{}), the number after ####, an 'Answer:' line --
+BOX_CAP = 1000  # characters: a last \boxed{} not closed within them is no answer (a truncated one)
+
+def _last_box(text: str, tries: int = 5) -> int:
+    """Where the last \\boxed{ or \\fbox{ (a space before '{' allowed) opens: the index after its
+    '{', or -1. A few bare mentions of \\boxed (no '{' after them) are passed over."""
     end = len(text)
     for _ in range(tries):
-        i = text.rfind("\\boxed{", 0, end)
+        i = max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
         if i < 0:
-            return None
-        start = i + len("\\boxed{")
-        depth = 1
-        for j in range(start, min(len(text), start + cap)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[start:j]
+            return -1
+        j = i + (len("\\boxed") if text.startswith("\\boxed", i) else len("\\fbox"))
+        while j < min(len(text), i + 20) and text[j] == " ":
+            j += 1
+        if text.startswith("{", j):
+            return j + 1
         end = i
+    return -1
+
+def _last_boxed(text: str, cap: int = BOX_CAP):
+    """The last \\boxed{...}'s (or \\fbox{...}'s) content, or None: no box, or the last one not
+    closed within cap characters (a truncated answer: an earlier box never stands in for it)."""
+    start = _last_box(text)
+    if start < 0:
+        return None
+    depth = 1
+    for j in range(start, min(len(text), start + cap)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start:j]
     return None
 
 def _last_number(text: str):
@@ -1067,11 +1084,11 @@ def _last_number(text: str):
     return number
 
 def math_final_answer(text: str, boxed_only: bool = False):
-    """The last \\boxed{}, else the number after the last ####, else the last number in the text
-    (or None). boxed_only (competition answers): the last \\boxed{} of up to 300 characters only."""
-    boxed = _last_boxed(text, cap=300 if boxed_only else 100)
-    if boxed is not None or boxed_only:
-        return boxed
+    """The last \\boxed{} (None if it is not closed: a truncated answer), else the number after the
+    last ####, else the last number in the text (or None). boxed_only (competition answers): the
+    last \\boxed{} only."""
+    if boxed_only or _last_box(text) >= 0:
+        return _last_boxed(text)
     k = text.rfind("####")
     if k < 0:
         return _last_number(text)
@@ -1084,69 +1101,304 @@ def _answer_line(text: str):
     if k < 0:
         return None
     line = text[k + len("Answer:"):k + 400].split("\n", 1)[0].strip().strip("$").strip()
-    boxed = _last_boxed(line, cap=300)
+    boxed = _last_boxed(line)
     return boxed if boxed is not None else line or None
 
-# The forms of an answer math-verify reads (same_latex's): its value and its unit apart
-_LETTER = re.compile(r"\\(?:text|mbox|mathrm)\{ *([A-Za-z]) *\}")  # \mathrm{i}: the letter i
-_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{ *([A-Za-z][A-Za-z ]*?) *\}(?:\^\{?([23])\}?)?")  # \text{ cm}^2
-_GAPS = ("\\,", "\\;", "\\:", "\\!", "\\quad", "\\qquad", "~", "\\")  # spacing ("\\ " stripped: "\\")
-_MAGNITUDE = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
-_UNIT_ALIAS = {"centimeter": "cm", "centimetre": "cm", "millimeter": "mm", "millimetre": "mm",
-               "meter": "m", "metre": "m", "kilometer": "km", "kilometre": "km", "inch": "in",
-               "foot": "ft", "feet": "ft", "hour": "h", "hr": "h", "minute": "min", "second": "s",
-               "sec": "s", "degree": "deg"}
-_POWER_ARG = re.compile(  # \sin^2 t
-    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
-_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # math-verify 0.9 reads 'a + b + c' as 'a +'
+# -- numbers: parse_number's forms and those LaTeX answers add, exact --
+_SCI = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)[eE]([-+]?[0-9]{1,3})")  # 4.5e33, 1.2E-5
+_TIMES_TEN = re.compile(  # 4.5 \times 10^{33}, 6 \cdot 10^8, 10^{-5}
+    r"(?:(.+?)\s*(?:\\times|\\cdot|\*)\s*)?10\s*\^\s*(?:\{\s*([-+]?[0-9]{1,3})\s*\}|([0-9]))")
+# 0.1\overline{6}, 4\frac{2}{3}
+_REPEATING = re.compile(r"([0-9]*)\.([0-9]*)\s*\\(?:overline|bar)\s*\{([0-9]{1,30})\}")
+_MIXED = re.compile(r"([0-9]{1,30})\s*\\[dt]?frac\s*\{([0-9]{1,30})\}\s*\{([0-9]{1,30})\}")
 
-def value_unit(s: str) -> tuple:
-    """A LaTeX answer -> (its value, its unit or ""): no $...$ around it, no trailing . , ; or
-    degree sign, a one-letter \\text{} (\\mathrm{i}, \\mathrm{e}) as the letter; the unit: the words
-    of a trailing \\text{..}, \\mbox{..} or \\mathrm{..} after a value, lower case, with the spacing
-    before it and a power ^2 ^3 after it (a one-letter one stays in the value too). A magnitude
-    word (10\\text{ thousand}) is no unit: it multiplies the value."""
+def read_number(s: str):
+    """Exact value of a LaTeX answer's number: parse_number's forms, e-notation (4.5e33, read as a
+    number, not as 4.5 * e * 33), a power of ten (4.5 \\times 10^{33}, 10^{-5}), a repeating decimal
+    (0.\\overline{3}, 0.1\\overline{6}), a mixed number (4\\frac{2}{3}), with a sign; else None."""
+    s = s.strip()
+    if len(s) > 100:
+        return None
+    sign = -1 if s.startswith("-") else 1
+    if s[:1] in "-+":
+        s = s[1:].strip()
+    m = _SCI.fullmatch(s)
+    if m:
+        return sign * Fraction(m[1]) * Fraction(10) ** int(m[2])
+    m = _TIMES_TEN.fullmatch(s)
+    if m:
+        mantissa = Fraction(1) if m[1] is None else parse_number(m[1])
+        exponent = int((m[2] or m[3]).replace("+", ""))
+        return None if mantissa is None else sign * mantissa * Fraction(10) ** exponent
+    m = _REPEATING.fullmatch(s)
+    if m:
+        whole, fixed, repeat = m[1] or "0", m[2], m[3]
+        shift = Fraction(1, 10 ** len(fixed))
+        return sign * (int(whole) + int(fixed or "0") * shift
+                       + Fraction(int(repeat), 10 ** len(repeat) - 1) * shift)
+    m = _MIXED.fullmatch(s)
+    if m and 0 < int(m[2]) < int(m[3]):
+        return sign * (int(m[1]) + Fraction(int(m[2]), int(m[3])))
+    n = parse_number(s)
+    return None if n is None else sign * n
+
+def _exact(n: Fraction) -> str:
+    """A number as LaTeX that math-verify reads exactly: '-3', '\\frac{1}{3}'."""
+    if n.denominator == 1:
+        return str(n.numerator)
+    return "-" * (n < 0) + f"\\frac{{{abs(n.numerator)}}}{{{n.denominator}}}"
+
+# -- units: one table of spellings; an answer's unit read from its end (value_unit) --
+_TEXT = r"\\(?:text|textnormal|textrm|textup|textsf|textit|textbf|mathrm|mbox|operatorname)"
+_GROUP = r"\{(?:[^{}]|\{[^{}]*\})*\}"  # {...}, one level of braces inside
+_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![A-Za-z])")
+# A unit's symbol: (its kind, its other spellings); a spelling's plural in -s or -es reads too
+_UNITS = {
+    "m": ("length", "meter metre"), "cm": ("length", "centimeter centimetre"),
+    "mm": ("length", "millimeter millimetre"), "km": ("length", "kilometer kilometre"),
+    "um": ("length", "µm micrometer micron"), "nm": ("length", "nanometer nanometre"),
+    "pm": ("length", "picometer picometre"), "Å": ("length", "angstrom"),
+    "in": ("length", "inch"), "ft": ("length", "foot feet"), "yd": ("length", "yard"),
+    "mi": ("length", "mile"),
+    "s": ("time", "sec second"), "min": ("time", "minute"), "h": ("time", "hr hour"),
+    "day": ("time", ""), "week": ("time", "wk"), "month": ("time", ""), "yr": ("time", "year"),
+    "g": ("mass", "gram"), "kg": ("mass", "kilogram"), "mg": ("mass", "milligram"),
+    "lb": ("mass", "pound"), "oz": ("mass", "ounce"), "ton": ("mass", "tonne"),
+    "L": ("volume", "l liter litre"), "mL": ("volume", "ml milliliter millilitre"),
+    "gal": ("volume", "gallon"), "unit": ("unit", ""),
+    "$": ("money", "dollar usd"), "cent": ("money", "¢ \\textcent"), "%": ("percent", "percent"),
+    "deg": ("angle", "degree"), "rad": ("angle", "radian"),
+    "K": ("temperature", "kelvin"), "C": ("temperature", "celsius"),
+    "F": ("temperature", "fahrenheit"),
+    "J": ("energy", "joule"), "eV": ("energy", "electronvolt"), "erg": ("energy", ""),
+    "cal": ("energy", "calorie"), "kcal": ("energy", "kilocalorie"), "N": ("force", "newton"),
+    "W": ("power", "watt"), "V": ("voltage", "volt"), "M": ("concentration", "molar"),
+}
+_UNIT_ALIAS = {w: sym for sym, (_, spellings) in _UNITS.items() for w in [sym, *spellings.split()]}
+_COMPOUND = {"mph": {"mi": 1, "h": -1}, "kph": {"km": 1, "h": -1}, "kmh": {"km": 1, "h": -1},
+             "cc": {"cm": 3}}  # spellings of a unit of several symbols
+_BARE = {"cm", "mm", "km", "ft", "in", "yd", "mi", "kg", "lb", "oz", "hr"}  # 2 letters, no \text
+_MAGNITUDE = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12,
+              "tenth": -1, "hundredth": -2, "thousandth": -3, "millionth": -6}  # words x 10^k
+_POWER_WORD = {"square": 2, "sq": 2, "cubic": 3, "cu": 3, "squared": 2, "cubed": 3}
+_NUMBER_WORD = dict(zip(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty".split(), range(21)))
+_NUMBER_WORD.update(zip("thirty forty fifty sixty seventy eighty ninety".split(),
+                        range(30, 100, 10)))
+
+def _singular(w: str) -> str:
+    """An English plural's singular, roughly: boxes -> box, pennies -> penny, hours -> hour."""
+    if len(w) < 4 or not w.endswith("s") or w.endswith("ss"):
+        return w
+    if w.endswith(("sses", "xes", "ches", "shes", "zzes")):
+        return w[:-2]
+    return w[:-3] + "y" if w.endswith("ies") else w[:-1]
+
+def _unit_word(word: str) -> str:
+    """A unit word's symbol (a spelling's, its plural's), else the word: lower case, singular."""
+    for w in dict.fromkeys([word, word.lower()]):
+        plurals = [w[:-1], w[:-2]] if len(w) > 2 and w.endswith("s") else []
+        for form in [w, *plurals]:
+            if form in _UNIT_ALIAS:
+                return _UNIT_ALIAS[form]
+    return _singular(word.lower())
+
+def _magnitude(word: str):
+    """10's power a magnitude word (thousand, millions, hundredths) stands for, else None."""
+    w = word.lower()
+    return _MAGNITUDE.get(w, _MAGNITUDE.get(w[:-1])) if w.endswith("s") else _MAGNITUDE.get(w)
+
+def _unit_of(text: str) -> tuple:
+    """Unit words ('hundred thousand', 'square feet', 'km/h', 'm s^{-1}', 'miles per hour', '\\%')
+    -> (the power of 10 of their leading magnitude words, the unit as a canonical string)."""
+    text = re.sub(r"(?:\\mu|µ|μ)\s*", "µ", _DEGREE.sub(" deg ", text))
+    for latex, symbol in (("\\$", "$"), ("\\%", "%"), ("\\AA", "Å"), ("\\textcent", "¢")):
+        text = text.replace(latex, symbol)
+    text = re.sub(r"\\[A-Za-z]+", " ", text)  # \cdot, \quad, \text: no unit words
+    exp10, unit, last, sign, power = 0, collections.Counter(), None, 1, 1
+    for word in re.findall(r"\^\s*\{?\s*-?\s*[0-9]|/|[A-Za-z$%¢µÅ]+", text):
+        w = word.lower()
+        if word.startswith("^") or w in ("squared", "cubed"):  # the power of the symbol before it
+            p = _POWER_WORD[w] if w in _POWER_WORD else int(re.sub(r"[^-0-9]", "", word))
+            if last:
+                unit[last[0]] += last[1] * (p - 1)
+        elif w in ("/", "per"):
+            sign = -1
+        elif w in _POWER_WORD:
+            power = _POWER_WORD[w]
+        elif not unit and _magnitude(w) is not None:
+            exp10 += _magnitude(w)
+        else:
+            symbol = _unit_word(word)
+            for sym, p in _COMPOUND.get(symbol, {symbol: 1}).items():
+                unit[sym] += sign * power * p
+            last = (symbol, sign * power) if symbol not in _COMPOUND else None
+            sign, power = 1, 1
+    return exp10, " ".join(s if p == 1 else f"{s}^{p}" for s, p in sorted(unit.items()) if p)
+
+def unit_kind(unit: str) -> str:
+    """A canonical unit's kind: 'h^-1 km' -> 'length time^-1'; an unknown symbol is its own."""
+    kinds = collections.Counter()
+    for part in unit.split():
+        sym, _, p = part.partition("^")
+        kinds[_UNITS.get(sym, (sym,))[0]] += int(p or 1)
+    return " ".join(k if p == 1 else f"{k}^{p}" for k, p in sorted(kinds.items()) if p)
+
+def same_unit(a: str, b: str) -> bool:
+    """Whether two units' words ('cm', 'centimeters'; 'mph', 'miles per hour') are one unit."""
+    return _unit_of(a)[1] == _unit_of(b)[1]
+
+_TOKEN = re.compile(  # an answer's pieces, for value_unit to read its unit from the end
+    rf"(?P<text>{_TEXT}\s*{_GROUP}|\{{\s*~\s*[A-Za-z]+\s*\}})"  # \text{ cm}, Minerva's {~m}
+    rf"|(?P<frac>\\[dt]?frac\s*{_GROUP}\s*{_GROUP})"  # \frac{\text{m}}{\text{s}}
+    rf"|(?P<deg>{_DEGREE.pattern})"
+    r"|(?P<power>\^\s*(?:\{\s*-?\s*[0-9]\s*\}|-?[0-9]))"
+    r"|(?P<sign>\\%|%|\\AA(?![A-Za-z])|¢|µ|μ|\\mu(?![A-Za-z]))"
+    r"|(?P<word>[A-Za-z]+)"
+    r"|(?P<op>/|\\cdot(?![A-Za-z]))"
+    r"|(?P<gap>\s+|\\[,;:! ]|~|\\q?quad(?![A-Za-z]))"
+    r"|\\[A-Za-z]+|.", re.S)
+_LETTER = re.compile(rf"{_TEXT}\{{ *([A-Za-z]) *\}}")  # \mathrm{i}: the letter i
+_MONEY = re.compile(r"(-?)\s*\\?\$\s*(?=[0-9.]|\\[dt]?frac)")  # \$5, $5, -\$5, \$\frac{1}{2}
+
+def _unit_text(token) -> str:
+    """A unit token's words: a \\text{}'s content, a \\frac{}{}'s as 'top / bottom', else itself."""
+    if token.lastgroup == "frac":
+        top, bottom = re.match(rf"\\[dt]?frac\s*({_GROUP})\s*({_GROUP})", token[0]).groups()
+        return f" {top[1:-1]} / {bottom[1:-1]} "
+    if token.lastgroup == "text":
+        return " " + token[0].split("{", 1)[1][:-1] + " "
+    return token[0]
+
+def _is_unit_word(word: str) -> bool:
+    """A bare word (no \\text{}) read as a unit: a symbol or spelling of one (a two-letter one
+    only from _BARE: mg may be m times g), a magnitude or power word, per."""
+    w = word.lower()
+    if len(word) == 2 and _unit_word(word) not in _BARE and w not in _BARE:
+        return False
+    return (_unit_word(word) in _UNITS or w in _COMPOUND or _magnitude(w) is not None
+            or w in _POWER_WORD or w == "per")
+
+def _word_number(word: str):
+    """'four' -> '4', 'Twenty-one' -> '21'; else None."""
+    tens, _, ones = word.lower().partition("-")
+    n, k = _NUMBER_WORD.get(tens), _NUMBER_WORD.get(ones, None if ones else 0)
+    if n is None or k is None or (ones and (n < 20 or n % 10 or not 0 < k < 10)):
+        return None
+    return str(n + k)
+
+def _number_words(s: str) -> str:
+    """An answer that starts with a number word, as digits: 'four' -> '4', '\\mbox{four}' -> '4',
+    '\\text{two hundred}' -> '2\\text{ hundred}'."""
+    inner = re.fullmatch(rf"{_TEXT}\s*\{{([^{{}}]*)\}}", s)
+    words = inner[1] if inner else s
+    m = re.match(r"\s*([A-Za-z]+(?:-[A-Za-z]+)?)(?![A-Za-z-])", words)
+    n = m and _word_number(m[1])
+    if not n:
+        return s
+    rest = words[m.end():]
+    return n + (f"\\text{{{rest}}}" if rest.strip() else "")
+
+@functools.lru_cache(maxsize=1 << 12)  # a gold is split again for each answer graded against it
+def value_unit(s: str, letters: bool = False) -> tuple:
+    """A LaTeX answer -> (its value, its unit: a canonical string, "" for none). No $...$ around
+    it, no trailing . , ;, a leading number word as digits. The unit: what ends it after a value:
+    the words of \\text{}, \\mathrm{}, \\mbox{}, \\textnormal{} ... (a one-letter one that is no
+    unit, \\mathrm{i}, stays in the value), ^\\circ, \\%, a leading \\$, bare unit words (5 miles,
+    60 mph), powers, / and per, the spacing before it; bare single letters (5 m, 5 m/s) only with
+    letters=True. Magnitude words (10\\text{ thousand}, 5 million, 3 tenths) are no unit: they
+    multiply the value."""
     s = s.strip().rstrip(".,; ")
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) > len(a + b) and s.startswith(a) and s.endswith(b):
-            s = s[len(a):-len(b)].strip()
-    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s.rstrip(".,; ")).rstrip(".,; ")
-    i = max(s.rfind("\\text{"), s.rfind("\\mbox{"), s.rfind("\\mathrm{"))  # the last one, if at the end
-    m = _UNIT.fullmatch(s, i) if i > 0 else None
-    value = s[:i].rstrip()
-    while m and value.endswith(_GAPS) and not value.endswith("\\\\"):  # the spacing before it goes with it
-        value = value[:-len(next(g for g in _GAPS if value.endswith(g)))].rstrip()
-    if not m or not value:  # no value before it: all of it is text
-        return _LETTER.sub(r"\1", s), ""
-    value, words, power = _LETTER.sub(r"\1", value), m[1].lower().split(), m[2] or ""
-    if len(m[1]) == 1:  # a letter: kept in the value, and the unit too
-        return value + " " * value[-1].isalpha() + m[1] + f"^{{{power}}}" * bool(power), m[1].lower() + f"^{power}" * bool(power)
-    if words[0].removesuffix("s") in _MAGNITUDE:  # never dropped: part of the value
-        k = _MAGNITUDE[words.pop(0).removesuffix("s")]
-        n = parse_number(value)
-        top, bottom = (0, 0) if n is None else (n * 10 ** k).as_integer_ratio()
-        value = (f"{value}\\times10^{{{k}}}" if n is None else
-                 str(top) if bottom == 1 else f"\\frac{{{top}}}{{{bottom}}}")
-    return value, " ".join(words) + f"^{power}" * bool(words and power)
+            s = s[len(a):-len(b)].strip().rstrip(".,; ")
+    s = _number_words(s)
+    money = _MONEY.match(s)
+    if money:
+        s = money[1] + s[money.end():]
+    tokens = list(_TOKEN.finditer(s))
+    i, explicit = len(tokens), bool(money)
+    while i > 0:
+        kind, word = tokens[i - 1].lastgroup, tokens[i - 1].group()
+        letter = _LETTER.fullmatch(word)
+        if kind == "text" and letter and letter[1] not in _UNITS:  # \mathrm{i}: the value's
+            break
+        if kind == "frac" and (not re.search(_TEXT, word) or re.search("[0-9]", word)):
+            break  # \frac{1}{2}: a number, not \frac{\text{m}}{\text{s}}
+        if kind == "word" and not _is_unit_word(word):
+            break
+        if kind not in ("text", "frac", "deg", "sign", "word", "power", "op", "gap"):
+            break
+        explicit = explicit or kind in ("text", "frac", "deg", "sign")
+        explicit = explicit or (kind == "word" and len(word) > 1)  # 5 cm; 5 m: a letter
+        i -= 1
+    while i < len(tokens) and tokens[i].lastgroup == "power":  # x^2 cm: ^2 is the value's
+        i += 1
+    start = tokens[i].start() if i < len(tokens) else len(s)
+    value = _DEGREE.sub("", s[:start]).strip()
+    tail = s[start:]
+    bare = not any(t.lastgroup in ("text", "frac", "deg") for t in tokens[i:])
+    if not value or (bare and not re.search(r"[0-9})]$", value)) or not (explicit or letters):
+        value, tail = _DEGREE.sub("", s).strip(), ""
+    words = "".join(_unit_text(t) for t in _TOKEN.finditer(tail)) + " $" * bool(money)
+    exp10, unit = _unit_of(words)
+    value = _LETTER.sub(r"\1", value)
+    n = read_number(value) if exp10 else None
+    if n is not None:
+        value = _exact(n * Fraction(10) ** exp10)
+    elif exp10:
+        value = f"{value}\\times10^{{{exp10}}}"
+    return value or s, unit
 
-def _unit_forms(word: str) -> set:
-    """A unit word's spellings: itself and its singulars (-s, -es), each through _UNIT_ALIAS."""
-    forms = {word, word[:-1] if len(word) > 2 and word.endswith("s") else "",
-             word[:-2] if len(word) > 3 and word.endswith("es") else ""} - {""}
-    return {_UNIT_ALIAS.get(f, f) for f in forms}
+def _pair_units(gold: str, got: str) -> tuple:
+    """value_unit of both sides, a bare letter after a value (5 m, 5 m/s) decided by the pair: a
+    unit where the other side's unit is of its kind, or in the answer where the gold has no unit
+    and no such letter; else a variable (Minerva's '\\frac{37}{4} m' is not '\\frac{37}{4}')."""
+    g, a = value_unit(gold), value_unit(got)
+    g_letter, a_letter = value_unit(gold, True), value_unit(got, True)
+    if g_letter != g and a[1] and unit_kind(g_letter[1]) == unit_kind(a[1]):
+        g = g_letter
+    gold_variable = g_letter != g
+    if a_letter != a and (unit_kind(a_letter[1]) == unit_kind(g[1]) if g[1] else not gold_variable):
+        a = a_letter
+    return g, a
 
-def same_unit(a: str, b: str) -> bool:
-    """Whether value_unit's units are one: the same words and power, the last word's spellings shared."""
-    (a, pa), (b, pb) = a.partition("^")[::2], b.partition("^")[::2]
-    (*a, last_a), (*b, last_b) = a.split() or [""], b.split() or [""]
-    return a == b and pa == pb and bool(_unit_forms(last_a) & _unit_forms(last_b))
+def _brackets(s: str) -> str:
+    """'set' for \\{1, 2\\} (not a set of tuples); 'tuple' for one (..) or [..] group with a comma
+    in it (a tuple, an interval); else ''."""
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\lbrace", "\\{")
+    s = s.replace("\\rbrace", "\\}").strip()
+    if s.startswith("\\{") and s.endswith("\\}"):
+        return "" if s[2:].lstrip().startswith(("(", "[")) else "set"
+    if s[:1] not in ("(", "[") or s[-1:] not in (")", "]") or "," not in s:
+        return ""
+    depth = 0
+    for k, c in enumerate(s):
+        depth += (c in "([") - (c in ")]")
+        if depth == 0 and k < len(s) - 1:  # (1,2) \cup (3,4): two groups
+            return ""
+    return "tuple"
+
+# The forms of a value handed to math-verify 0.9, which misreads these
+_POWER_ARG = re.compile(  # \sin^2 t
+    r"(\\(?:sin|cos|tan|sec|csc|cot)\^(?:[0-9]|\{[0-9]+\}))\s*([A-Za-z])(?![A-Za-z])")
+_SPACED_OP = re.compile(r"\s*([-+=])\s*")  # it reads 'a + b + c' as 'a +'
+_DIGIT_I = re.compile(r"(?<=[0-9])i(?![A-Za-z])")  # it reads 2i's i as real, 2 i's not
+_END_LETTERS = re.compile(  # its unit rule drops 2t's t, 2ab's ab (not an ordinal's th, 5 pm's pm)
+    r"(?<=[0-9}\s)])(?!(?:st|nd|rd|th|am|pm)\s*$)([A-Za-z]{1,2})\s*$")
 
 def normal_answer(s: str) -> str:
-    """A LaTeX answer's value (value_unit's) as math-verify 0.9 reads it right: no spaces around
-    + - =, \\sin^2 t as \\sin^{2}(t)."""
+    """A LaTeX answer's value (value_unit's) as math-verify 0.9 reads it right: a number only
+    read_number reads (4.5e33) exact, no spaces around + - =, \\sin^2 t as \\sin^{2}(t), 2i as 2 i,
+    one or two letters at the end in braces (2{t}: its unit rule drops a t, m, ab there)."""
     s = value_unit(s)[0]
+    n = read_number(s)
+    if n is not None and parse_number(s) is None:
+        return _exact(n)
     s = _POWER_ARG.sub(lambda m: f"{m[1]}({m[2]})", s)
-    return _SPACED_OP.sub(r"\1", s)
+    s = _DIGIT_I.sub(" i", _SPACED_OP.sub(r"\1", s))
+    return _END_LETTERS.sub(r"{\1}", s)
 
 def bare_answer(s: str) -> str:
     """The fallback's form (the rule: these strings equal) of an answer math-verify cannot read."""
@@ -1157,33 +1409,77 @@ def bare_answer(s: str) -> str:
     return "".join(s.split())
 
 def same_latex(gold: str, got: str) -> bool:
-    """A LaTeX answer against its gold: a unit on both sides (value_unit's) must be the same_unit
-    (on one side only it is not compared); then math-verify on their normal_answer forms, or where
-    math-verify cannot read the gold, their bare_answer forms equal."""
-    units = value_unit(gold)[1], value_unit(got)[1]
-    if all(units) and not same_unit(*units):
+    """A LaTeX answer against its gold: a unit on both sides (_pair_units') must be one (on one side
+    only it is not compared); a set is no tuple or interval; two numbers (read_number) must be
+    equal; anything else goes to math-verify as normal_answer forms, or where math-verify cannot
+    read the gold, their bare_answer forms must be equal."""
+    (g, g_unit), (a, a_unit) = _pair_units(gold, got)
+    if g_unit and a_unit and g_unit != a_unit:
         return False
-    g = normal_answer(gold)
+    if {_brackets(g), _brackets(a)} == {"set", "tuple"}:
+        return False
+    g_number, a_number = read_number(g), read_number(a)
+    if g_number is not None and a_number is not None:
+        return g_number == a_number
+    g = normal_answer(g)
     if latex_equal(g):
-        return latex_equal(g, normal_answer(got))
+        return latex_equal(g, normal_answer(a))
     return bare_answer(gold) == bare_answer(got)
 
 VERIFY_TIMEOUT_S = 5  # math-verify's own bound on each parse and comparison (signal.alarm)
+TIMEOUTS = collections.Counter()  # math-verify's timeouts so far ("parse", "verify"): each grade's
+
+def _verify_parse(s: str) -> list:
+    """math-verify's parse of \\boxed{s}: [] where it fails, and on a timeout, counted."""
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+    try:  # raise_on_error: its timeout is raised to us (it would only log it), not only returned
+        return parse("\\boxed{" + s + "}", parsing_timeout=VERIFY_TIMEOUT_S, raise_on_error=True)
+    except TimeoutException:  # a BaseException
+        TIMEOUTS["parse"] += 1
+    except Exception:  # what parse returns without raise_on_error
+        pass
+    return []
+
+def _verify_pair(gold, got) -> bool:
+    """math-verify's verify of one parsed gold against one parsed answer: False where it fails, and
+    on a timeout, counted."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+    try:
+        return verify(gold, got, timeout_seconds=VERIFY_TIMEOUT_S, raise_on_error=True)
+    except TimeoutException:
+        TIMEOUTS["verify"] += 1
+    except Exception:
+        pass
+    return False
 
 @functools.lru_cache(maxsize=1 << 16)  # avg@k grades the same answers again
 def latex_equal(gold: str, got: str = None) -> bool:
     """math-verify's verdict on two short answers as \\boxed{} contents, each parse and comparison
-    within VERIFY_TIMEOUT_S (a timeout is False); got None: whether it reads gold as math. Its
-    timeouts use signal.alarm, so grading runs in the main thread (a thread: RunError)."""
+    within VERIFY_TIMEOUT_S (a timeout is False, counted in TIMEOUTS); got None: whether it reads
+    gold as math. Its timeouts use signal.alarm, so grading runs in the main thread (a thread:
+    RunError)."""
     if threading.current_thread() is not threading.main_thread():
         raise RunError("math answers are graded in the main thread (math-verify's timeouts use "
                        "signal.alarm)")
-    from math_verify import parse, verify
-    g = parse("\\boxed{" + gold + "}", parsing_timeout=VERIFY_TIMEOUT_S)
+    g = _verify_parse(gold)
     if got is None:
         return any(not isinstance(x, str) for x in g)  # sympy read it, not only the string
-    a = parse("\\boxed{" + got + "}", parsing_timeout=VERIFY_TIMEOUT_S)
-    return verify(g, a, timeout_seconds=VERIFY_TIMEOUT_S)
+    a = _verify_parse(got)
+    return any(_verify_pair(x, y) for x, y in itertools.product(g, a))  # verify's own loop
+
+def grade_answers(reward, texts: list, rows: list, group_size: int) -> tuple:
+    """Algorithm step 3, timed: reward(texts[n], rows[n // group_size]) for each answer n ->
+    (rewards (N,), the seconds each took (N,), whether each hit a math-verify timeout (N,))."""
+    rewards, seconds, timed_out = [], [], []
+    for n, text in enumerate(texts):
+        t, before = time.perf_counter(), sum(TIMEOUTS.values())
+        rewards.append(float(reward(text, rows[n // group_size])))
+        seconds.append(time.perf_counter() - t)
+        timed_out.append(sum(TIMEOUTS.values()) > before)
+    return (torch.tensor(rewards), torch.tensor(seconds, dtype=torch.float64),
+            torch.tensor(timed_out, dtype=torch.bool))
 
 # ==== Problem generators [plumbing]: each task's offline data ====================================
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Heidi"]
@@ -1370,7 +1666,7 @@ def _math_layout(row: dict, where: str) -> dict:
         if isinstance(answer, list) and answer:
             answer = answer[0]
         if a.endswith("\\boxed") and isinstance(answer, str):
-            answer = _last_boxed(answer, tries=1, cap=2000)
+            answer = _last_boxed(answer, cap=2000)
         if question is not None and answer is not None:
             return {"question": question, "answer": answer}
     has_question = any(_cell(row, q) is not None for q, _ in LAYOUTS.values())
@@ -1919,6 +2215,7 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
     sampled = torch.cat([informative(part[1], cfg.group_size) for part in parts])
     zero_adv_kept = sel_mask & (adv == 0)[:, None]  # (N, T)
     gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
+    graded = [part[0] for part in parts]  # every answer graded this step, kept or filtered out
     dt = time.time() - t0
     return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
                 selected_frac=int(sel_mask.sum()) / max(int(valid.sum()), 1),
@@ -1930,6 +2227,8 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
                 groups_filtered_frac=1.0 - sampled.float().mean().item(), lr=opt.param_groups[0]["lr"],
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
+                grade_time_s=sum(float(b["grade_s"].sum()) for b in graded),
+                grade_timeouts=sum(int(b["grade_timeout"].sum()) for b in graded),
                 sampler_logp_gap=gap.mean().item(), sampler_logp_gap_max=gap.max().item())
 
 def plot_metrics(out: str):
@@ -1945,12 +2244,17 @@ def plot_metrics(out: str):
 
 # ==== Step lines and trackers [plumbing] ==========================================================
 SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
+GRADING_SHOWN = 0.2  # the line names the grading time when it is this share of the step or more
 
 def step_line(rec: dict) -> str:
-    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has."""
+    """'step 7 | reward_mean 0.412 | ... | 1.52 s': the keys of SHOWN that the record has, and the
+    grading time where it is GRADING_SHOWN of the step or more or an answer's grading timed out."""
     fields = [f"step {rec['step']}"] + [f"{key} {rec[key]:.3f}" for key in SHOWN if key in rec]
     if "step_time_s" not in rec:  # step 0: the evaluation alone
         return " | ".join(fields + [f"sample: {rec['eval_sample'][:80]!r}"])
+    grading, timed_out = rec.get("grade_time_s", 0.0), rec.get("grade_timeouts", 0)
+    if grading >= GRADING_SHOWN * rec["step_time_s"] or timed_out:
+        fields.append(f"grading {grading:.2f} s" + f" ({timed_out} timed out)" * bool(timed_out))
     return " | ".join(fields + [f"{rec['step_time_s']:.2f} s"])
 
 def step_logger(cfg: Config, log=print):

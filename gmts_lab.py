@@ -1,9 +1,14 @@
 """
 gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
 
+What a user runs:
   python gmts_lab.py warm [--task countdown|math|logic|commonsense] [--out warm/cpu]
       rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
+      methods x seeds, each a gmts run from the same --model: a table and a plot
+  python gmts_lab.py report math=out/math --png docs/math.png
+      tables and learning curves of compare folders, paired by seed
+The analysis behind docs/results.md's figures:
   python gmts_lab.py analyze --preset cpu --batches 4 --out out/analyze
   python gmts_lab.py analyze --preset cpu --batches 4 --rhos 0.01,0.05,0.2 --out out/ret
       the kept-gradient curve
@@ -11,16 +16,14 @@ gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never impo
       its table and figure
   python gmts_lab.py decoy --model out/cpu
       held-out accuracy with the real and with another problem's target
-  python gmts_lab.py report math=out/math --png docs/math.png
-      tables and learning curves of compare folders
   python gmts_lab.py scatter --png docs/scatter.png
       entropy against the GMTS score and the exact gradient norm, one batch per warm start
 
-Every flag that is not one of the lab's own (--methods, --seeds, --workers, --batches, --rhos,
---arms) goes to gmts.parse_args: --preset, --model, --out, --seed, --no-filter-groups, --steps ...
-Each command checks what it writes before any work: a file it would replace (compare.md,
-compare.png, analysis.json, retention.json, a --png) only with --overwrite, never the --model
-folder; warm rewrites a model folder's files only; compare's runs are gmts runs, under its rules.
+compare, analyze and decoy take gmts.py's flags beside their own (--preset, --model, --out,
+--seed, --no-filter-groups, --steps ...); the others take only their own. A command checks what
+it writes before any work (check_writes): a file it would replace only with --overwrite, never
+the --model folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
+under gmts.py's rules.
 
   warm     The CPU preset (gmts.PRESETS["cpu"]) starts from warm/cpu: a tiny Qwen2 trained by
            supervision to answer easy countdown problems with RANDOM well-formed answers (the
@@ -49,15 +52,15 @@ folder; warm rewrites a model folder's files only; compare's runs are gmts runs,
            a table of final held-out accuracy and a plot. A method may name its scope (gmts.py's
            --scope): gmts@batch is this project's whole-batch GMTS, gmts (--scope auto: group) the
            authors'; so may analyze's --arms.
+  report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per
+           compare folder, the final accuracy table and the paired differences by seed
+           (gmts - entropy, gmts - all, gradnorm - gmts); one figure, a learning-curve panel per
+           folder.
   analyze  What the kept tokens' gradient retains of the full batch gradient (cosine and norm ratio,
            per method, with and without dynamic sampling), and how each score ranks tokens by their
            true gradient norm. With --rhos R1,R2,...: the kept-gradient curve instead, the same
            cosine and ratio and the share of kept tokens in low-|A| groups at each rho on the raw
            batches (filter off), written to OUT/retention.json; `retention` draws it, a panel per
-           folder.
-  report   python gmts_lab.py report math=out/math logic=out/logic --png docs/domains.png: per
-           compare folder, the final accuracy table and the paired differences by seed
-           (gmts - entropy, gmts - all, gradnorm - gmts); one figure, a learning-curve panel per
            folder.
   decoy    How much of a model's accuracy it reads from the target: the same held-out problems, each
            prompt showing another problem's target, scored against its own.
@@ -78,7 +81,6 @@ import os
 import random
 import re
 import signal
-import tempfile
 import typing
 
 import torch
@@ -337,10 +339,10 @@ SCOPES = typing.get_args(gmts.Config.__annotations__["scope"])  # gmts.py's --sc
 
 def parse_arm(arm: str, flag: str = "--methods") -> tuple:
     """An arm is a --select method, or METHOD@SCOPE with a --scope (gmts@batch: this project's
-    whole-batch GMTS) -> (method, scope or None); ValueError (one line) otherwise."""
+    whole-batch GMTS) -> (method, scope or None); BadInput (one line) otherwise."""
     method, _, scope = arm.partition("@")
     if method not in gmts.METHODS or (scope and scope not in SCOPES):
-        raise ValueError(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
+        raise gmts.BadInput(f"{flag}: {arm!r} is not METHOD or METHOD@SCOPE (methods: "
                          f"{', '.join(gmts.METHODS)}; scopes: {', '.join(SCOPES)})")
     return method, scope or None
 
@@ -376,13 +378,14 @@ def compare(cfg: gmts.Config, methods: list, seeds: int, workers: int = 0, log=p
     for m in methods:
         parse_arm(m, "--methods")
     if not methods:
-        raise ValueError("--methods is empty: name --select methods, e.g. entropy,gmts,gmts@batch")
-    if not 1 <= seeds <= 1000:
-        raise ValueError(f"--seeds must be in [1, 1000], got {seeds}")
+        raise gmts.BadInput("--methods is empty: name --select methods, e.g. "
+                            "entropy,gmts,gmts@batch")
+    if seeds < 1:
+        raise gmts.BadInput(f"--seeds must be >= 1, got {seeds}")
     if len(set(methods)) < len(methods):  # two runs would write one folder
-        raise ValueError(f"--methods {','.join(methods)!r} names a method twice")
+        raise gmts.BadInput(f"--methods {','.join(methods)!r} names a method twice")
     if workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {workers}")
+        raise gmts.BadInput(f"--workers must be >= 0, got {workers}")
     runs = [dataclasses.replace(cfg, **arm_fields(m, cfg), seed=s,
                                 out=os.path.join(cfg.out, f"{m}-s{s}"))
             for m in methods for s in range(cfg.seed, cfg.seed + seeds)]
@@ -449,17 +452,17 @@ def ci95(v: list) -> tuple:
     return mean - half, mean + half
 
 def read_json(path: str):
-    """A JSON file's value; ValueError (one line) naming the file if it cannot be read as one."""
+    """A JSON file's value; BadInput (one line) naming the file if it cannot be read as one."""
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not readable as JSON ({type(e).__name__})") from None
+        raise gmts.BadInput(f"{path}: not readable as JSON ({type(e).__name__})") from None
 
 def number(value, where: str):
-    """value if it is a real number (not a bool), else ValueError (one line) saying where it was."""
+    """value if it is a real number (not a bool), else BadInput (one line) saying where it was."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: {value!r} is not a number")
+        raise gmts.BadInput(f"{where}: {value!r} is not a number")
     return value
 
 # the fields of a run's run_config.json that report and decoy read
@@ -467,19 +470,19 @@ READ = ("steps", "task", "data", "seed", "eval_size", "short_prompt", "chat_temp
         "max_new_tokens")
 
 def run_config(path: str) -> dict:
-    """A run's run_config.json; ValueError (one line) unless it is an object with READ's fields
+    """A run's run_config.json; BadInput (one line) unless it is an object with READ's fields
     (steps at least) of the types gmts.Config gives them."""
     file = os.path.join(path, "run_config.json")
     saved = read_json(file)
     if not (isinstance(saved, dict) and "steps" in saved and all(
             type(saved[k]) is type(getattr(gmts.Config, k)) for k in READ if k in saved)):
-        raise ValueError(f"{file}: not a gmts run's config ({', '.join(READ)} of their types)")
+        raise gmts.BadInput(f"{file}: not a gmts run's config ({', '.join(READ)} of their types)")
     return saved
 
 def finished_runs(folder: str) -> dict:
     """{method: {seed: [(step, eval_acc), ...]}} of compare's finished runs in folder
     (METHOD-sSEED folders whose last eval_acc is at the run's last step). A run still going or
-    stopped early is left out; a malformed one is a ValueError (one line)."""
+    stopped early is left out; a malformed one is a BadInput (one line)."""
     runs = collections.defaultdict(dict)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         method, _, seed = name.rpartition("-s")
@@ -585,7 +588,7 @@ def report(panels: dict, png: str, log=print) -> dict:
     fig = Figure(figsize=(5 * len(panels), 3.8))
     for ax, (title, r) in zip(fig.subplots(1, len(panels), squeeze=False)[0], runs.items()):
         if not r:
-            raise ValueError(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
+            raise gmts.BadInput(f"{panels[title]}: no finished compare runs (METHOD-sSEED folders)")
         fixed = fixed_guess_line(panels[title], r)
         tables = report_tables(r, final_truncated(panels[title], r))
         log(f"## {title} ({panels[title]})\n\n{tables}\n\n"
@@ -824,7 +827,7 @@ def _analysis_start(cfg: gmts.Config, batches: int, writes: str) -> tuple:
     """What analyze and retention_curve share: OUT/`writes` checked, then the model loaded
     -> (model, tok, task, draw, chat)."""
     if batches < 1:
-        raise ValueError(f"--batches must be >= 1, got {batches}")
+        raise gmts.BadInput(f"--batches must be >= 1, got {batches}")
     check_writes(cfg.out, (writes,), cfg.overwrite, cfg.model)
     device = gmts.pick_device(cfg.device)
     gmts.set_seed(cfg.seed)
@@ -874,13 +877,14 @@ def analyze(cfg: gmts.Config, batches: int, log=print, arms=ANALYZED) -> dict:
     return res
 
 def parse_rhos(text: str) -> list:
-    """'0.01,0.05' -> [0.01, 0.05], each in (0, 1]; ValueError (one line) otherwise."""
+    """'0.01,0.05' -> [0.01, 0.05], each in (0, 1]; BadInput (one line) otherwise."""
     try:
         rhos = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         rhos = []
     if not rhos or not all(0 < r <= 1 for r in rhos):
-        raise ValueError(f"--rhos {text!r}: a comma list of values in (0, 1], e.g. 0.01,0.05,0.2")
+        raise gmts.BadInput(f"--rhos {text!r}: a comma list of values in (0, 1], "
+                            "e.g. 0.01,0.05,0.2")
     return sorted(set(rhos))
 
 def retention_curve(cfg: gmts.Config, batches: int, rhos: list, log=print, arms=ANALYZED) -> dict:
@@ -934,7 +938,7 @@ def retention_table(res: dict) -> str:
 
 def read_retention(folder: str) -> dict:
     """retention_curve's result from OUT/retention.json
-    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}; ValueError (one line) unless
+    -> {rho (float): {arm: {"cos": [...], "ratio": [...], ...}}}; BadInput (one line) unless
     every rho holds the same arms (METHOD[@SCOPE]), each the same lists of numbers, cos and ratio
     among them."""
     path = os.path.join(folder, "retention.json")
@@ -948,7 +952,7 @@ def read_retention(folder: str) -> dict:
     keys = {frozenset(stats) for by_arm in res.values() for stats in by_arm.values()}
     if len(arms) != 1 or len(keys) != 1 or not {"cos", "ratio"} <= set(*keys) or not all(
             map(is_arm, *arms)):
-        raise ValueError(f"{path}: not a retention curve of analyze --rhos "
+        raise gmts.BadInput(f"{path}: not a retention curve of analyze --rhos "
                          "({rho: {arm: {cos: [...], ratio: [...]}}} alike for every rho)")
     return dict(sorted(res.items()))
 
@@ -1003,36 +1007,30 @@ def analysis_table(res: dict, arms=ANALYZED) -> str:
 # CLI [plumbing]: gmts.run_cli is the one error handler; each command checks what it writes first
 # --------------------------------------------------------------------------------------------------
 
-OWN_FLAGS = {"methods": "compare", "seeds": "compare", "workers": "compare",
-             "batches": "analyze", "rhos": "analyze", "arms": "analyze"}
 # what warm writes (save_pretrained of a model and its tokenizer): the files it may rewrite
 MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "tokenizer*",
                "*_tokens*.json", "chat_template.*")
 
 def check_writes(out: str, names=(), overwrite=False, model="", only=()):
-    """Before any work, ValueError (one line) unless this command may write the files `names` into
-    the folder `out`: out is, or can be made, a folder this process writes, not the --model folder
-    nor one holding it; no name is a folder there, none is replaced without --overwrite (it may be
-    anyone's); with `only` (patterns), out holds nothing else (warm rewrites a model, not a run)."""
+    """Before any work, BadInput (one line) unless this command may write the files `names` into
+    the folder `out`: out is, or can be made, a folder, not the --model folder nor one holding it;
+    no name is a folder there, none is replaced without --overwrite (it may be anyone's); with
+    `only` (patterns), out holds nothing else (warm rewrites a model, not a run)."""
     real, there = os.path.realpath(out), os.path.abspath(out)
     if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise ValueError(f"--out {out} is or holds the --model folder {model}")
+        raise gmts.BadInput(f"--out {out} is or holds the --model folder {model}")
     while not os.path.isdir(there):  # the nearest folder that exists: the rest is made in it
         if os.path.lexists(there):
-            raise ValueError(f"{there} is not a folder: {out} cannot be made")
+            raise gmts.BadInput(f"{there} is not a folder: {out} cannot be made")
         there = os.path.dirname(there)
-    try:  # a real write: os.access says yes to root, even where nothing can be written (/proc)
-        tempfile.TemporaryFile(dir=there).close()
-    except OSError as e:
-        raise ValueError(f"{out}: {there} cannot be written ({e.strerror})") from None
     for n in sorted(os.listdir(out)) if os.path.isdir(out) else []:
         path = os.path.join(out, n)
         if n in names and (os.path.isdir(path) or not overwrite):
-            raise ValueError(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
-                                                 ": pass --overwrite to replace it"))
+            raise gmts.BadInput(f"{path} exists" + (" as a folder" if os.path.isdir(path) else
+                                                    ": pass --overwrite to replace it"))
         warms = any(fnmatch.fnmatchcase(n, pattern) for pattern in only)
         if only and not warms and not n.startswith("."):
-            raise ValueError(f"--out {out} holds {n}, which warm does not write")
+            raise gmts.BadInput(f"--out {out} holds {n}, which warm does not write")
 
 def save_figure(fig, png: str, dpi: int = 90):
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
@@ -1041,40 +1039,60 @@ def save_figure(fig, png: str, dpi: int = 90):
 def main(argv=None):
     return gmts.run_cli("gmts_lab", lambda: _main(argv))
 
-def _main(argv):
-    # allow_abbrev=False: else --seed would be read as an abbreviation of --seeds
-    p = argparse.ArgumentParser(prog="gmts_lab.py",
+def parser() -> argparse.ArgumentParser:
+    """The lab's commands and their own flags; compare's, analyze's and decoy's other flags go to
+    gmts.parse_args."""
+    p = argparse.ArgumentParser(prog="gmts_lab.py", allow_abbrev=False,
                                 description="The experiments around gmts.py (see the module "
-                                            "docstring); flags not listed here go to "
-                                            "gmts.py's parser.",
-                                allow_abbrev=False)
+                                            "docstring).")
     p.error = gmts.bad_flag
-    p.add_argument("command",
-                   choices=["warm", "compare", "analyze", "decoy", "report", "retention",
-                            "scatter"])
-    p.add_argument("--methods", default="all,entropy,gmts",
-                   help="compare: comma list of --select methods, each maybe METHOD@SCOPE "
-                        "(gmts@batch)")
-    p.add_argument("--seeds", type=int, default=3, help="compare: seeds per method, from --seed on")
-    p.add_argument("--workers", type=int, default=0,
-                   help="compare: parallel processes (0: one per CPU core)")
-    p.add_argument("--batches", type=int, default=2, help="analyze: rollout batches")
-    p.add_argument("--rhos", default="",
-                   help="analyze: a comma list of rho values: the kept-gradient curve "
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, gmts_flags: bool = False) -> argparse.ArgumentParser:
+        # allow_abbrev=False: else compare's --seeds would take gmts.py's --seed
+        c = commands.add_parser(name, help=help, allow_abbrev=False,
+                                description=help + ("; gmts.py's flags too" if gmts_flags else ""))
+        c.error = gmts.bad_flag
+        return c
+
+    def figure(c: argparse.ArgumentParser, panels: str = ""):
+        if panels:
+            c.add_argument("panels", nargs="+", help=f"TITLE=FOLDER: {panels} folder per panel")
+        c.add_argument("--png", required=True, help="the figure")
+        c.add_argument("--overwrite", action="store_true", help="replace an existing --png file")
+
+    c = command("warm", "rebuild a committed warm start")
+    c.add_argument("--task", default="countdown", choices=sorted(WARM),
+                   help="the warm start to build")
+    c.add_argument("--out", default=None, help="folder for the model and tokenizer "
+                                               "(default: warm/cpu, or warm/TASK)")
+    c = command("compare", "methods x seeds, each a gmts run from the same --model", True)
+    c.add_argument("--methods", default="all,entropy,gmts",
+                   help="comma list of --select methods, each maybe METHOD@SCOPE (gmts@batch)")
+    c.add_argument("--seeds", type=int, default=3, help="seeds per method, from --seed on")
+    c.add_argument("--workers", type=int, default=0,
+                   help="parallel processes (0: one per CPU core)")
+    figure(command("report", "tables and learning curves of compare folders"), "a compare --out")
+    c = command("analyze", "what the kept tokens' gradient retains, and the rankings", True)
+    c.add_argument("--batches", type=int, default=2, help="rollout batches")
+    c.add_argument("--rhos", default="",
+                   help="a comma list of rho values: the kept-gradient curve "
                         "(OUT/retention.json) instead of the one-rho table")
-    p.add_argument("--arms", default=",".join(ANALYZED),
-                   help="analyze: comma list of METHOD or METHOD@SCOPE (gmts@batch: the "
-                        "whole-batch variant); a method alone ranks at --scope "
-                        "(auto: its default)")
-    lab, rest = p.parse_known_args(argv)
-    # a flag another command reads would be ignored in silence
-    for flag, command in OWN_FLAGS.items():
-        if getattr(lab, flag) != p.get_default(flag) and lab.command != command:
-            p.error(f"--{flag} is {command}'s flag; {lab.command} does not read it")
-    if lab.command == "warm":
-        return warm_main(rest)
-    if lab.command in ("report", "retention", "scatter"):
-        return figure_main(lab.command, rest)
+    c.add_argument("--arms", default=",".join(ANALYZED),
+                   help="comma list of METHOD or METHOD@SCOPE (gmts@batch: the whole-batch "
+                        "variant); a method alone ranks at --scope (auto: its default)")
+    figure(command("retention", "the kept-gradient curves' tables and figure"),
+           "an analyze --rhos --out")
+    command("decoy", "held-out accuracy with another problem's target shown", True)
+    figure(command("scatter", "entropy against the GMTS score and the exact norm"))
+    return p
+
+def _main(argv):
+    lab, rest = parser().parse_known_args(argv)
+    if lab.command in ("warm", "report", "retention", "scatter"):
+        if rest:
+            gmts.bad_flag(f"unrecognized arguments: {' '.join(rest)}")
+        return (warm_main if lab.command == "warm" else figure_main)(lab)
     cfg = gmts.parse_args(rest)
     gmts.check_config(cfg)
     if lab.command == "compare":
@@ -1087,24 +1105,16 @@ def _main(argv):
     for arm in arms or [","]:
         method = parse_arm(arm, "--arms")[0]
         if method not in ANALYZED and not lab.rhos:
-            raise ValueError(f"--arms: {arm} is not scored by the one-rho table "
-                             f"({', '.join(ANALYZED)}; with --rhos: any top-rho method)")
+            raise gmts.BadInput(f"--arms: {arm} is not scored by the one-rho table "
+                                f"({', '.join(ANALYZED)}; with --rhos: any top-rho method)")
         if gmts.METHODS[method].band:  # its kept share is set by its interval, not by rho
-            raise ValueError(f"--arms: {arm} keeps an interval, not a top rho: "
-                             "analyze ranks top-rho methods only")
+            raise gmts.BadInput(f"--arms: {arm} keeps an interval, not a top rho: "
+                                "analyze ranks top-rho methods only")
     if lab.rhos:
         return retention_curve(cfg, lab.batches, parse_rhos(lab.rhos), arms=arms)
     return analyze(cfg, lab.batches, arms=arms)
 
-def warm_main(rest: list):
-    w = argparse.ArgumentParser(prog="gmts_lab.py warm", allow_abbrev=False)
-    w.error = gmts.bad_flag
-    w.add_argument("--task", default="countdown", choices=sorted(WARM),
-                   help="the warm start to build")
-    w.add_argument("--out", default=None,
-                   help="folder for the model and tokenizer "
-                        "(default: warm/cpu, or warm/TASK for the other tasks)")
-    a = w.parse_args(rest)
+def warm_main(a: argparse.Namespace):
     out = a.out or WARM[a.task]["out"]
     check_writes(out, only=MODEL_FILES)  # new, empty, or a model folder whose files it rewrites
     model, tok = warm_start(out, a.task)
@@ -1126,27 +1136,19 @@ def warm_main(rest: list):
     print(f"saved {out} | held-out (the cpu preset's rows on {a.task}, seed 0): "
           f"acc {acc:.3f} ({chance}); sample: {texts[0][:100]!r}")
 
-def figure_main(command: str, rest: list):
+def figure_main(a: argparse.Namespace):
     """report, retention, scatter: a figure at --png (checked first: check_writes), tables on
     stdout."""
-    r = argparse.ArgumentParser(prog=f"gmts_lab.py {command}", allow_abbrev=False)
-    r.error = gmts.bad_flag
-    if command != "scatter":
-        what = "a compare --out" if command == "report" else "an analyze --rhos --out"
-        r.add_argument("panels", nargs="+", help=f"TITLE=FOLDER: {what} folder per panel")
-    r.add_argument("--png", required=True, help="the figure")
-    r.add_argument("--overwrite", action="store_true", help="replace an existing --png file")
-    a = r.parse_args(rest)
     given = vars(a).get("panels", [])
     panels = dict(x.split("=", 1) for x in given if "=" in x)
     if len(panels) < len(given):  # a title given twice would draw one panel
-        raise ValueError(f"{command} takes TITLE=FOLDER arguments, each a title of its own")
+        raise gmts.BadInput(f"{a.command} takes TITLE=FOLDER arguments, each a title of its own")
     if os.path.isdir(a.png) or not a.png.endswith(".png"):  # savefig would write PNG + ".png"
-        raise ValueError(f"--png {a.png!r} must name a .png file, e.g. docs/{command}.png")
+        raise gmts.BadInput(f"--png {a.png!r} must name a .png file, e.g. docs/{a.command}.png")
     check_writes(os.path.dirname(a.png) or ".", (os.path.basename(a.png),), a.overwrite)
-    if command == "scatter":
+    if a.command == "scatter":
         return scatter(a.png)
-    return (report if command == "report" else retention)(panels, a.png)
+    return (report if a.command == "report" else retention)(panels, a.png)
 
 def decoy_main(cfg: gmts.Config):
     """decoy --model OUT: the held-out rows and prompt format of OUT's own run (run_config.json),
@@ -1157,12 +1159,12 @@ def decoy_main(cfg: gmts.Config):
         try:  # a hand-edited run_config.json can hold any value
             gmts.check_config(cfg)
         except ValueError as e:
-            raise ValueError(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
+            raise gmts.BadInput(f"{os.path.join(cfg.model, 'run_config.json')}: {e}") from None
     if cfg.task != "countdown":
-        raise ValueError(f"decoy is defined for countdown, not --task {cfg.task}")
+        raise gmts.BadInput(f"decoy is defined for countdown, not --task {cfg.task}")
     if cfg.eval_data:  # its table is of held-out rows and their targets
-        raise ValueError("decoy scores the held-out rows of --data (--eval-size), not "
-                         "--eval-data's sets; leave --eval-data out")
+        raise gmts.BadInput("decoy scores the held-out rows of --data (--eval-size), not "
+                            "--eval-data's sets; leave --eval-data out")
     model, tok = gmts.load_model(cfg.model, gmts.pick_device(cfg.device), cfg.tiny_hidden,
                                  cfg.tiny_layers, cfg.seed)
     rows = gmts.read_data(cfg).held

@@ -4,14 +4,10 @@ gmts_trl.py: GMTS token selection inside TRL's GRPOTrainer, for multi-GPU and vL
 gmts.py is the reference, to be read beside the papers. This file reuses its tasks, verifiers,
 prompts, scores (gmts.token_scores, gmts.omega) and selection (gmts.select_tokens) and leaves
 rollout (HF generate or vLLM), loss, optimiser and distribution (accelerate, DeepSpeed) to TRL.
-No TRL loss code is copied: the subclass only hooks in.
+No TRL loss code is copied: the subclass only hooks in, at the places TRL_HOOKS lists (below the
+imports): a TRL upgrade is that checklist. Tested with trl 1.16.0 only.
 
-TRL versions: tested with trl 1.16.0 only. GMTSTrainer raises RuntimeError at construction if a
-method it overrides is missing or has another signature, warns on any other version, and raises at
-the first loss if TRL did not call the mask hook, so a run never goes on without selection
-unnoticed.
-
-What is selected, over which rows (trl 1.16.0):
+What is selected, over which rows:
   1. TRL generates a generation batch (per-device batch x steps_per_generation answers per
      process), labels nothing, shuffles its rows and splits them into steps_per_generation
      micro-batches, which it reuses for num_iterations passes (GRPOTrainer._prepare_inputs).
@@ -51,7 +47,7 @@ omega is -dloss/dlogp_t of the loss TRL runs (gmts.py's derivation step 1), from
   pi_theta - 1 - k3); times the loss type's per-token normaliser: 1 / |o_i| for grpo and sapo,
   1 / (the micro-batch's valid tokens on its process) for bnpo; the others' are one constant for
   every token of the step, which no ranking sees. Refused before training (GMTSConfig raises
-  ValueError; the CLI: one line, exit 2), because no per-token omega is the gradient then:
+  gmts.BadInput; the CLI: one line, exit 2), because no per-token omega is the gradient then:
   importance_sampling_level="sequence" (the ratio is a mean over all of an answer's tokens, so
   dropped tokens still get a gradient), and for gmts / gradnorm off_policy_mask_threshold and
   the entropy bonus (entropy_coef, use_adaptive_entropy).
@@ -70,34 +66,112 @@ of the generation batch on all processes, i.e. gmts.py's default --loss-norm all
 a step is about 1/5 of an unmasked one. gmts.py's --loss-norm selected has no TRL counterpart.
 
 Run:  python gmts_trl.py --model tiny --short-prompt --steps 20                  (offline, CPU)
-      accelerate launch --num_processes 8 gmts_trl.py --model Qwen2.5-1.5B-Instruct --task math \
+      accelerate launch --num_processes 8 gmts_trl.py --model Qwen2.5-1.5B-Instruct --task math \\
           --use-vllm
 """
-import os
-
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 import argparse
 import contextlib
 import functools
 import inspect
 import json
 import math
+import os
 import re
 import types
 import typing
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import filelock
 import torch
-import trl
-from trl import GRPOConfig, GRPOTrainer
-from trl.import_utils import is_vllm_available
 
-import gmts
+import gmts  # before trl: its HF environment defaults are read when transformers is imported
+
+import trl  # noqa: E402
+import trl.models.utils  # noqa: E402
+import trl.trainer.utils  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.import_utils import is_vllm_available  # noqa: E402
+
+# -------------------------------------------------------------------------------------------------
+# The TRL hooks [plumbing]: every place this file touches TRL's code, as trl 1.16.0 has it
+# -------------------------------------------------------------------------------------------------
 
 TESTED_TRL = ("1.16.0",)
+
+
+class Hook(NamedTuple):
+    owner: object  # the class or module that holds it
+    name: str
+    params: tuple  # its parameters, checked at construction (check_trl); None: only its presence
+    why: str  # why gmts_trl.py needs it
+    breaks: str  # what breaks if TRL changes it, and what notices
+
+
+# A TRL upgrade: read each hook's code in the new version against its line here.
+TRL_HOOKS = (
+    Hook(GRPOTrainer, "get_high_entropy_mask", ("self", "entropies", "mask", "threshold"),
+         why="overridden: TRL's _compute_loss asks it for the token mask when "
+             "top_entropy_quantile < 1 and multiplies the per-token loss by it; GMTSTrainer "
+             "answers with the micro-batch's gmts_keep",
+         breaks="no selection: check_trl refuses a changed signature; a loss that no longer "
+                "calls it raises RuntimeError at the first step (GMTSTrainer._compute_loss)"),
+    Hook(GRPOTrainer, "_compute_loss", ("self", "model", "inputs"),
+         why="wrapped: hands the micro-batch being scored (its gmts_keep) to the mask hook and "
+             "checks that the hook ran",
+         breaks="the hook finds no inputs: RuntimeError at the first step"),
+    Hook(GRPOTrainer, "_prepare_inputs", ("self", "generation_batch"),
+         why="wrapped: at the start of each pass over a generation batch (TRL's _step, "
+             "_buffered_inputs, steps_per_generation) scores and selects over all of it",
+         breaks="selection over the wrong rows or a stale mask; "
+                "test_select_equals_select_tokens_in_generation_order fails"),
+    Hook(GRPOTrainer, "_generate_and_score_completions", ("self", "inputs"),
+         why="wrapped: adds gmts_row, each row's index in the generation batch, which TRL's "
+             "shuffle carries with the row (row // G is the prompt's group)",
+         breaks="groups cut by the shuffle: select_generation_batch raises RuntimeError "
+                "(the gathered rows are not one generation batch)"),
+    Hook(GRPOTrainer, "_get_per_token_logps_and_entropies", None,
+         why="called: the scoring pass's no-grad forward through TRL's own fused head, at the "
+             "sampling temperature (model, ids, attention, T, batch_size=, compute_entropy=)",
+         breaks="a TypeError at the first selection, or scores of other statistics; "
+                "test_two_trl_steps_end_to_end fails"),
+    Hook(GRPOTrainer, "get_gamma_weights", None,
+         why="called: vespo's phi, so that omega is minus the gradient of TRL's vespo loss",
+         breaks="vespo's omega; test_omega_is_minus_the_gradient_of_trls_loss[vespo] fails"),
+    Hook(trl.trainer.utils, "add_fused_lm_head", None,
+         why="called for gradnorm: the fused head again, with outputs=(..., "
+             "'log_sum_sq_probs'), which GRPOTrainer does not ask for",
+         breaks="gradnorm's score (dz_norm); test_two_trl_steps_end_to_end[gradnorm] fails"),
+    Hook(trl.models.utils, "disable_gradient_checkpointing", None,
+         why="called: the scoring pass runs without gradient checkpointing, as TRL's own "
+             "no-grad passes do",
+         breaks="an ImportError at the first selection"),
+    Hook(None, "GRPOTrainer's loss: loss_type, epsilon_low/high, beta, delta", None,
+         why="read, not called: omega (GMTSTrainer.omega) restates the gradient of TRL's loss "
+             "per loss_type, with its clip, delta, vLLM importance ratio and k3 KL term; the "
+             "micro-batch keys it reads (advantages, old_per_token_logps, "
+             "importance_sampling_ratio, ref_per_token_logps, completion_mask, tool_mask)",
+         breaks="a changed loss makes omega another gradient: "
+                "test_omega_is_minus_the_gradient_of_trls_loss fails (autograd of TRL's loss)"),
+)
+
+
+def check_trl():
+    """gmts.RunError (a RuntimeError; the CLI: one line, exit 1) if a TRL_HOOKS method is gone or
+    its parameters changed; a warning on a TRL version not tested."""
+    for hook in TRL_HOOKS:
+        if hook.owner is None:  # read, not called: the tests pin it
+            continue
+        fn = getattr(hook.owner, hook.name, None)
+        if fn is None or (hook.params and tuple(inspect.signature(fn).parameters) != hook.params):
+            raise gmts.RunError(f"trl {trl.__version__}: {hook.name} is missing or changed; "
+                                f"gmts_trl.py needs the hooks of trl {', '.join(TESTED_TRL)} "
+                                "(TRL_HOOKS)")
+    if trl.__version__ not in TESTED_TRL:
+        warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, "
+                      f"not {trl.__version__}")
+
 # all, random, entropy, gmts, gradnorm (gmts.METHODS); not rsi, whose interval rule (a band
 # method) only gmts.py runs: selection here is select_tokens' top token_rho
 SELECT = [m for m in gmts.METHODS if not gmts.METHODS[m].band]
@@ -106,7 +180,7 @@ CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's PPO-clip 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 
 # -------------------------------------------------------------------------------------------------
-# Config and version guard [plumbing]
+# Config [plumbing]
 # -------------------------------------------------------------------------------------------------
 
 
@@ -147,38 +221,20 @@ class GMTSConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.token_selection not in SELECT:
-            raise ValueError(f"token_selection {self.token_selection!r} is not one of: "
-                             f"{', '.join(SELECT)}")
+            raise gmts.BadInput(f"token_selection {self.token_selection!r} is not one of: "
+                                f"{', '.join(SELECT)}")
         if self.token_scope not in SCOPES:
-            raise ValueError(f"token_scope {self.token_scope!r} is not one of: {', '.join(SCOPES)}")
+            raise gmts.BadInput(f"token_scope {self.token_scope!r} is not one of: "
+                                f"{', '.join(SCOPES)}")
         if not 0.0 < self.token_rho <= 1.0:
-            raise ValueError(f"token_rho must be in (0, 1], got {self.token_rho}")
+            raise gmts.BadInput(f"token_rho must be in (0, 1], got {self.token_rho}")
         if self.top_entropy_quantile < 1.0:
-            raise ValueError("top_entropy_quantile is TRL's own entropy selection; with "
-                             "GMTSConfig use token_selection='entropy' and token_rho instead")
+            raise gmts.BadInput("top_entropy_quantile is TRL's own entropy selection; with "
+                                "GMTSConfig use token_selection='entropy' and token_rho instead")
         why = refusal(self)
         if why:
-            raise ValueError(f"not supported by gmts_trl.py: {why}")
+            raise gmts.BadInput(f"not supported by gmts_trl.py: {why}")
 
-
-def check_trl():
-    """gmts.RunError (a RuntimeError; the CLI: one line, exit 1) if a hook this file overrides is
-    gone or changed; a warning on an untested TRL version."""
-    want = {"get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
-            "_compute_loss": ["self", "model", "inputs"],
-            "_prepare_inputs": ["self", "generation_batch"],
-            "_generate_and_score_completions": ["self", "inputs"],
-            "get_gamma_weights": None,
-            "_get_per_token_logps_and_entropies": None}
-    for name, params in want.items():
-        fn = getattr(GRPOTrainer, name, None)
-        if fn is None or (params and list(inspect.signature(fn).parameters) != params):
-            raise gmts.RunError(f"trl {trl.__version__}: GRPOTrainer.{name} is missing or changed; "
-                                f"gmts_trl.py needs the hooks of trl 1.16 (tested: "
-                                f"{', '.join(TESTED_TRL)})")
-    if trl.__version__ not in TESTED_TRL:
-        warnings.warn(f"gmts_trl.py was tested with trl {', '.join(TESTED_TRL)}, "
-                      f"not {trl.__version__}")
 
 # -------------------------------------------------------------------------------------------------
 # Scores and selection over the generation batch [paper: GMTS score, each prompt's G answers]
@@ -251,13 +307,12 @@ class GMTSTrainer(GRPOTrainer):
     def _keep_sum_sq(self):
         """gradnorm: add TRL's fused head again with log_sum_sq_probs too, and keep that during
         the scoring pass."""
-        from trl.trainer.utils import add_fused_lm_head
-
-        # as TRL: the base model under PEFT
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        add_fused_lm_head(model, temperature=self.temperature,
-                          cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-                          outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+        model = self.model  # as TRL: the base model under PEFT
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        trl.trainer.utils.add_fused_lm_head(model, temperature=self.temperature,
+                                            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                                            outputs=("log_probs", "entropy", "log_sum_sq_probs"))
         fused = model.forward
 
         @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
@@ -308,14 +363,12 @@ class GMTSTrainer(GRPOTrainer):
     def token_statistics(self, inputs: dict) -> tuple:
         """One no-grad forward of a micro-batch through TRL's own path: (logp, entropy, log
         sum_j p_j^2 or None), each (B, T), at the sampling temperature."""
-        from trl.models.utils import disable_gradient_checkpointing
-
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         T = inputs["completion_ids"].shape[1]
         self._live = dict(sum_sq=[])
         try:
-            with torch.no_grad(), disable_gradient_checkpointing(
+            with torch.no_grad(), trl.models.utils.disable_gradient_checkpointing(
                     self.model, self.args.gradient_checkpointing_kwargs):
                 logp, entropy, _ = self._get_per_token_logps_and_entropies(
                     self.model, ids, attention, T, batch_size=self.args.per_device_train_batch_size,
@@ -432,13 +485,14 @@ class GMTSTrainer(GRPOTrainer):
                                "its shape: was it selected in _prepare_inputs?")
         return keep & mask.bool()
 
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Tasks as TRL data and reward functions [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 def make_reward(task: str):
-    """A TRL reward function from a gmts.py verifier; TRL passes the dataset's 'row' column (JSON) as a kwarg."""
+    """A TRL reward function from a gmts.py verifier; TRL passes the dataset's 'row' column (JSON)
+    as a keyword argument."""
     score = gmts.get_task(task)["reward"]
 
     def reward(prompts, completions, row, **kwargs):
@@ -449,61 +503,79 @@ def make_reward(task: str):
 
 
 def make_dataset(tok, task: str, rows: list, chat: bool, short: bool = False):
-    """Rows -> datasets.Dataset with 'prompt' (gmts.build_prompts: a plain string ending inside <think>, which TRL
-    tokenizes as is) and 'row' (the row as JSON, for make_reward)."""
+    """Rows -> datasets.Dataset with 'prompt' (gmts.build_prompts: a plain string ending inside
+    <think>, which TRL tokenizes as is) and 'row' (the row as JSON, for make_reward)."""
     import datasets
     import jinja2
 
     try:
         prompts = gmts.build_prompts(tok, gmts.get_task(task), rows, chat, short)
-    except jinja2.TemplateError as e:  # the model's own template refuses these prompts (e.g. a system role)
-        raise ValueError(f"the model's chat template fails on the prompts ({gmts.error_line(e, 300)})") from None
-    return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(prompts, rows)])
+    except jinja2.TemplateError as e:  # the model's own template refuses them (a system role)
+        raise gmts.BadInput(f"the model's chat template fails on the prompts "
+                            f"({gmts.error_line(e, 300)})") from None
+    return datasets.Dataset.from_list([{"prompt": p, "row": json.dumps(r)}
+                                       for p, r in zip(prompts, rows)])
 
-# ---------------------------------------------------------------------------------------------------------------
-# The output folder [plumbing]: this file's own rule (gmts.py's run folders are gmts.py's)
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# The output folder [plumbing]: a gmts_trl run is TRL's checkpoints; --overwrite removes RUN_NAMES
+# -------------------------------------------------------------------------------------------------
 
 
 LOCK = ".gmts_trl.lock"  # filelock's file: one process writes an --out at a time
-RUN_FILES = ("checkpoint-*", "README.md", "training_args.bin", "config.json", "generation_config.json",
-             "*.safetensors*", "tokenizer*", "chat_template.*", "*_tokens*.json", "vocab.json",
-             "merges.txt")  # what TRL's Trainer writes into output_dir: all --overwrite may remove
+# Exactly the names TRL 1.16.0's Trainer writes into output_dir (checkpoints every save_steps,
+# then save_model: the model, its tokenizer, training_args.bin, the model card README.md): the
+# only entries --overwrite removes. checkpoint-N is a folder, every other name a file.
+RUN_NAMES = re.compile(
+    r"checkpoint-\d+|README\.md|training_args\.bin|config\.json|generation_config\.json"
+    r"|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+    r"|tokenizer\.json|tokenizer_config\.json|tokenizer\.model|chat_template\.jinja"
+    r"|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt")
+
+
+def run_names(out: str) -> list:
+    """The entries of out that a gmts_trl run writes: RUN_NAMES, checkpoints as folders only."""
+    return sorted(n for n in os.listdir(out) if RUN_NAMES.fullmatch(n)
+                  and os.path.isdir(os.path.join(out, n)) == n.startswith("checkpoint-"))
 
 
 def checkpoints(out: str) -> list:
-    """TRL's complete checkpoint-N folders in out (trainer_state.json, saved last), oldest first."""
+    """TRL's complete checkpoint-N folders in out (trainer_state.json, saved last), oldest
+    first."""
     names = os.listdir(out) if os.path.isdir(out) else []
-    done = [n for n in names if re.fullmatch(r"checkpoint-\d+", n) and
-            os.path.isfile(os.path.join(out, n, "trainer_state.json"))]
+    done = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)
+            and os.path.isfile(os.path.join(out, n, "trainer_state.json"))]
     return sorted(done, key=lambda n: int(n.split("-")[1]))
 
 
 def check_out(out: str, model: str, overwrite: bool):
-    """ValueError unless a run may write in out: not a file, not (nor holding) the --model folder; new, empty, or
-    holding a gmts_trl run (a TRL checkpoint), which only --overwrite replaces."""
+    """BadInput unless a run may write in out: not a file, not (nor holding) the --model folder;
+    new, empty, or holding a gmts_trl run (a TRL checkpoint), which only --overwrite replaces."""
     real = os.path.realpath(out)
     if not out or os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} must name a folder")
+        raise gmts.BadInput(f"--out {out!r} must name a folder")
     if os.path.isdir(model) and os.path.commonpath([real, os.path.realpath(model)]) == real:
-        raise ValueError(f"--out {out} is or holds the --model folder {model}: the run would replace it")
+        raise gmts.BadInput(f"--out {out} is or holds the --model folder {model}: the run "
+                            "would replace it")
     if os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not checkpoints(out):
-        raise ValueError(f"--out {out} holds files that are not a gmts_trl run; choose another --out")
+        raise gmts.BadInput(f"--out {out} holds files that are not a gmts_trl run; choose "
+                            "another --out")
     if checkpoints(out) and not overwrite:
-        raise ValueError(f"--out {out} holds a gmts_trl run: replace it with --overwrite, or choose another --out")
+        raise gmts.BadInput(f"--out {out} holds a gmts_trl run: replace it with --overwrite, or "
+                            "choose another --out")
 
 
 def claim_out(out: str, model: str, overwrite: bool):
-    """out locked for this process (filelock) -> the held lock (a context manager); checked again under the lock (a
-    run may have ended there meanwhile), and with --overwrite cleared of the names a run writes, nothing else."""
+    """out locked for this process (filelock) -> the held lock (a context manager); checked again
+    under the lock (a run may have ended there meanwhile), and with --overwrite cleared of
+    run_names, nothing else."""
     os.makedirs(out, exist_ok=True)
     try:
         held = filelock.FileLock(os.path.join(out, LOCK), timeout=0).acquire()
     except filelock.Timeout:
-        raise ValueError(f"--out {out}: another process writes there now") from None
+        raise gmts.BadInput(f"--out {out}: another process writes there now") from None
     check_out(out, model, overwrite)
     if overwrite:
-        gmts.remove_names(out, RUN_FILES)
+        gmts.remove_names(out, run_names(out))  # exact names: fnmatch patterns of themselves
     return held
 
 
@@ -512,102 +584,94 @@ def kept(out: str) -> str:
     done = checkpoints(out)
     return f"; {out} keeps {done[-1]}" if done else f"; {out} holds no checkpoint of TRL's yet"
 
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # CLI [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
-ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL then goes over them again, epoch by epoch
+ROWS_CAP = 65_536  # problems built up front at most (gen: ~6 s); TRL goes over them epoch by epoch
 LOWER = "--per-device-batch-size or --max-completion-length"  # the flags that take less memory
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Flags -> Namespace; every range and the output folder are checked here, before any work."""
-    p = argparse.ArgumentParser(prog="gmts_trl.py",
-                                description="GRPO + GMTS token selection on TRL (see the docstring).")
+    """Flags -> Namespace; every range and the output folder are checked here, before any
+    work."""
+    p = argparse.ArgumentParser(prog="gmts_trl.py", description="GRPO + GMTS token selection on "
+                                                                "TRL (see the docstring).")
     p.error = gmts.bad_flag
     a = p.add_argument
-    a("--model", default="tiny", help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
+    a("--model", default="tiny",
+      help="'tiny' (built offline), a short Qwen name, a hub id or a local folder")
     a("--task", default="countdown", choices=sorted(gmts.TASKS))
     a("--data", default="gen", help="gen, easy, hf:ID[:CONFIG][:SPLIT] or a data file (as gmts.py)")
-    a("--short-prompt", action="store_true", help="terse prompts, no system line (for the tiny model)")
+    a("--short-prompt", action="store_true",
+      help="terse prompts, no system line (for the tiny model)")
     a("--select", default="gmts", choices=SELECT, help="token selection method")
     a("--rho", type=float, default=0.2, help="share of the valid tokens kept")
     a("--scope", default="auto", choices=SCOPES, help="group, batch or auto (group for gmts)")
     a("--steps", type=int, default=200, help="optimizer steps")
-    a("--out", default="out/trl", help="output folder (checkpoints every 50 steps, the final model)")
-    a("--overwrite", action="store_true", help="replace the gmts_trl run in --out (only the files a run writes)")
+    a("--out", default="out/trl",
+      help="output folder (checkpoints every 50 steps, the final model)")
+    a("--overwrite", action="store_true",
+      help="replace the gmts_trl run in --out (only the files a run writes)")
     a("--num-generations", type=int, default=8, help="G, answers per prompt")
-    a("--per-device-batch-size", type=int, default=8, help="answers per process per micro-batch (the selection pool)")
+    a("--per-device-batch-size", type=int, default=8,
+      help="answers per process per micro-batch (the selection pool)")
     a("--grad-accum", type=int, default=8, help="micro-batches per optimizer step")
     a("--max-completion-length", type=int, default=256, help="new tokens per answer at most")
     a("--lr", type=float, default=1e-6)
     a("--loss-type", default="dapo", choices=LOSS_TYPES, help="TRL loss_type")
-    a("--use-vllm", action="store_true", help="generate with vLLM colocated with training (vllm_mode='colocate')")
+    a("--use-vllm", action="store_true",
+      help="generate with vLLM colocated with training (vllm_mode='colocate')")
     a("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for flag, ok, need in [("rho", 0 < args.rho <= 1, "in (0, 1]"), ("steps", args.steps >= 1, ">= 1"),
-                           ("num-generations", args.num_generations >= 2, ">= 2 (an advantage needs a group)"),
-                           ("per-device-batch-size", args.per_device_batch_size >= 1, ">= 1"),
-                           ("grad-accum", args.grad_accum >= 1, ">= 1"),
-                           ("lr", math.isfinite(args.lr) and args.lr > 0, "finite and > 0"),
-                           ("max-completion-length", args.max_completion_length >= 1, ">= 1"),
-                           ("seed", 0 <= args.seed < 2**32, "in [0, 2**32)")]:  # numpy's seed range (TRL seeds it)
+    ranges = [("rho", 0 < args.rho <= 1, "in (0, 1]"), ("steps", args.steps >= 1, ">= 1"),
+              ("num-generations", args.num_generations >= 2, ">= 2 (an advantage needs a group)"),
+              ("per-device-batch-size", args.per_device_batch_size >= 1, ">= 1"),
+              ("grad-accum", args.grad_accum >= 1, ">= 1"),
+              ("lr", math.isfinite(args.lr) and args.lr > 0, "finite and > 0"),
+              ("max-completion-length", args.max_completion_length >= 1, ">= 1"),
+              ("seed", 0 <= args.seed < 2**32, "in [0, 2**32)")]  # numpy's range (TRL seeds it)
+    for flag, ok, need in ranges:
         if not ok:
-            raise ValueError(f"--{flag} must be {need}, got {getattr(args, flag.replace('-', '_'))}")
+            value = getattr(args, flag.replace("-", "_"))
+            raise gmts.BadInput(f"--{flag} must be {need}, got {value}")
     if args.use_vllm and not is_vllm_available():  # else TRL's ImportError, a traceback
-        raise ValueError("--use-vllm: vLLM is not installed (pip install vllm)")
+        raise gmts.BadInput("--use-vllm: vLLM is not installed (pip install vllm)")
     check_out(args.out, args.model, args.overwrite)
     return args
 
 
-def load_model(path: str, cfg: GMTSConfig) -> tuple:
-    """A local folder or hub id -> (model, tokenizer), loaded as TRL loads a model named by its path (fp32; no
-    device_map when distributed). ValueError (bad input) if it cannot load."""
-    from transformers import AutoTokenizer
-    from trl.trainer.utils import create_model_from_path
-
-    kw = {"trust_remote_code": cfg.trust_remote_code}
-    if cfg.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
-        kw["device_map"] = None
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        return create_model_from_path(path, **kw), tok
-    except Exception as e:  # no such folder or hub id, no hub, missing or damaged files, an unknown architecture
-        if gmts.memory_fault(e):
-            raise
-        raise ValueError(f"cannot load model {path!r}: {gmts.error_line(e, 300)}") from None
-
-
 def build_trainer(args: argparse.Namespace) -> GMTSTrainer:
-    """Flags -> a GMTSTrainer. ValueError: bad input (data, the model, TRL's own checks). Cheap checks first: the
-    config, the data, then the model."""
+    """Flags -> a GMTSTrainer. ValueError: bad input (data, the model, TRL's own checks). Cheap
+    checks first: the config, the data, then the model."""
     cuda = torch.cuda.is_available()
-    with warnings.catch_warnings():  # TRL's default gradient_checkpointing=True trips a transformers deprecation
+    with warnings.catch_warnings():  # TRL's gradient_checkpointing=True: a transformers warning
         warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
         cfg = GMTSConfig(
             output_dir=args.out, seed=args.seed, max_steps=args.steps, learning_rate=args.lr,
-            per_device_train_batch_size=args.per_device_batch_size, gradient_accumulation_steps=args.grad_accum,
-            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-            loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
-            lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, then a linear decay
-            use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select, token_rho=args.rho,
-            token_scope=args.scope,
-            use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
+            per_device_train_batch_size=args.per_device_batch_size,
+            gradient_accumulation_steps=args.grad_accum, num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length, loss_type=args.loss_type,
+            epsilon=0.2, epsilon_high=0.28,  # gmts.py's clip (TRL: epsilon_high = epsilon)
+            lr_scheduler_type="linear", warmup_steps=10,  # as gmts.py: 10 warm-up steps, decay
+            use_vllm=args.use_vllm, vllm_mode="colocate", token_selection=args.select,
+            token_rho=args.rho, token_scope=args.scope, use_cpu=not cuda,
+            bf16=cuda and torch.cuda.is_bf16_supported(), report_to=[], logging_steps=1,
             save_strategy="steps", save_steps=50)
-    per_step = cfg.generation_batch_size // cfg.num_generations  # prompts per optimizer step, all processes
-    rows = gmts.load_rows(args.task, args.data, min(max(2000, args.steps * per_step), ROWS_CAP), args.seed)
+    per_step = cfg.generation_batch_size // cfg.num_generations  # prompts a step, all processes
+    n = min(max(2000, args.steps * per_step), ROWS_CAP)
+    rows = gmts.load_rows(args.task, args.data, n, args.seed)
     distinct = len({gmts.get_task(args.task)["prompt"](r) for r in rows})
-    if distinct < per_step:  # TRL's sampler drops an incomplete batch: it would train 0 steps and exit 0
-        raise ValueError(f"--data {args.data}: {distinct} distinct problem(s), but one step takes {per_step} "
-                         "(--per-device-batch-size x --grad-accum x processes / --num-generations)")
-    if args.model == "tiny":
-        model, tok = gmts.build_tiny(seed=args.seed)
-    else:
-        model, tok = load_model(gmts.resolve_model_name(args.model), cfg)
+    if distinct < per_step:  # TRL's sampler drops an incomplete batch: 0 steps, exit 0
+        raise gmts.BadInput(f"--data {args.data}: {distinct} distinct problem(s), but one step "
+                            f"takes {per_step} (--per-device-batch-size x --grad-accum x "
+                            "processes / --num-generations)")
+    # on the CPU in fp32, as TRL loads a path when distributed; accelerate moves it to the device
+    model, tok = gmts.load_model(args.model, torch.device("cpu"), seed=args.seed)
     data = make_dataset(tok, args.task, rows, gmts.use_chat(tok), args.short_prompt)
-    return GMTSTrainer(model=model, reward_funcs=make_reward(args.task), args=cfg, train_dataset=data,
-                       processing_class=tok)
+    return GMTSTrainer(model=model, reward_funcs=make_reward(args.task), args=cfg,
+                       train_dataset=data, processing_class=tok)
 
 
 def main(argv=None):
@@ -617,12 +681,13 @@ def main(argv=None):
         nonlocal args
         args = parse_args(argv)
         trainer = build_trainer(args)  # every input loaded before anything is written in --out
-        writes = trainer.args.should_save  # the one process that writes (accelerate launch starts one per GPU)
-        with claim_out(args.out, args.model, args.overwrite) if writes else contextlib.nullcontext():
+        # the one writing process claims --out (accelerate launch starts one process per GPU)
+        held = claim_out(args.out, args.model, args.overwrite) if trainer.args.should_save else None
+        with held or contextlib.nullcontext():
             trainer.train()
-            if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps than asked
-                raise gmts.RunError(f"trained {trainer.state.global_step} of {args.steps} steps: TRL ran out of "
-                                    "batches; the final model was not saved")
+            if trainer.state.global_step < args.steps:  # never a silent exit 0 after fewer steps
+                raise gmts.RunError(f"trained {trainer.state.global_step} of {args.steps} steps: "
+                                    "TRL ran out of batches; the final model was not saved")
             trainer.save_model(args.out)
 
     gmts.run_cli("gmts_trl", command, kept=lambda: kept(args.out) if args else "", lower=LOWER)

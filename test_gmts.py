@@ -1063,11 +1063,11 @@ def test_step_lr_counts_update_slots():
 SMALL = ["--model", "tiny", "--task", "countdown", "--data", "easy", "--short-prompt", "--prompts-per-step", "2",
          "--group-size", "4", "--max-new-tokens", "16", "--eval-size", "2", "--max-resample", "2",
          "--eval-every", "0", "--save-every", "0"]
-VOLATILE = ("step_time_s", "tokens_per_s", "rollout_time_s")
+VOLATILE = ("step_time_s", "tokens_per_s", "rollout_time_s", "grade_time_s")
 STEP_KEYS = ("step", "reward_mean", "acc", "selected_frac", "entropy_mean", "entropy_selected_mean",
              "zero_adv_selected_frac", "grad_norm", "loss", "clip_frac", "kl", "completion_len", "truncated_frac", "lr",
              "skipped_steps", "groups_filtered_frac", "rollout_batches", "rollout_time_s", "step_time_s",
-             "tokens_per_s")
+             "tokens_per_s", "grade_time_s", "grade_timeouts")
 
 
 def parity_reward(text, row):
@@ -1715,7 +1715,9 @@ def _preset_batch(tok, informative, B=64, G=16, seed=0):
     for b in range(informative):
         rewards[b * G:b * G + G // 2] = 1.0
     batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, comp_ids=comp, resp_mask=resp_mask,
-                 truncated=truncated, texts=[""] * N, sampler_logp=torch.zeros(N, T))
+                 truncated=truncated, texts=[""] * N, sampler_logp=torch.zeros(N, T),
+                 grade_s=torch.zeros(N, dtype=torch.float64),
+                 grade_timeout=torch.zeros(N, dtype=torch.bool))
     return batch, rewards
 
 

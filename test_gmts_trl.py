@@ -580,6 +580,17 @@ def test_unsupported_trl_fails_loudly(tmp_path, monkeypatch):
         gmts_trl.check_trl()
 
 
+def test_every_trl_method_gmts_trl_overrides_is_listed_in_trl_hooks():
+    """TRL_HOOKS is the one list a TRL upgrade checks: every GRPOTrainer method GMTSTrainer overrides is in it with
+    its parameters, and every hook it names exists in the installed TRL."""
+    overridden = {n for n in vars(GMTSTrainer) if not n.startswith("__") and hasattr(gmts_trl.GRPOTrainer, n)}
+    assert overridden == {h.name for h in gmts_trl.TRL_HOOKS if h.params}
+    for hook in gmts_trl.TRL_HOOKS:
+        assert hook.owner is None or getattr(hook.owner, hook.name, None) is not None, hook.name
+        assert hook.why and hook.breaks
+    gmts_trl.check_trl()
+
+
 def test_hook_outside_compute_loss_and_bad_config_fail_loudly(tmp_path):
     tr = make_trainer(tmp_path, "gmts")
     with pytest.raises(RuntimeError, match="_compute_loss"):
@@ -730,11 +741,11 @@ FAULTS = [  # (id, argv, the patched "module:attribute", its stand-in, exit code
      f"out of CPU memory: {LOWER}, or use a smaller model; {{out}} holds no checkpoint of TRL's yet"),
     ("full disk after a checkpoint", [], TRAIN, after_training(OSError(28, "No space left on device")), 1,
      "[Errno 28] No space left on device; {out} keeps checkpoint-1"),
-    ("OOM while the weights load", ["--model", "{d}/good"], "trl.trainer.utils:create_model_from_path", raising(OOM),
-     1, f"out of GPU memory: {LOWER}; {{out}} holds no checkpoint of TRL's yet"),
+    ("OOM while the weights load", ["--model", "{d}/good"], "transformers:AutoModelForCausalLM.from_pretrained",
+     raising(OOM), 1, f"out of GPU memory: {LOWER}; {{out}} holds no checkpoint of TRL's yet"),
     ("a TRL whose hook changed", [], "gmts_trl:GRPOTrainer._prepare_inputs", lambda self, batch, extra: batch, 1,
-     f"trl {gmts_trl.trl.__version__}: GRPOTrainer._prepare_inputs is missing or changed; gmts_trl.py needs the "
-     f"hooks of trl 1.16 (tested: {', '.join(gmts_trl.TESTED_TRL)}); {{out}} holds no checkpoint of TRL's yet"),
+     f"trl {gmts_trl.trl.__version__}: _prepare_inputs is missing or changed; gmts_trl.py needs the hooks of trl "
+     f"{', '.join(gmts_trl.TESTED_TRL)} (TRL_HOOKS); {{out}} holds no checkpoint of TRL's yet"),
 ]
 
 
@@ -780,15 +791,23 @@ def test_cli_a_second_writer_is_refused(capsys, monkeypatch, no_bars, tmp_path):
     assert os.path.exists(out / "model.safetensors")
 
 
+NEAR_MISSES = ("checkpoint-notes.txt", "tokenizer_notes.md", "checkpoint-5.txt", "checkpoint-3",
+               "model.safetensors.bak", "my_tokens.json", "README.md.bak", "config.json.orig", "notes.txt")
+
+
 def test_cli_overwrite_replaces_only_a_runs_files(capsys, no_bars, tmp_path):
-    """A folder holding a gmts_trl run and a user's files: without --overwrite refused as it is; with it, the earlier
-    run's names go (a stale checkpoint, another tokenizer's vocab.json), the user's stay, and the new run is saved."""
+    """A run writes only RUN_NAMES (every name TRL wrote is one), and --overwrite removes only those: without it a
+    folder holding a gmts_trl run and a user's files is refused as it is; with it, the earlier run's names go (a
+    stale checkpoint, another tokenizer's vocab.json), the user's stay, those named like TRL's too (a file
+    checkpoint-3, checkpoint-notes.txt, tokenizer_notes.md), and the new run is saved."""
     out = tmp_path / "run"
     gmts_trl.main(FAST + ["--out", str(out)])
     assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and os.path.exists(out / "model.safetensors")
+    assert gmts_trl.run_names(str(out)) == sorted(set(os.listdir(out)) - {gmts_trl.LOCK})
     os.rename(out / "checkpoint-1", out / "checkpoint-7")  # an earlier run's last checkpoint
     (out / "vocab.json").write_text("{}")
-    (out / "notes.txt").write_text("mine")
+    for name in NEAR_MISSES:
+        (out / name).write_text("mine")
     (out / "mine").mkdir()
     (out / "mine" / "data.jsonl").write_text("mine")
     before = files_under(out)
@@ -799,7 +818,8 @@ def test_cli_overwrite_replaces_only_a_runs_files(capsys, no_bars, tmp_path):
     gmts_trl.main(FAST + ["--out", str(out), "--overwrite"])
     after = files_under(out)
     assert gmts_trl.checkpoints(str(out)) == ["checkpoint-1"] and "vocab.json" not in after
-    assert after["notes.txt"] == b"mine" and after[os.path.join("mine", "data.jsonl")] == b"mine"
+    assert all(after[name] == b"mine" for name in NEAR_MISSES)
+    assert after[os.path.join("mine", "data.jsonl")] == b"mine"
 
 
 def test_cli_out_rule(tmp_path, bad):

@@ -27,7 +27,7 @@ import gmts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV1 = dict(os.environ, OMP_NUM_THREADS="1")
-TIMINGS = ("step_time_s", "tokens_per_s", "rollout_time_s")
+TIMINGS = ("step_time_s", "tokens_per_s", "rollout_time_s", "grade_time_s")
 # a tiny random model on easy countdown, trained hard enough (lr 1e-2) that every step moves the weights
 SMALL = ["--model", "tiny", "--task", "countdown", "--data", "easy", "--short-prompt", "--prompts-per-step", "2",
          "--group-size", "4", "--max-new-tokens", "12", "--eval-size", "2", "--eval-every", "0", "--lr", "1e-2",

@@ -23,6 +23,7 @@ import ast
 import collections
 import csv
 import dataclasses
+import gc
 import inspect
 import itertools
 import json
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import types
+from decimal import Decimal
 from fractions import Fraction
 
 import pytest
@@ -286,6 +288,7 @@ VERIFIERS = {
 FRAGMENTS = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "\\frac{", "{", "}", "(", ")", "####", "**",
              "//", ",", ".", "$", "-", "+", "*", "/", "=", ":", ";", " ", "\n", "\t", "0", "3", "5", "2", "16", "72",
              "99999999999", "knight", "knave", "Alice:", "Bob:", "Carol:", "\u0663", "1e9", "_", "'", "x"]
+FRAGMENTS += ["\\fbox{", "\\text{ cm}", "\\overline{", "\\%"]  # the answer forms grading reads too
 adversarial = st.builds(lambda parts, k: "".join(parts) * k,
                         st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=40), st.integers(1, 2000))
 
@@ -503,11 +506,11 @@ def test_every_gold_of_the_table_loads_as_latex_math_verify_reads(rows):
 def test_value_unit_and_same_unit_by_hand():
     """The split itself, so that a verdict above is right for the reason its comment gives."""
     assert gmts.value_unit("$5\\,\\text{cm}^2$") == ("5", "cm^2")
-    assert gmts.value_unit("7\\text{ hours}.") == ("7", "hours")
+    assert gmts.value_unit("7\\text{ hours}.") == ("7", "h")  # a unit: its symbol, its power
     assert gmts.value_unit("10\\text{ thousand}") == ("10000", "")
     assert gmts.value_unit("2.5\\text{ million}") == ("2500000", "")
-    assert gmts.value_unit("1+2\\mathrm{i}") == ("1+2i", "i")  # a letter: in the value, and the unit too
-    assert gmts.value_unit("30^\\circ.") == ("30", "")
+    assert gmts.value_unit("1+2\\mathrm{i}") == ("1+2i", "")  # a letter, no unit: the value's
+    assert gmts.value_unit("30^\\circ.") == ("30", "deg")
     assert gmts.value_unit("\\text{east}") == ("\\text{east}", "")  # no value before it: all of it is text
     assert gmts.same_unit("cm", "centimeters") and gmts.same_unit("h", "hrs") and gmts.same_unit("hours", "hour")
     assert not gmts.same_unit("cm", "m") and not gmts.same_unit("cm^2", "cm^3") and not gmts.same_unit("cm^2", "cm")
@@ -550,13 +553,20 @@ def test_splitting_a_unit_takes_no_time_on_a_gold_of_any_length():
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(st.lists(st.sampled_from(["\\text{", "\\mathrm{", "\\mbox{", "{", "}", " ", "cm", "s", "i",
-                                 "\\,", "\\", "~", "5", "thousand", "^2", "^{3}", "$", ".", "x"]),
+                                 "\\,", "\\", "~", "5", "thousand", "^2", "^{3}", "$", ".", "x",
+                                 "\\frac{", "/", "per", "square", "\\%", "\\$", "^\\circ", "\\mu",
+                                 "e5", "\\times 10^{", "\\overline{", "four", "-", "hundredths",
+                                 "m"]),
                 max_size=30))
 def test_splitting_a_unit_never_raises(parts):
     s = "".join(parts)
-    value, unit = gmts.value_unit(s)
-    assert isinstance(value, str) and isinstance(unit, str)
-    gmts.same_unit(unit, gmts.value_unit(s[::-1])[1])
+    for letters in (False, True):
+        value, unit = gmts.value_unit(s, letters)
+        assert isinstance(value, str) and isinstance(unit, str)
+        assert isinstance(gmts.same_unit(unit, gmts.value_unit(s[::-1])[1]), bool)
+        assert isinstance(gmts.unit_kind(unit), str)
+    assert gmts._brackets(s) in ("set", "tuple", "") and len(gmts._pair_units(s, s[::-1])) == 2
+    assert gmts.read_number(s) is None or isinstance(gmts.read_number(s), Fraction)
 
 
 # ---- competition answers: (gold as MATH-500 writes it, completion, verdict), latex rows ----
@@ -649,10 +659,19 @@ def test_competition_table_holds_both_verdicts_and_the_named_forms():
     assert {"\\dfrac{7}{20}", "0.5", "2", "[2,5)", "\\text{(C)}", "90^\\circ", "50\\%", "1011_2"} <= golds
 
 
-def test_a_known_miss_of_math_verify(verifier):
-    """math-verify 0.9.0 reads 8.7 \\times 10^{8} as 8.7 (a float) times 10^8 and misses that 870000000 is equal
-    (NOTES, "The paper's setting"): pinned, so that a version that fixes it shows here."""
-    assert math_reward(box("870000000"), "8.7 \\times 10^{8}", True) == 0.0
+def test_a_power_of_ten_is_a_number_where_math_verify_misses_it(verifier):
+    """math-verify 0.9.0 reads 8.7 \\times 10^{8} as 8.7 (a float) times 10^8 and misses that
+    870000000 is equal, and reads Minerva's 4.5e33 as 4.5 * e * 33 (Euler's e): pinned, so that a
+    version that fixes it shows here. gmts reads both as exact numbers (read_number) first."""
+    gmts.latex_equal.cache_clear()
+    assert not gmts.latex_equal("8.7 \\times 10^{8}", "870000000")
+    assert gmts.latex_equal("3e8", "8e3")  # both 24e to it
+    assert math_reward(box("870000000"), "8.7 \\times 10^{8}", True) == 1.0
+    assert math_reward(box("8e3"), "3e8", True) == 0.0
+    read = {"4.5e33": 45 * 10 ** 32, "1.2E-5": Fraction(12, 10 ** 6), "10^{-5}": Fraction(1, 10**5),
+            "6.02 \\times 10^{23}": 602 * 10 ** 21, "0.1\\overline{6}": Fraction(1, 6),
+            "-1.\\overline{27}": Fraction(-14, 11), "+2": 2, "4\\frac{2}{3}": Fraction(14, 3)}
+    assert {s: gmts.read_number(s) for s in read} == read
 
 
 def test_gsm8k_rows_never_ask_math_verify(monkeypatch):
@@ -666,7 +685,19 @@ def test_gsm8k_rows_never_ask_math_verify(monkeypatch):
 
 
 @pytest.fixture
-def one_second(monkeypatch):
+def no_gc_callbacks():
+    """None of the gc callbacks hypothesis registers after its first test: math-verify's alarm
+    raises its timeout in whatever Python code runs, and one raised inside a gc callback is
+    swallowed (the computation runs on). A run has none: gc.callbacks is empty with gmts, torch,
+    transformers and datasets imported."""
+    kept = gc.callbacks[:]
+    gc.callbacks.clear()
+    yield
+    gc.callbacks[:] = kept
+
+
+@pytest.fixture
+def one_second(monkeypatch, no_gc_callbacks):
     """math-verify's bound at 1 s, and no verdict remembered from before (latex_equal's lru_cache) or kept after."""
     monkeypatch.setattr(gmts, "VERIFY_TIMEOUT_S", 1)
     gmts.latex_equal.cache_clear()
@@ -698,7 +729,7 @@ def test_competition_answers_are_bounded_in_time(verifier, one_second, text):
     assert math_reward(box("\\frac{\\sqrt{2}}{2}"), "\\frac{1}{\\sqrt{2}}", True) == 1.0
 
 
-def test_the_power_tower_is_bounded_by_the_default_timeout(verifier):
+def test_the_power_tower_is_bounded_by_the_default_timeout(verifier, no_gc_callbacks):
     """The same with the VERIFY_TIMEOUT_S a run uses: \\boxed{9^{9^{9^{9}}}} is a 0 well under twice it."""
     gmts.latex_equal.cache_clear()  # a verdict remembered from another test would take no time
     t = time.perf_counter()
@@ -733,6 +764,217 @@ def test_grading_off_the_main_thread_raises_rather_than_scoring_0(verifier):
         assert isinstance(err, gmts.RunError) and "main thread" in str(err), err
     assert _in_a_thread(lambda: math_reward("6 * 12 = 72\n#### 72", "72")) == 1.0
     assert reward(box("x = 2"), latex) == 1.0  # the same answer in the main thread
+
+
+# ---- the regression table, testdata/grading_pairs.tsv: gold, answer, right grade (real golds) ----
+def read_pairs():
+    """The table's rows as (source, gold, answer, grade); its header checked, comments skipped."""
+    with open(os.path.join(TESTDATA, "grading_pairs.tsv")) as f:
+        lines = [line.rstrip("\n").split("\t") for line in f if not line.startswith("#")]
+    assert lines[0] == ["source", "gold", "answer", "grade", "why"]
+    assert all(len(line) == 5 for line in lines)
+    return [(src, gold, answer, float(grade)) for src, gold, answer, grade, _ in lines[1:]]
+
+
+PAIRS = read_pairs()
+FORMATS = {"boxed in prose": box,
+           "boxed in answer tags": lambda a: f"<think>Work.</think>\n{A(box(a))}"}
+
+
+@pytest.fixture(scope="module")
+def pair_rows(tmp_path_factory):
+    """Each gold of PAIRS read by the loader a run uses, in two MATH layouts: problem/answer
+    (MATH-500's) and problem/solution, the gold the solution's last box (MATH's train split)."""
+    golds = list(dict.fromkeys(gold for _, gold, _, _ in PAIRS))
+    folder = tmp_path_factory.mktemp("pairs")
+    answer = [{"problem": f"Problem {i}", "answer": g} for i, g in enumerate(golds)]
+    solution = [{"problem": f"Problem {i}", "level": "Level 3", "type": "Algebra",
+                 "solution": f"Work. So it is $\\boxed{{{g}}}$."} for i, g in enumerate(golds)]
+    paths = [_jsonl(folder / "answer.jsonl", answer), _jsonl(folder / "solution.jsonl", solution)]
+    layouts = [load_rows("math", path, 0) for path in paths]
+    assert all([r["answer"] for r in rows] == golds for rows in layouts)
+    return [dict(zip(golds, rows)) for rows in layouts]
+
+
+@pytest.mark.parametrize("src,gold,answer,want", PAIRS,
+                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PAIRS)])
+def test_the_regression_table_is_graded_as_a_careful_grader_would(verifier, pair_rows, src, gold,
+                                                                   answer, want):
+    """Each pair through a run's path: both layouts, both completion formats, the table's grade."""
+    for rows in pair_rows:
+        for name, fmt in FORMATS.items():
+            assert reward(fmt(answer), rows[gold]) == want, (name, gold, answer)
+
+
+def test_the_regression_table_covers_each_source_both_ways():
+    """A few hundred pairs; every set the golds are modelled on, with right and wrong answers."""
+    by_source = collections.defaultdict(set)
+    for src, _, _, grade in PAIRS:
+        by_source[src].add(grade)
+    assert len(PAIRS) >= 300 and len(set(PAIRS)) == len(PAIRS)
+    sources = {"MATH", "MATH-500", "AIME", "AMC", "Minerva", "OlympiadBench", "GSM8K"}
+    assert set(by_source) == sources
+    assert all(grades == {0.0, 1.0} for grades in by_source.values()), by_source
+
+
+def test_minerva_e_notation_golds_equal_their_power_of_ten_and_decimal_forms(verifier):
+    """Every e-notation gold of the Minerva slice (4.5e33: math-verify's 4.5 * e * 33) against its
+    a \\times 10^{n} form and its decimal (Decimal, not gmts, writes it): 1.0; another exponent,
+    the mantissa alone, the two swapped: 0."""
+    rows = [r for r in load_rows("math", os.path.join(TESTDATA, "minerva_math.jsonl"), 0)
+            if re.fullmatch(r"[0-9.]+e-?[0-9]+", r["answer"])]
+    golds = ["4.5e33", "3.83e35", "8.7e8", "4e33", "3.3e12", "3e6", "7e37", "7.5e7"]
+    assert [r["answer"] for r in rows] == golds
+    for row in rows:
+        mantissa, exponent = row["answer"].split("e")
+        right = [f"{mantissa} \\times 10^{{{exponent}}}", f"{mantissa}\\cdot10^{{{exponent}}}",
+                 format(Decimal(mantissa).scaleb(int(exponent)), "f")]
+        wrong = [f"{mantissa} \\times 10^{{{int(exponent) + 1}}}", mantissa,
+                 f"{exponent}e{mantissa}"]
+        for fmt in FORMATS.values():
+            grades = [reward(fmt(a), row) for a in right + wrong]
+            assert grades == [1.0] * 3 + [0.0] * 3, row["answer"]
+
+
+EXTRACTION = {  # (completion, verdict) against the gold \frac{1}{2}: which box is the answer
+    "the last box": ("\\boxed{3}, no: \\boxed{\\frac{1}{2}}", 1.0),
+    "an unclosed last box is no answer": (
+        "\\boxed{\\frac{1}{2}} is a guess. Checking: \\boxed{\\frac{1}{", 0.0),
+    "a long last box is read": ("\\boxed{3}, no: \\boxed{\\frac{1}{2}" + "+0" * 250 + "}", 1.0),
+    "a box longer than BOX_CAP is no answer": (
+        "\\boxed{\\frac{1}{2}}, or \\boxed{" + "0+" * 600 + "\\frac12}", 0.0),
+    "a space before the brace": ("So \\boxed {\\frac{1}{2}}.", 1.0),
+    "fbox": ("So \\fbox{\\frac{1}{2}}.", 1.0),
+    "a bare mention of \\boxed after the box": (
+        "\\boxed{\\frac{1}{2}}, put in \\boxed as asked", 1.0),
+}
+
+
+@pytest.mark.parametrize("text,want", EXTRACTION.values(), ids=EXTRACTION.keys())
+def test_the_answer_is_the_last_box_closed_within_the_cap(verifier, text, want):
+    row = {"question": "q", "answer": "\\frac{1}{2}", "latex": True}
+    assert timed(math_reward, text, row["answer"], True) == want
+    assert reward(text, row) == want
+
+
+def test_a_gsm8k_row_takes_the_same_last_box():
+    """GSM8K's rule reads the last box the same way: an unclosed last box is no answer (no #### or
+    last number stands in for it); \\fbox and '\\boxed {' are boxes."""
+    assert math_reward("#### 72, then \\boxed{7", "72") == 0.0
+    assert math_reward("72. \\boxed{72", "72") == 0.0
+    assert math_reward("\\fbox{72}", "72") == 1.0
+    assert math_reward("\\boxed {72} apples", "72") == 1.0
+    assert math_reward("\\boxed{" + "7" * 2000 + "}, or 72", "72") == 0.0
+
+
+UNIT_TABLE = {  # unit: (its spellings, another unit), value_unit's canonical unit, by hand
+    "cm": (["5\\text{ cm}", "5\\mathrm{~cm}", "5\\textnormal{ centimeters}",
+            "5\\textrm{ centimetre}", "5 cm"], "5\\text{ m}"),
+    "mi": (["5\\text{ mi}", "5\\text{ miles}", "5 miles", "5\\mbox{ mile}"], "5\\text{ km}"),
+    "lb": (["5\\text{ lb}", "5\\text{ lbs}", "5\\text{ pounds}", "5 pounds"], "5\\text{ kg}"),
+    "ft^2": (["5\\text{ ft}^2", "5\\text{ square feet}", "5\\text{ sq ft}", "5\\text{ feet}^{2}"],
+             "5\\text{ ft}"),
+    "unit^2": (["5\\text{ units}^2", "5\\text{ square units}"], "5\\text{ cubic units}"),
+    "cm^3": (["5\\text{ cm}^3", "5\\text{ cubic centimeters}", "5\\text{ cc}"], "5\\text{ cm}^2"),
+    "h^-1 mi": (["5\\text{ mph}", "5\\text{ miles per hour}", "5\\text{ mi/h}", "5 mph"],
+                "5\\text{ km/h}"),
+    "m s^-1": (["5\\text{ m/s}", "5\\mathrm{~m} / \\mathrm{s}", "5 \\mathrm{m\\,s^{-1}}",
+                "5\\text{ meters per second}"], "5\\text{ m}"),
+    "$": (["\\$5", "$5", "5\\text{ dollars}"], "5\\text{ cents}"),
+    "%": (["5\\%", "5\\,\\%", "5\\text{ percent}", "5 \\%"], "\\$5"),
+    "deg": (["5^\\circ", "5^{\\circ}", "5\\text{ degrees}"], "5\\text{ radians}"),
+    "um": (["5 \\mu \\mathrm{m}", "5\\,\\mu\\text{m}", "5\\text{ micrometers}"], "5\\text{ mm}"),
+}
+
+
+@pytest.mark.parametrize("unit", UNIT_TABLE)
+def test_one_alias_table_reads_every_spelling_of_a_unit(unit):
+    """Each spelling splits to the value 5 and the same unit; the other unit differs."""
+    spellings, other = UNIT_TABLE[unit]
+    assert {gmts.value_unit(s) for s in spellings} == {("5", unit)}, unit
+    assert gmts.value_unit(other)[0] == "5" and gmts.value_unit(other)[1] not in ("", unit)
+
+
+def test_same_unit_reads_words():
+    assert gmts.same_unit("miles per hour", "mph") and gmts.same_unit("boxes", "box")
+    assert gmts.same_unit("square units", "units^2") and gmts.same_unit("pennies", "penny")
+    assert not gmts.same_unit("square feet", "feet") and not gmts.same_unit("cents", "dollars")
+
+
+def test_magnitude_and_fraction_words_multiply_the_value_and_number_words_read():
+    """2 hundred thousand is 200000 (composed), 5 million bare too, 5 hundredths 0.05; four is 4."""
+    split = {"2\\text{ hundred thousand}": ("200000", ""), "5 million": ("5000000", ""),
+             "\\$1.2\\text{ million}": ("1200000", "$"),
+             "5\\text{ hundredths}": ("\\frac{1}{20}", ""),
+             "3 tenths": ("\\frac{3}{10}", ""), "\\mbox{four}": ("4", ""), "twenty-one": ("21", ""),
+             "\\text{two hundred}": ("200", ""), "x\\text{ thousand}": ("x\\times10^{3}", "")}
+    assert {s: gmts.value_unit(s) for s in split} == split
+
+
+def test_a_bare_letter_after_a_value_is_a_unit_only_of_the_other_side_s_kind():
+    """5 m against 5 cm: both lengths, so m is meters and differs; against a gold with no unit it
+    is a variable where the gold's own letter is one (Minerva's k = 37/4 m), a unit added where
+    the gold has none."""
+    pair = gmts._pair_units
+    assert pair("5\\text{ cm}", "5 m") == (("5", "cm"), ("5", "m"))
+    assert pair("5\\text{ cm}", "5 s") == (("5", "cm"), ("5 s", ""))  # time is not a length
+    k = "\\frac{37}{4}"
+    assert pair(k + " m", k) == ((k + " m", ""), (k, ""))
+    assert pair(k + " m", k + " m")[1] == (k + " m", "")
+    assert pair("5", "5 m") == (("5", ""), ("5", "m"))
+    assert gmts.value_unit("5  m^2") == ("5  m^2", "")
+    assert gmts.value_unit("5  m^2", True) == ("5", "m^2")
+    assert gmts.unit_kind("h^-1 km") == "length time^-1" and gmts.unit_kind("erg") == "energy"
+
+
+def test_sets_tuples_and_intervals_are_told_apart():
+    forms = ["\\{1,2\\}", "\\left\\{ 1, 2 \\right\\}", "(1,2)", "[1,2)", "(1,2)\\cup(3,4)",
+             "\\{(1,2), (3,4)\\}", "(x+1)", "1, 2"]
+    kinds = ["set", "set", "tuple", "tuple", "", "", "", ""]
+    assert [gmts._brackets(s) for s in forms] == kinds
+
+
+def test_grading_counts_math_verify_timeouts_per_answer(verifier, one_second):
+    """grade_answers: each answer's reward, its seconds and whether its grading hit a timeout
+    (math-verify's, read through raise_on_error and counted in gmts.TIMEOUTS); a timed-out answer
+    scores 0 and the next is graded."""
+    row = {"question": "q", "answer": "\\frac{1}{2}", "latex": True}
+    before = sum(gmts.TIMEOUTS.values())
+    texts = [box("9^{9^{9^{9}}}"), box("0.5"), "no box"]
+    rewards, seconds, timed_out = gmts.grade_answers(reward, texts, [row], 3)
+    assert rewards.tolist() == [0.0, 1.0, 0.0] and timed_out.tolist() == [True, False, False]
+    assert sum(gmts.TIMEOUTS.values()) > before
+    assert len(seconds) == 3 and seconds[0] >= 1.0 > seconds[1]
+
+
+def test_a_step_logs_its_grading_time_and_timeouts(tmp_path, monkeypatch, capsys):
+    """A real step (the tiny model, countdown) whose verifier takes 50 ms an answer and counts a
+    timeout on every other call: metrics.jsonl's grade_time_s holds every rollout batch's 8
+    answers (all groups dead here, so --filter-groups draws more), at least 0.4 s and 4 timeouts a
+    batch, and the step line says so; a step line with fast grading and no timeouts leaves it
+    out."""
+    calls = []
+
+    def slow(text, row):
+        time.sleep(0.05)
+        calls.append(1)
+        gmts.TIMEOUTS["verify"] += len(calls) % 2  # as a timed-out comparison counts itself
+        return 0.0
+    monkeypatch.setitem(gmts.TASKS["countdown"], "reward", slow)
+    out = tmp_path / "run"
+    gmts.main(["--model", "tiny", "--task", "countdown", "--data", "easy", "--short-prompt",
+               "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
+               "--eval-size", "2", "--eval-every", "0", "--steps", "1", "--threads", "1",
+               "--out", str(out)])
+    rec = gmts.read_metrics(str(out))[1]
+    batches = rec["rollout_batches"]
+    assert rec["grade_timeouts"] == 4 * batches
+    assert 0.4 * batches <= rec["grade_time_s"] <= rec["rollout_time_s"]
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 1 ")][0]
+    assert f"grading {rec['grade_time_s']:.2f} s ({4 * batches} timed out)" in line, line
+    quiet = dict(rec, grade_time_s=0.1 * rec["step_time_s"], grade_timeouts=0)
+    assert "grading" not in gmts.step_line(quiet)
+    assert "grading 5.00 s |" in gmts.step_line(dict(quiet, grade_time_s=5.0, step_time_s=10.0))
 
 
 # ==== data layouts and loading: testdata/'s published files, each layout, bad files ==================================
@@ -1370,7 +1612,7 @@ def test_commonsense_reward_never_raises_and_pays_only_the_key_s_forms(s):
     got = timed(gmts.commonsense_reward, s, CS_ROW["choices"], "B")
     assert got in (0.0, 1.0)
     if got == 1.0:
-        assert gmts._plain(gmts._last_boxed(s, tries=1, cap=300)) in CS_KEY_FORMS
+        assert gmts._plain(gmts._last_boxed(s)) in CS_KEY_FORMS
 
 
 def test_commonsense_reward_is_bounded_on_a_megabyte():

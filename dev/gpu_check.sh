@@ -1,4 +1,4 @@
-# The GPU check (issue 16; dev/LOG.md) in one device call, from the repo root; results under $OUT.
+# The GPU check (dev/LOG.md, "The GPU check") in one device call, from the repo root; results under $OUT.
 # Wheels first, on the CPU machine, into the ignored .whl (dev/LOG.md, "The GPU check"); carry .whl.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
@@ -7,10 +7,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, trl, datasets
 print(torch.__version__, transformers.__version__, trl.__version__, datasets.__version__)"
 s=$(date +%s)
-timeout 300 python3 bench_gmts.py --device cuda --sections e --trl-steps 0 --json $OUT/gpu.json \
-    > $OUT/bench.log 2>&1
-echo "bench rc=$? $(( $(date +%s) - s )) s"
-grep -v "Warning\|warnings.warn" $OUT/bench.log | tail -22
+for c in rollout step; do  # TRL's step runs in its own process below
+  timeout 150 python3 bench_gmts.py $c --device cuda --trl-steps 0 --json $OUT/$c.json \
+      > $OUT/$c.log 2>&1
+  echo "bench $c rc=$? $(( $(date +%s) - s )) s"
+  grep -v "Warning\|warnings.warn" $OUT/$c.log | tail -12
+  s=$(date +%s)
+done
 s=$(date +%s)
 timeout 170 python3 gmts.py --preset cpu --device cuda --steps 20 --eval-every 10 --save-every 0 \
     --out /tmp/run > $OUT/train.log 2>&1

@@ -1,4 +1,4 @@
-"""GPU check helper: TRL's GRPOTrainer step on bench_gmts' section-e model, in its own process
+"""GPU check helper: TRL's GRPOTrainer step on the model of bench_gmts' `step`, in its own process
 (a device-side assert poisons the CUDA context, so it cannot share one with the rest).
   python dev/gpu_trl_probe.py bf16|fp32   (fp32: master weights under TRL's bf16 autocast)"""
 import copy

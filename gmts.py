@@ -44,8 +44,9 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
   7. KL (k3, --kl-beta) covers all valid tokens; its reference is the model --model loads.
   8. fp32 master weights, bf16 autocast on CUDA; log-softmax, entropy and the loss in fp32.
   9. gmts and gradnorm never keep a token whose score is 0, so they may keep fewer than rho.
- 10. Rewards: countdown's and logic's 0.1 format reward (TinyZero); math is binary (80/20), and
-     code (ours: all of a row's tests pass in the sandbox; model output runs nowhere else).
+ 10. Rewards: countdown's and logic's 0.1 format reward (TinyZero); math is binary (80/20);
+     code (ours: all of a row's tests pass in the sandbox; model output runs nowhere else) and
+     commonsense (ours: the boxed option) are binary; the papers name no rule for either.
 
 Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
@@ -82,14 +83,16 @@ class Config:
     tiny_layers: int = arg(2, "--model tiny: transformer layers")
     grad_ckpt: bool = arg(False, "gradient checkpointing in the update forward")
     # task
-    task: Literal["countdown", "math", "logic", "code"] = arg("countdown", "the task (TASKS)")
+    task: Literal["countdown", "math", "logic", "code", "commonsense"] = arg(
+        "countdown", "the task (TASKS)")
     data: str = arg("gen", "gen, easy (generated), hf:ID, hf:ID:SPLIT or hf:ID:CONFIG:SPLIT (a "
                            "hub set or a dataset folder; split train if none), or a .jsonl, .json, "
                            ".csv or .parquet file")
     data_order: Literal["draw", "epoch"] = arg("draw", "draw: rows drawn afresh each step; "
                                                "epoch: seeded passes over a file's rows")
     prompt_style: Literal["ours", "qwen-math"] = arg(
-        "ours", "math: ours (<think>, <answer>) or qwen-math (the GMTS authors' \\boxed{} system prompt)")
+        "ours", "math, commonsense: ours (<think>, <answer>; default) or qwen-math (the GMTS "
+                "authors' \\boxed{} system prompt: the paper's template for both)")
     short_prompt: bool = arg(False, "terse prompts, no system line (for the byte-level tiny model)")
     eval_every: int = arg(20, "held-out accuracy every this many steps (0: at 0 and the end)")
     eval_size: int = arg(64, "held-out problems: the data's first rows")
@@ -375,6 +378,39 @@ def code_rewards(completions: list, rows: list) -> list:
     except Exception:  # a fault of the sandbox's own: reward 0, never a crashed run
         return [0.0] * len(completions)
 
+# -- commonsense (CommonsenseQA, CSQA2): the option the last \\boxed{} names, binary. Our rule:
+# neither the GMTS paper nor its authors' code names a reward for it --
+_WRAPS = ("\\text{", "\\textbf{", "\\mathrm{", "\\mathbf{")
+
+def _plain(s: str) -> str:
+    """A box's or an option's words as compared: no $ or one \\text{}-like wrap around the whole,
+    no trailing '.', lower case, runs of whitespace as one space."""
+    s = s.strip().strip("$").strip()
+    wrap = next((w for w in _WRAPS if s.startswith(w) and s.endswith("}")), None)
+    if wrap:
+        s = s[len(wrap):-1]
+    return " ".join(s.lower().split()).rstrip(".").rstrip()
+
+@_never_raise
+def commonsense_reward(completion: str, choices: dict, key: str) -> float:
+    """1.0 iff the last \\boxed{} names the key's option and no other; else 0.0, no format bonus.
+    A box names an option by its label alone ('B', '(B)', 'B.', 'B)', 'B:', any case), by its
+    label, a space and its own text ('B. dog'), or by its text alone ('Dog'). So a box that
+    names several ('A, B', 'B or C', 'B. dog C. cup'), a label with another option's text
+    ('B. cup'), a text two options share, or an unclosed last box earns 0.
+    choices: {label: [...], text: [...]}."""
+    box = _last_boxed(completion)  # the LAST box; not closed within BOX_CAP: no answer
+    if box is None:
+        return 0.0
+    said = _plain(box)
+    named = set()
+    for label, text in zip(choices["label"], choices["text"]):
+        forms = [f.lower() for f in (label, f"({label})", f"{label}.", f"{label})", f"{label}:")]
+        with_text = [f"{f} {_plain(text)}" for f in forms]
+        if said in forms or said in with_text or said == _plain(text):
+            named.add(label)
+    return float(named == {key})
+
 # -- prompts (build_prompts, in the supporting code, frames them in --prompt-style) --
 _FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
 
@@ -392,6 +428,17 @@ def math_prompt(row: dict, short=False) -> str:
         return row["question"]
     return (f"{row['question']}\n{_FORMAT}, with the final number inside \\boxed{{}}, "
             f"for example <answer> \\boxed{{42}} </answer>.")
+
+def commonsense_question(row: dict) -> str:
+    """The question and its options, one a line ('A. dog'): the whole of it in every style."""
+    options = zip(row["choices"]["label"], row["choices"]["text"])
+    return "\n".join([row["question"]] + [f"{label}. {text}" for label, text in options])
+
+def commonsense_prompt(row: dict, short=False) -> str:
+    if short:
+        return commonsense_question(row)
+    return (f"{commonsense_question(row)}\n{_FORMAT}, with the letter of your choice inside "
+            f"\\boxed{{}}.")
 
 def logic_prompt(row: dict, short=False) -> str:
     said = "\n".join(row["statements"])
@@ -426,6 +473,11 @@ TASKS = {  # a task: its prompt, its verifier, and the keys a data row must have
     # "rewards": a batch at once; "frame": the prompt's frame whatever --prompt-style says
     "code": {"prompt": code_prompt, "keys": ("question",), "frame": "own",
              "reward": lambda c, row: code_rewards([c], [row])[0], "rewards": code_rewards},
+    # "question": what the \\boxed{} styles show (math shows row["question"] alone)
+    "commonsense": {"prompt": commonsense_prompt, "question": commonsense_question,
+                    "keys": ("question", "choices", "answerKey"),
+                    "reward": lambda c, row: commonsense_reward(c, row["choices"],
+                                                                row["answerKey"])},
 }
 
 # ==== Group advantages [paper: GRPO] and dynamic sampling [DAPO] ==================================
@@ -1616,6 +1668,28 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
             return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
+# -- commonsense: which option belongs to a kind, in CommonsenseQA's flat layout --
+# Four words of each kind, no two with the same first letter: a byte-level model that writes an
+# option's first letter has chosen it, and the rest of the word follows from that letter.
+KINDS = {
+    "a fruit": ["apple", "grape", "lemon", "peach"],
+    "a color": ["red", "blue", "yellow", "white"],
+    "an animal": ["dog", "horse", "mouse", "zebra"],
+    "a vehicle": ["car", "train", "van", "jeep"],
+    "a tool": ["saw", "knife", "file", "needle"],
+}
+
+def commonsense_problem(rng: random.Random, n_options: int = 5) -> dict:
+    """'Which of these is a fruit?' with n_options words of n_options different kinds, one of
+    which is asked: the key is uniform over the labels, and an answer that reads the options but
+    not the question (a preferred kind) is right 1 time in n_options, as a guess."""
+    kinds = rng.sample(sorted(KINDS), n_options)  # a random order: the options' order
+    words = [rng.choice(KINDS[k]) for k in kinds]
+    asked = rng.randrange(n_options)
+    labels = list("ABCDE"[:n_options])
+    return {"question": f"Which of these is {kinds[asked]}?",
+            "choices": {"label": labels, "text": words}, "answerKey": labels[asked]}
+
 def _easy_countdown(rng: random.Random) -> dict:
     """The CPU demo's variant: 3 numbers in 1..9, in order, joined by + or -, the four sign patterns
     equally likely (numbers redrawn until the target is >= 0): a sign guess is right 1 time in 4."""
@@ -1654,11 +1728,12 @@ def code_problem(rng: random.Random, easy: bool = False) -> dict:
 def eval_op(op: str, a: int, b: int) -> int:  # the code generator's operations on integers
     return {"+": a + b, "-": a - b, "*": a * b, "%": a % b}[op]
 
-_GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 people)
+_GEN = {  # "easy": the smallest variant (countdown: _easy_countdown; logic: 2 people; 3 options)
     "countdown": lambda r, easy: _easy_countdown(r) if easy else countdown_problem(r),
     "math": lambda r, easy: math_easy_problem(r),  # gen and easy alike
     "logic": lambda r, easy: logic_problem(r, (2, 2) if easy else (2, 6)),
     "code": lambda r, easy: code_problem(r, easy),  # easy: + - * only
+    "commonsense": lambda r, easy: commonsense_problem(r, 3 if easy else 5),
 }
 
 # ==== Data files [plumbing]: gen, easy, hf:ID[:CONFIG]:SPLIT or a file ===========================
@@ -1820,6 +1895,39 @@ def _code_layout(row: dict, where: str) -> dict:
         raise BadInput(f"{where}: its tests are not Python ({type(e).__name__})") from None
     return out
 
+# The commonsense layouts, each read into the flat one (TASKS' keys): CommonsenseQA's published
+# question.stem with question.choices [{label, text}]; its flat copy, question with choices
+# {label: [...], text: [...]}; both with answerKey. CSQA2's question and answer yes/no: options
+# A. yes, B. no.
+def _commonsense_layout(row: dict, where: str) -> dict:
+    """{question, choices, answerKey} of a commonsense row, or BadInput naming `where`."""
+    q, key = row.get("question"), row.get("answerKey")
+    if isinstance(q, dict):  # CommonsenseQA as published
+        q, listed = q.get("stem"), q.get("choices")
+        ok = isinstance(listed, list) and all(isinstance(c, dict) for c in listed)
+        choices = {"label": [c.get("label") for c in listed],
+                   "text": [c.get("text") for c in listed]} if ok else None
+    elif row.get("choices") is None and row.get("answer") is not None:  # CSQA2
+        said = str(row["answer"]).strip().lower()
+        if said not in ("yes", "no"):
+            raise BadInput(f'{where}: "answer" is {row["answer"]!r}, not "yes" or "no" (CSQA2)')
+        choices, key = {"label": ["A", "B"], "text": ["yes", "no"]}, "AB"[said == "no"]
+    else:  # the flat copy
+        choices = row.get("choices")
+    if not isinstance(q, str) or not q.strip():
+        raise BadInput(f'{where} has no "question" (a string, or CommonsenseQA\'s {{"stem": ...}})')
+    labels = choices.get("label") if isinstance(choices, dict) else None
+    texts = choices.get("text") if isinstance(choices, dict) else None
+    if not (isinstance(labels, list) and isinstance(texts, list) and len(labels) == len(texts) >= 2
+            and all(isinstance(x, str) and x.strip() for x in labels + texts)
+            and len(set(labels)) == len(labels)):
+        raise BadInput(f'{where} has no "choices" of two or more options, each a label (once) and '
+                       "a text")
+    if key not in labels:
+        raise BadInput(f'{where} has no "answerKey" among its labels {", ".join(labels)} '
+                       f"(got {key!r})")
+    return {"question": q, "choices": {"label": labels, "text": texts}, "answerKey": key}
+
 def _check_row(row: dict, task: str, where: str = "a row") -> dict:
     """A row as read -> the row the task trains on, or BadInput naming `where` if it lacks one of
     the task's keys (TASKS) or holds a value not of its type (ROW_TYPES). math: a gold given as a
@@ -1829,6 +1937,8 @@ def _check_row(row: dict, task: str, where: str = "a row") -> dict:
         row = _math_layout(row, where)
     if task == "code":
         row = _code_layout(row, where)
+    if task == "commonsense":
+        return _commonsense_layout(row, where)
     missing = [k for k in TASKS[task]["keys"] if row.get(k) is None]
     if missing:
         raise BadInput(f'{where} has no "{missing[0]}"')
@@ -1976,13 +2086,16 @@ def render_prompt(tok, question: str, chat: bool, system: bool = True, style: st
 def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
                   style: str = "ours") -> list:
     """Prompt strings for task rows; short=True: terse, no system line. "ours" asks task["prompt"],
-    qwen-math takes the row's question; a row that asks for its own "Answer:" line (DAPO's): as is.
-    A task with a "frame" (code) is framed so whatever the style."""
+    qwen-math takes the row's question (task["question"] where a task has one: commonsense's
+    options); a row that asks for its own "Answer:" line (DAPO's): as is. A task with a "frame"
+    (code) is framed so whatever the style."""
     prompts = []
     for r in rows:
         own = "own" if r.get("answer_line") else style
-        ask = own == "ours" or "frame" in task  # the task's own prompt
-        question = task["prompt"](r, short=short) if ask else r["question"]
+        if own == "ours" or "frame" in task:  # the task's own prompt
+            question = task["prompt"](r, short=short)
+        else:
+            question = task["question"](r) if "question" in task else r["question"]
         prompts.append(render_prompt(tok, question, chat, not short, task.get("frame", own)))
     return prompts
 
@@ -3343,8 +3456,9 @@ def check_config(cfg: Config):
             hf_spec(data)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise BadInput(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
-    if cfg.prompt_style != "ours" and cfg.task != "math":
-        raise BadInput(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: --task math only")
+    if cfg.prompt_style != "ours" and cfg.task not in ("math", "commonsense"):
+        raise BadInput(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: "
+                       "--task math or commonsense only")
     if data_kind(cfg.data) == "gen" and cfg.data_order == "epoch":
         raise BadInput(f"--data-order epoch passes over a file's or set's rows; --data {cfg.data} draws "
                          "fresh problems")

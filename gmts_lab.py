@@ -2,7 +2,7 @@
 gmts_lab.py: the experiments around gmts.py. It imports gmts; gmts.py never imports this file.
 
 What a user runs:
-  python gmts_lab.py warm [--task countdown|math|logic|code] [--out warm/cpu]
+  python gmts_lab.py warm [--task countdown|math|logic|code|commonsense] [--out warm/cpu]
       rebuild a committed warm start (1 thread)
   python gmts_lab.py compare --methods all,entropy,gmts --seeds 3 --preset cpu --out out/compare
       methods x seeds, each a gmts run from the same --model: a table and a plot
@@ -44,10 +44,14 @@ replaced only with --overwrite. compare's runs are gmts runs, each in its own fo
                          + - * at random: it learns the block and to copy the name, the word
                          before the constant (as the parameter) and the constant, not which
                          operation the word means (its asserts run in gmts.py's sandbox).
+             warm/commonsense  three options of three kinds ("Which of these is a fruit?"),
+                         taught to box a random option's word (\\boxed{desk}, a third each): it
+                         learns the format and to write one of the options, not which word is of
+                         which kind.
            `warm` prints the held-out greedy accuracy beside what random content gets (exactly: the
            share of the nonnegative sign patterns / of + - * that hit the answer, 1/4 for two
-           people) and what the best content that ignores the prompt gets (one sign pattern,
-           operation or role pattern for all). Runs from them:
+           people, 1/3 for three options) and what the best content that ignores the prompt gets
+           (one sign pattern, operation, role pattern or label for all). Runs from them:
              python gmts.py --preset cpu --task math --model warm/math
            (data easy, filter off, as the preset).
   compare  Every (method, seed) as one gmts.train run from the same --model, in parallel processes;
@@ -113,8 +117,17 @@ def code_reference(row: dict) -> str:
                          "use --data gen or easy")
     return f"```python\n{row['solution']}```"
 
+
+def commonsense_reference(row: dict) -> str:
+    """The key's option by its text, boxed: the tiny model writes a word it has seen, where a
+    label would have to be looked up beside the word (warm-ups taught 'desk (B)' learned the words
+    but wrote one label for every row)."""
+    key = row["answerKey"]
+    text = dict(zip(row["choices"]["label"], row["choices"]["text"]))[key]
+    return f"</think>\n<answer>\\boxed{{{text}}}</answer>"  # short: as logic's
+
 REFERENCES = {"countdown": countdown_reference, "math": math_reference, "logic": logic_reference,
-              "code": code_reference}
+              "code": code_reference, "commonsense": commonsense_reference}
 
 def countdown_blind(row: dict, rng: random.Random) -> dict:
     """The row with a random well-formed answer in place of its solution: its numbers in their order
@@ -166,14 +179,23 @@ def code_blind(row: dict, rng: random.Random) -> dict:
     x, op = row["word"], rng.choice(CODE_BLIND_OPS)
     return dict(row, op=op, solution=f"def {row['name']}({x}):\n    return {x} {op} {row['k']}\n")
 
-BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind, "code": code_blind}
+def commonsense_blind(row: dict, rng: random.Random) -> dict:
+    """The row with a label drawn uniformly from its options as its key: the answer copies a random
+    option and boxes its label; the question is never read."""
+    return dict(row, answerKey=rng.choice(row["choices"]["label"]))
+
+BLIND = {"countdown": countdown_blind, "math": math_blind, "logic": logic_blind, "code": code_blind,
+         "commonsense": commonsense_blind}
 
 def random_content_acc(task: str, rows: list) -> float:
     """Expected accuracy of blind answers on rows, computed exactly: countdown, the share of the
     nonnegative sign patterns that hit the target; math, the share of the operations + - * whose
     value is the answer; logic, 1 / 2^n (one assignment of n people is right); code, the share of
-    + - * that is the row's operation (its asserts tell every operation apart)."""
+    + - * that is the row's operation (its asserts tell every operation apart); commonsense, 1 / n
+    (one of n options)."""
     def one(row):
+        if task == "commonsense":
+            return 1 / len(row["choices"]["label"])
         if task == "logic":
             return 0.5 ** len(row["names"])
         if task == "code":
@@ -190,9 +212,13 @@ def random_content_acc(task: str, rows: list) -> float:
 
 def best_fixed_guess_acc(task: str, rows: list) -> float:
     """Accuracy of the best content that ignores the prompt: one sign pattern (countdown), one
-    operation (math), one role pattern by position (logic) for every row. What RL gets by learning
-    only which content is common."""
+    operation (math, code), one role pattern by position (logic), one label or one word
+    (commonsense) for every row.
+    What RL gets by learning only which content is common."""
     def hits(row):
+        if task == "commonsense":  # one label, or one word, for all
+            words = dict(zip(row["choices"]["label"], row["choices"]["text"]))
+            return {row["answerKey"], words[row["answerKey"]]}
         if task == "countdown":
             return {s for s in itertools.product("+-", repeat=len(row["nums"]) - 1)
                     if gmts._sign_chain(row["nums"], s)[0] == row["target"]}
@@ -258,7 +284,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WARM = {"countdown": dict(WARM_CPU, out=gmts.WARM_CPU),
         "math": dict(WARM_CPU, out=os.path.join(HERE, "warm", "math")),
         "logic": dict(WARM_CPU, out=os.path.join(HERE, "warm", "logic")),
-        "code": dict(WARM_CPU, out=os.path.join(HERE, "warm", "code"))}
+        "code": dict(WARM_CPU, out=os.path.join(HERE, "warm", "code")),
+        "commonsense": dict(WARM_CPU, out=os.path.join(HERE, "warm", "commonsense"))}
 
 def warm_config(task: str) -> gmts.Config:
     """The cpu preset on `task` from its warm start: the rows and prompts the warm-up trains and
@@ -1074,7 +1101,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--task", default="countdown", choices=sorted(WARM),
                    help="the warm start to build")
     c.add_argument("--out", default=None, help="folder for the model and tokenizer "
-                                               "(default: warm/cpu, warm/math or warm/logic)")
+                                               "(default: warm/cpu, or warm/TASK)")
     c = command("compare", "methods x seeds, each a gmts run from the same --model", True)
     c.add_argument("--methods", default="all,entropy,gmts",
                    help="comma list of --select methods, each maybe METHOD@SCOPE (gmts@batch)")

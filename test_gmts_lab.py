@@ -1,8 +1,9 @@
 """Tests for gmts_lab.py, in the order of its sections. Offline, CPU:  python -m pytest -q test_gmts_lab.py
 
-test_warm_start_rebuilds_bit_identical retrains the committed warm starts (countdown, math, logic: 3-10 minutes each on
-one thread), so it runs only with GMTS_SLOW=1:  GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest
-take seconds, but test_compare_workers_stop_with_the_parent (a second process: 15-40 s).
+test_warm_start_rebuilds_bit_identical retrains the committed warm starts (countdown, math, logic,
+commonsense: 3-10 minutes each on one thread), so it runs only with GMTS_SLOW=1:
+GMTS_SLOW=1 python -m pytest -q test_gmts_lab.py -k rebuild. The rest take seconds, but
+test_compare_workers_stop_with_the_parent (a second process: 15-40 s).
 """
 import os
 
@@ -162,6 +163,30 @@ def test_logic_blind_names_everyone_in_order_with_fair_coins():
     assert 340 < knights < 460 and 70 < same < 130  # 400 of 800 roles, 100 of 400 rows (a quarter) expected
 
 
+def test_commonsense_blind_copies_a_uniform_option_and_never_reads_the_question():
+    """A blind key is uniform over the labels, whatever the row's own key; the question and the
+    options stay; its reference boxes that option's text and earns 1.0 on the blind row; against
+    the row's own key it is right about 1 time in 3."""
+    rows = gmts.load_rows("commonsense", "easy", 600, seed=0)
+    rng, keys, same = random.Random(0), collections.Counter(), 0
+    reward = gmts.get_task("commonsense")["reward"]
+    for row in rows:
+        got = lab.commonsense_blind(row, rng)
+        assert {k: v for k, v in got.items() if k != "answerKey"} == {
+            k: v for k, v in row.items() if k != "answerKey"}
+        ref = lab.commonsense_reference(got)
+        text = got["choices"]["text"][got["choices"]["label"].index(got["answerKey"])]
+        assert ref == f"</think>\n<answer>\\boxed{{{text}}}</answer>"
+        assert reward(ref, got) == 1.0 and reward(ref, row) == float(got == row)
+        keys[got["answerKey"]] += 1
+        same += got == row
+    assert set(keys) == {"A", "B", "C"} and all(150 < v < 250 for v in keys.values())  # 200 each
+    assert 150 < same < 250  # a third of 600
+    for row in ({**rows[0], "question": "Which of these is a tool?"}, rows[0]):  # not read
+        assert lab.commonsense_blind(row, random.Random(3))["answerKey"] == lab.commonsense_blind(
+            rows[0], random.Random(3))["answerKey"]
+
+
 def test_random_content_accuracy_against_hand_values_and_sampling():
     assert lab.random_content_acc("countdown", [{"nums": [4, 3, 2], "target": 5}]) == pytest.approx(1 / 3)  # 9 5 3
     assert lab.random_content_acc("countdown", [{"nums": [4, 3, 2], "target": 6}]) == 0.0
@@ -178,7 +203,16 @@ def test_random_content_accuracy_against_hand_values_and_sampling():
     assert lab.random_content_acc("code", [{"op": "*"}, {"op": "%"}]) == pytest.approx(1 / 6)
     code_ops = [{"op": "*"}, {"op": "*"}, {"op": "+"}, {"op": "%"}]
     assert lab.best_fixed_guess_acc("code", code_ops) == 0.5
-    for task in ("countdown", "math", "logic", "code"):  # exact: blind answers' mean score
+    five = gmts.load_rows("commonsense", "gen", 7, seed=0)  # five options: 1/5 a row
+    assert lab.random_content_acc("commonsense", five) == pytest.approx(0.2)
+    keys = collections.Counter(r["answerKey"] for r in five)
+    words = collections.Counter(r["choices"]["text"][ord(r["answerKey"]) - 65] for r in five)
+    best = max(max(keys.values()), max(words.values())) / 7  # one label, or one word, for all
+    assert lab.best_fixed_guess_acc("commonsense", five) == best > 1 / 7
+    dog = [{"question": "q", "choices": {"label": ["A", "B"], "text": texts}, "answerKey": key}
+           for texts, key in ((["x", "dog"], "B"), (["dog", "y"], "A"), (["z", "dog"], "B"))]
+    assert lab.best_fixed_guess_acc("commonsense", dog) == 1.0  # "dog" for all (B: 2 of 3)
+    for task in ("countdown", "math", "logic", "code", "commonsense"):  # blind answers, on average
         rows, rng = gmts.load_rows(task, "easy", 300, seed=1), random.Random(1)
         t = gmts.get_task(task)
         blind = [(lab.REFERENCES[task](lab.BLIND[task](r, rng)), r) for r in rows for _ in range(4)]
@@ -207,11 +241,11 @@ def test_warm_up_at_a_tiny_size_is_deterministic_and_trains_on_blind_answers(tas
     assert loaded.config.hidden_size == 16 and torch.equal(loaded.lm_head.weight, a.lm_head.weight)
 
 
-@pytest.mark.parametrize("task", ["math", "logic", "code"])
+@pytest.mark.parametrize("task", ["math", "logic", "code", "commonsense"])
 def test_committed_warm_start_is_small_and_trains_two_steps(task, tmp_path):
-    """warm/math, warm/logic, warm/code: <= 2 MB, the recipe's size; gmts.train runs 2 steps from
-    each with the flags docs/results.md gives (--preset cpu --task T --model warm/T), its first
-    eval_acc from the committed weights."""
+    """warm/math, warm/logic, warm/code, warm/commonsense: <= 2 MB, the recipe's size; gmts.train
+    runs 2 steps from each with the flags docs/results.md gives (--preset cpu --task T --model
+    warm/T), its first eval_acc from the committed weights."""
     path = lab.WARM[task]["out"]
     assert path == os.path.join(os.path.dirname(gmts.WARM_CPU), task)
     assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 2_000_000
@@ -239,7 +273,7 @@ def test_committed_warm_start_is_small_and_is_the_cpu_preset_model():
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("GMTS_SLOW") != "1",
                     reason="minutes long: GMTS_SLOW=1 python -m pytest -q -k rebuild")
-@pytest.mark.parametrize("task", ["countdown", "math", "logic", "code"])
+@pytest.mark.parametrize("task", ["countdown", "math", "logic", "code", "commonsense"])
 def test_warm_start_rebuilds_bit_identical(task, tmp_path):
     """gmts_lab.py warm --task T reproduces the committed warm start tensor for tensor, bit for bit (one thread)."""
     from safetensors.torch import load_file

@@ -27,6 +27,7 @@ import gc
 import inspect
 import itertools
 import json
+import math
 import random
 import re
 import sys
@@ -352,19 +353,21 @@ def test_prompts():
 
 def test_tasks_and_get_task():
     """Each task: a prompt, a verifier, the keys its rows must have, and the generated rows have
-    them; code also grades a batch at once and frames its prompt its own way."""
-    assert sorted(TASKS) == ["code", "countdown", "logic", "math"]
+    them; code also grades a batch at once and frames its prompt its own way; commonsense shows
+    its options to the boxed styles."""
+    assert sorted(TASKS) == ["code", "commonsense", "countdown", "logic", "math"]
     assert {name: t["keys"] for name, t in TASKS.items()} == {
         "countdown": ("nums", "target"), "math": ("question", "answer"),
-        "logic": ("names", "statements", "solution"), "code": ("question",)}
+        "logic": ("names", "statements", "solution"), "code": ("question",),
+        "commonsense": ("question", "choices", "answerKey")}
+    extra = {"code": {"rewards", "frame"}, "commonsense": {"question"}}
     for name, t in TASKS.items():
-        extra = {"rewards", "frame"} if name == "code" else set()
-        assert set(t) == {"prompt", "keys", "reward"} | extra
+        assert set(t) == {"prompt", "keys", "reward"} | extra.get(name, set())
         assert callable(t["prompt"]) and callable(t["reward"])
         for row in load_rows(name, "gen", 5, 0):
             assert all(row.get(k) is not None for k in t["keys"]) and gmts._check_row(row, name) is not None
-    choose = "unknown task 'x'; choose one of: code, countdown, logic, math"
-    with pytest.raises(ValueError, match=choose):
+    choose = "choose one of: code, commonsense, countdown, logic, math"
+    with pytest.raises(ValueError, match=f"unknown task 'x'; {choose}"):
         get_task("x")
     with pytest.raises(ValueError, match="choose one of"):
         load_rows("chess", "gen", 1, 0)
@@ -1780,3 +1783,205 @@ def test_a_run_logs_each_benchmark_and_their_mean(monkeypatch):
                                                eval_sample="x")
     run.data.held = ["b"]  # held-out rows
     assert gmts.evaluate_run(run, cfg) == dict(eval_acc=0.25, eval_len=4.0, eval_sample="y")
+
+
+
+# ==== commonsense: the option the last \boxed{} names, the three layouts, the generator ========
+CS_ROW = {"question": "Which of these is an animal?",
+          "choices": {"label": ["A", "B", "C"], "text": ["chair", "dog", "cup"]},
+          "answerKey": "B"}
+CS_CASES = {  # (completion, expected) against CS_ROW: key B, "dog"
+    "the letter": (box("B"), 1.0),
+    "the letter in our format": (A("\\boxed{B}"), 1.0),
+    "the letter, lower case": (box("b"), 1.0),
+    "(B)": (box("(B)"), 1.0),
+    "B.": (box("B."), 1.0),
+    "B)": (box("B)"), 1.0),
+    "B:": (box("B:"), 1.0),
+    "the letter in \\text{}": (box("\\text{B}"), 1.0),
+    "the letter with its text": (box("B. dog"), 1.0),
+    "(B) with its text": (box("(B) Dog"), 1.0),
+    "the text alone": (box("dog"), 1.0),
+    "the text alone, spaced and capitalised": (box(" \\text{ Dog. } "), 1.0),
+    "reasoning before the box": ("A chair is furniture and a cup a dish, so \\boxed{B}", 1.0),
+    "an earlier wrong box, the last right": (box("A") + " no, wait: " + box("B"), 1.0),
+    "a box in a box: the inner one is the last": ("\\boxed{\\boxed{B}}", 1.0),
+    "a wrong letter": (box("A"), 0.0),
+    "a wrong text": (box("cup"), 0.0),
+    "no box": ("The answer is B.", 0.0),
+    "our tags without a box": (A("B"), 0.0),
+    "an empty box": (box(""), 0.0),
+    "two letters": (box("A, B"), 0.0),
+    "two letters, the key first": (box("B, C"), 0.0),
+    "all letters": (box("ABC"), 0.0),
+    "B or C": (box("B or C"), 0.0),
+    "two options with their texts": (box("B. dog C. cup"), 0.0),
+    "every option's text": (box("chair, dog, cup"), 0.0),
+    "the key's label with another option's text": (box("B. cup"), 0.0),
+    "another label with the key's text": (box("A. dog"), 0.0),
+    "the key in a sentence": (box("I think B"), 0.0),
+    "an unclosed box": ("so \\boxed{B", 0.0),
+    "a right box, then an unclosed last one": (box("B") + " or \\boxed{B", 0.0),
+    "a right box, then a wrong last one": (box("B") + box("C"), 0.0),
+}
+CS_REWARD = TASKS["commonsense"]["reward"]  # (completion, row) -> float, as a run grades
+
+
+@pytest.mark.parametrize("text,want", CS_CASES.values(), ids=CS_CASES)
+def test_commonsense_pays_1_iff_the_last_box_names_the_key_alone(text, want):
+    assert timed(gmts.commonsense_reward, text, CS_ROW["choices"], "B") == want
+    assert CS_REWARD(text, CS_ROW) == want
+
+
+def test_a_text_two_options_share_names_neither():
+    row = {"question": "q", "answerKey": "A",
+           "choices": {"label": ["A", "B", "C"], "text": ["bank", "Bank", "shop"]}}
+    assert CS_REWARD(box("bank"), row) == 0.0
+    assert CS_REWARD(box("A"), row) == CS_REWARD(box("A. bank"), row) == 1.0
+
+
+CS_FRAGMENTS = ["\\boxed{", "{", "}", "\\text{", "(", ")", ".", ":", ",", " ", "\n", "$", "A", "B",
+                "C", "b", "dog", "cup", "chair", " or ", "<answer>", "</answer>", "\\", "\u0663"]
+cs_adversarial = st.builds(lambda parts, k: "".join(parts) * k,
+                           st.lists(st.sampled_from(CS_FRAGMENTS) | st.text(max_size=4),
+                                    max_size=40),
+                           st.integers(1, 2000))
+CS_KEY_FORMS = ({"b", "(b)", "b.", "b)", "b:", "dog"}
+                | {f"{f} dog" for f in ("b", "(b)", "b.", "b)", "b:")})
+
+
+@PROPS
+@given(s=st.text(max_size=300) | cs_adversarial)
+def test_commonsense_reward_never_raises_and_pays_only_the_key_s_forms(s):
+    """On any text: 0.0 or 1.0 within SLOW seconds; 1.0 only where the last box, closed, is one of
+    the key's forms."""
+    got = timed(gmts.commonsense_reward, s, CS_ROW["choices"], "B")
+    assert got in (0.0, 1.0)
+    if got == 1.0:
+        assert gmts._plain(gmts._last_boxed(s)) in CS_KEY_FORMS
+
+
+def test_commonsense_reward_is_bounded_on_a_megabyte():
+    for text in (BIG + box("B"), "\\boxed{" * 200_000, box("B" * 1_000_000),
+                 "{" * 1_000_000 + box("B")):
+        timed(gmts.commonsense_reward, text, CS_ROW["choices"], "B")
+    assert timed(gmts.commonsense_reward, BIG + box("B"), CS_ROW["choices"], "B") == 1.0
+
+
+def _testdata_rows(name):
+    with open(os.path.join(TESTDATA, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_each_commonsense_layout_loads_from_its_published_shape():
+    """testdata/'s three files, read by the path a run takes (load_rows): CommonsenseQA's published
+    rows and its flat copy read alike; CSQA2's yes/no becomes options A. yes, B. no; each row's key
+    earns 1.0 (as a letter, and as its text), every other label 0; the prompt lists the options."""
+    names = ("commonsenseqa_layout.jsonl", "commonsenseqa_flat.jsonl", "csqa2_layout.jsonl")
+    rows = {name: load_rows("commonsense", os.path.join(TESTDATA, name), 0) for name in names}
+    published = [{"question": r["question"]["stem"], "answerKey": r["answerKey"],
+                  "choices": {"label": [c["label"] for c in r["question"]["choices"]],
+                              "text": [c["text"] for c in r["question"]["choices"]]}}
+                 for r in _testdata_rows(names[0])]
+    assert rows[names[0]] == rows[names[1]] == published
+    assert {r["answerKey"] for r in published} == set("ABCDE")
+    csqa2 = _testdata_rows(names[2])
+    assert {r["answer"] for r in csqa2} == {"yes", "no"}
+    assert [r["answerKey"] for r in rows[names[2]]] == ["AB"[r["answer"] == "no"] for r in csqa2]
+    assert all(r["choices"] == {"label": ["A", "B"], "text": ["yes", "no"]} for r in rows[names[2]])
+    for name, read in rows.items():
+        assert len(read) == 6, name
+        for row in read:
+            labels, texts, key = row["choices"]["label"], row["choices"]["text"], row["answerKey"]
+            assert CS_REWARD(A(f"\\boxed{{{key}}}"), row) == 1.0
+            assert CS_REWARD(box(texts[labels.index(key)]), row) == 1.0
+            others = [CS_REWARD(box(x), row) for x in labels if x != key]
+            assert others == [0.0] * (len(labels) - 1)
+            prompt = TASKS["commonsense"]["prompt"](row)
+            assert all(f"\n{x}. {t}" in prompt for x, t in zip(labels, texts))
+
+
+def test_a_csqa2_row_is_paid_for_yes_or_no_as_written():
+    row = load_rows("commonsense", os.path.join(TESTDATA, "csqa2_layout.jsonl"), 1)[0]  # yes
+    said = ("yes", "Yes.", "A", "A. yes", "no", "B", "yes or no", "A, B")
+    assert [CS_REWARD(box(x), row) for x in said] == [1.0] * 4 + [0.0] * 4
+
+
+PUBLISHED_CHOICES = [{"label": "A", "text": "x"}, {"label": "B", "text": "y"}]
+FLAT_CHOICES = {"label": ["A", "B"], "text": ["x", "y"]}
+BAD_CS_ROWS = {  # (row 2 of a file whose row 1 is good, what the line says)
+    "published without a key": ({"question": {"stem": "q", "choices": PUBLISHED_CHOICES}},
+                                '"answerKey" among its labels A, B'),
+    "published choices not a list": ({"question": {"stem": "q", "choices": "A x B y"},
+                                      "answerKey": "A"}, '"choices" of two or more'),
+    "published without a stem": ({"question": {"choices": PUBLISHED_CHOICES}, "answerKey": "A"},
+                                 '"question"'),
+    "flat: fewer texts than labels": ({"question": "q", "answerKey": "A",
+                                       "choices": {"label": ["A", "B"], "text": ["x"]}},
+                                      '"choices"'),
+    "flat: a label twice": ({"question": "q", "answerKey": "A",
+                             "choices": {"label": ["A", "A"], "text": ["x", "y"]}}, '"choices"'),
+    "flat: a key not a label": ({"question": "q", "choices": FLAT_CHOICES, "answerKey": "C"},
+                                '"answerKey" among its labels A, B'),
+    "csqa2: not yes or no": ({"question": "q", "answer": "maybe"},
+                             '"answer" is \'maybe\', not "yes" or "no"'),
+    "csqa2: an empty question": ({"question": "", "answer": "yes"}, '"question"'),
+    "no question": ({"stem": "q", "answerKey": "A"}, '"question"'),
+}
+
+
+@pytest.mark.parametrize("row,what", BAD_CS_ROWS.values(), ids=BAD_CS_ROWS)
+def test_a_commonsense_row_of_the_wrong_shape_is_refused_naming_file_and_row(tmp_path, row, what):
+    """One BadInput line naming the file, the row and what it lacks; the row before it was fine."""
+    layout = ("csqa2_layout.jsonl" if "answer" in row else "commonsenseqa_layout.jsonl"
+              if isinstance(row.get("question"), dict) else "commonsenseqa_flat.jsonl")
+    p = _jsonl(tmp_path / "bad.jsonl", [_testdata_rows(layout)[0], row])
+    with pytest.raises(gmts.BadInput) as e:
+        load_rows("commonsense", p, 0)
+    msg = str(e.value)
+    assert msg.startswith(f"{p} row 2 has no ") or msg.startswith(f"{p} row 2: "), msg
+    assert what in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("data,n", [("easy", 3), ("gen", 5)])
+def test_generated_commonsense_rows_are_well_formed_and_the_key_is_uniform(data, n):
+    """Each row: n options of n different kinds, exactly one of the asked kind, and it is the key;
+    the key's label is uniform (3000 rows: each count within 5 SD of 3000 / n); reading the options
+    without the question (always the option of one preferred kind) is right about 1 time in n, as a
+    guess."""
+    rows = load_rows("commonsense", data, 3000, seed=0)
+    assert rows == load_rows("commonsense", data, 3000, seed=0)
+    assert rows != load_rows("commonsense", data, 3000, seed=1)
+    kind_of = {w: k for k, words in gmts.KINDS.items() for w in words}
+    assert len(kind_of) == sum(map(len, gmts.KINDS.values()))  # no word in two kinds
+    assert len({w[0] for w in kind_of}) == len(kind_of)  # a word's first letter names it
+    keys, preferred, order = collections.Counter(), 0, sorted(gmts.KINDS)
+    for row in rows:
+        labels, texts = row["choices"]["label"], row["choices"]["text"]
+        assert labels == list("ABCDE"[:n]) and len({kind_of[t] for t in texts}) == n
+        asked = [t for t in texts if row["question"] == f"Which of these is {kind_of[t]}?"]
+        assert len(asked) == 1 and labels[texts.index(asked[0])] == row["answerKey"]
+        assert gmts._check_row(row, "commonsense") == row  # a generated row is in the flat layout
+        keys[row["answerKey"]] += 1
+        preferred += min(texts, key=lambda t: order.index(kind_of[t])) == asked[0]
+    sd = math.sqrt(3000 * (1 / n) * (1 - 1 / n))
+    assert set(keys) == set(labels) and all(abs(c - 3000 / n) < 5 * sd for c in keys.values())
+    assert abs(preferred - 3000 / n) < 5 * sd, preferred
+
+
+def test_commonsense_prompts_in_both_styles(tiny_model):
+    """ours (the default): the options, then our <think>/<answer> format asking for the letter in
+    a \\boxed{}; qwen-math (the paper's template): its system line, the question, its options."""
+    _, tok = tiny_model
+    task = get_task("commonsense")
+    question = "Which of these is an animal?\nA. chair\nB. dog\nC. cup"
+    assert gmts.commonsense_question(CS_ROW) == task["prompt"](CS_ROW, short=True) == question
+    assert gmts.build_prompts(tok, task, [CS_ROW], True, style="qwen-math")[0] == (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within "
+        f"\\boxed{{}}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+    ours = gmts.build_prompts(tok, task, [CS_ROW], True)[0]
+    assert f"{question}\n{gmts._FORMAT}, with the letter of your choice inside \\boxed{{}}." in ours
+    assert ours.endswith(gmts.ASSISTANT_PREFIX) and gmts.Config().prompt_style == "ours"
+    gmts.check_config(gmts.Config(task="commonsense", prompt_style="qwen-math"))
+    with pytest.raises(ValueError, match="--task math or commonsense only"):
+        gmts.check_config(gmts.Config(task="logic", prompt_style="qwen-math"))

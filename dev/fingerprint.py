@@ -33,6 +33,10 @@ RUNS = {  # name -> flags after `python gmts.py`
     # authors' objective with its KL
     "countdown_gmts_batch": SMOKE + ["--select", "gmts", "--scope", "batch"],
     "countdown_gmts_seq_kl": SMOKE + ["--select", "gmts", "--loss-norm", "seq", "--kl-beta", "0.001"],
+    # the code task (its sandboxed verifier) and the commonsense task (the boxed option)
+    "code_gmts": SMOKE + ["--task", "code", "--model", "{repo}/warm/code", "--select", "gmts"],
+    "commonsense_entropy": SMOKE + ["--task", "commonsense", "--model", "{repo}/warm/commonsense",
+                                    "--select", "entropy"],
 }
 
 

@@ -48,7 +48,7 @@ Deviations from the papers and choices they leave open (the reasons: docs/design
      code (ours: all of a row's tests pass in the sandbox; model output runs nowhere else) and
      commonsense (ours: the boxed option) are binary; the papers name no rule for either.
 
-Run:  python gmts.py --preset cpu                             (offline, CPU: a tiny warm start learns)
+Run:  python gmts.py --preset cpu                         (offline, CPU: a tiny warm start learns)
       python gmts.py --model Qwen2.5-0.5B --task countdown    (one GPU)
 """
 import argparse, ast, collections, contextlib, copy, dataclasses, functools, glob
@@ -412,7 +412,8 @@ def commonsense_reward(completion: str, choices: dict, key: str) -> float:
     return float(named == {key})
 
 # -- prompts (build_prompts, in the supporting code, frames them in --prompt-style) --
-_FORMAT = "Show your work in <think> </think> tags. And return the final answer in <answer> </answer> tags"
+_FORMAT = ("Show your work in <think> </think> tags. "
+           "And return the final answer in <answer> </answer> tags")
 
 def countdown_prompt(row: dict, short=False) -> str:
     nums = row["nums"]
@@ -1027,7 +1028,7 @@ def train(cfg: Config, log=print, score_fn=None) -> str:
                 save_checkpoint(cfg.out, step, run)
     return cfg.out  # the with's end saved the final model there
 
-# Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here. ###################
+# Supporting code [plumbing]: what lets the method above run; a reader of the paper may stop here.
 
 def hub_bars(stream=sys.stderr, environ=os.environ):
     """The hub's and datasets' download bars where a person watches (stream a terminal: a first
@@ -1060,7 +1061,7 @@ def step_lr(cfg: Config, step: int, inner: int) -> float:
     slot = (step - 1) * cfg.inner_updates + inner
     return cfg.lr * lr_factor(slot, cfg.steps * cfg.inner_updates, cfg.warmup_steps, cfg.lr_decay)
 
-# ==== Math answers [plumbing]: math_reward's final answer, numbers, and LaTeX by math-verify =======
+# ==== Math answers [plumbing]: math_reward's final answer, numbers, and LaTeX by math-verify ====
 # [0-9], not \d (which matches other scripts' digits too)
 _DEC = re.compile(r"[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 _FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -1077,7 +1078,8 @@ def _decimal(s: str, signed: bool):
     return sign * Fraction(s.replace(",", ""))
 
 def parse_number(s: str):
-    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{-20}{2}', '3/4' ... (else None)."""
+    """Exact value of '-$1,450', '72.00', '18.', '50%', '\\frac{1}{2}', '\\frac{-20}{2}', '3/4' ...
+    (else None)."""
     s = s.strip()
     if len(s) > 100:
         return None
@@ -1546,7 +1548,8 @@ def grade_answers(task: dict, texts: list, rows: list) -> tuple:
         t = time.perf_counter()
         rewards = task["rewards"](texts, rows)
         seconds = [(time.perf_counter() - t) / max(len(texts), 1)] * len(texts)
-        return (torch.tensor(rewards, dtype=torch.float32), torch.tensor(seconds, dtype=torch.float64),
+        return (torch.tensor(rewards, dtype=torch.float32),
+                torch.tensor(seconds, dtype=torch.float64),
                 torch.zeros(len(texts), dtype=torch.bool))
     rewards, seconds, timed_out = [], [], []
     for text, row in zip(texts, rows):
@@ -1573,7 +1576,8 @@ def _combine(x: tuple, y: tuple, op: str):
     return value, f"{left} {op} {right}", p
 
 def _sign_chain(nums: list, signs) -> tuple:
-    """(value, text) of nums joined by signs, left to right: ([4, 3, 2], '+-') -> (5, '4 + 3 - 2')."""
+    """(value, text) of nums joined by signs, left to right:
+    ([4, 3, 2], '+-') -> (5, '4 + 3 - 2')."""
     value = nums[0]
     text = str(nums[0])
     for sign, x in zip(signs, nums[1:]):
@@ -1595,13 +1599,15 @@ def _random_expression(rng: random.Random, nums: list, ops: str):
 
 def countdown_problem(rng: random.Random, n_nums=(3, 4), num_range=(1, 99),
                       target_range=(1, 1000), ops="+-*/"):
-    """Random numbers and a random expression over them, whose value is the target: always solvable."""
+    """Random numbers and a random expression over them, whose value is the target: always
+    solvable."""
     for _ in range(100_000):
         nums = [rng.randint(*num_range) for _ in range(rng.randint(*n_nums))]
         z = _random_expression(rng, nums, ops)
         if z is not None and target_range[0] <= z[0] <= target_range[1]:
             return {"nums": nums, "target": int(z[0]), "expr": z[1]}
-    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in {target_range}")
+    raise ValueError(f"no countdown problem with numbers in {num_range} and a target in "
+                     f"{target_range}")
 
 # -- math: one-step word problems (GSM8K itself: --data hf:openai/gsm8k:main:train) --
 # One step whose operation only the words tell (the numbers in the step's order).
@@ -1615,7 +1621,8 @@ _MATH_EASY = [
 ]
 
 def math_easy_problem(rng: random.Random) -> dict:
-    """One step `a op b` on a, b in 2..9 with a >= b (so a - b >= 0); the template's words decide op."""
+    """One step `a op b` on a, b in 2..9 with a >= b (so a - b >= 0); the template's words decide
+    op."""
     question, op = rng.choice(_MATH_EASY)
     a, b = sorted((rng.randint(2, 9), rng.randint(2, 9)), reverse=True)
     z = _OPS[op](a, b)
@@ -1665,7 +1672,8 @@ def logic_problem(rng: random.Random, n_people=(2, 6)) -> dict:
         if len(worlds) == 1:  # exactly one consistent assignment
             said = [_say(c, names, i) for i, c in enumerate(claims)]
             statements = [f'{who} says: "{x[0].upper() + x[1:]}."' for who, x in zip(names, said)]
-            return {"names": names, "statements": statements, "solution": dict(zip(names, worlds[0]))}
+            return {"names": names, "statements": statements,
+                    "solution": dict(zip(names, worlds[0]))}
     raise ValueError(f"no knights-and-knaves puzzle with a unique solution for {n_people} people")
 
 # -- commonsense: which option belongs to a kind, in CommonsenseQA's flat layout --
@@ -1771,7 +1779,8 @@ def _read_hf(data: str):
     return ds[split or "train"]
 
 def _gsm8k_row(question: str, solution) -> dict:
-    """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the bare number."""
+    """GSM8K answers are 'steps with <<calc>> notes ... #### 1,450': keep the clean steps and the
+    bare number."""
     body, _, gold = str(solution).rpartition("####")
     steps = [re.sub(r"<<[^<>]*>>", "", ln).strip() for ln in body.splitlines() if ln.strip()]
     return {"question": question, "answer": gold.strip().replace(",", ""), "steps": steps}
@@ -1791,7 +1800,8 @@ def _cell(row: dict, key: str):
     return row
 
 def _math_layout(row: dict, where: str) -> dict:
-    """{question, answer} of a math row: the first of LAYOUTS it has; else BadInput naming it."""
+    """{question, answer} of a math row in the first of LAYOUTS it has both of; else BadInput
+    naming `where` and what it lacks."""
     for q, a in LAYOUTS.values():
         question, answer = _cell(row, q), _cell(row, a.removesuffix("\\boxed"))
         if isinstance(question, list) and question and isinstance(question[-1], dict):  # a chat
@@ -1804,7 +1814,8 @@ def _math_layout(row: dict, where: str) -> dict:
             return {"question": question, "answer": answer}
     has_question = any(_cell(row, q) is not None for q, _ in LAYOUTS.values())
     what = "answer" if has_question else "question"
-    looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q for q, a in LAYOUTS.values()]
+    looked = [a.replace("\\boxed", "'s last \\boxed{}") if has_question else q
+              for q, a in LAYOUTS.values()]
     raise BadInput(f"{where} has no {what} (looked for {', '.join(dict.fromkeys(looked))})")
 
 def _words(v) -> bool:
@@ -1988,7 +1999,8 @@ def _read_set(data: str, task: str) -> list:
     return [_check_row(row, task, f"{data} row {i}") for i, row in enumerate(ds, 1)]
 
 def load_rows(task: str, data="gen", n=1000, seed=0) -> list:
-    """gen/easy: n new problems from random.Random(seed); a set or a file: its first n rows (n <= 0: all)."""
+    """gen/easy: n fresh problems from random.Random(seed); an hf: set or a file: its first n rows
+    in order (n <= 0 or None: all of them)."""
     get_task(task)
     if data_kind(data) == "gen":
         rng = random.Random(seed)
@@ -2017,13 +2029,15 @@ def read_data(cfg: Config) -> Data:
     n_held = 0 if cfg.eval_data else cfg.eval_size
     rows = load_rows(cfg.task, cfg.data, n_held if gen else 0, cfg.seed)
     held = rows[:n_held]
-    bench = {name: load_rows(cfg.task, spec, 0, cfg.seed) for name, spec in eval_sets(cfg.eval_data)}
+    bench = {name: load_rows(cfg.task, spec, 0, cfg.seed)
+             for name, spec in eval_sets(cfg.eval_data)}
     seen = {task["prompt"](r) for r in held + sum(bench.values(), [])}
     held = bench or held
     pool = [r for r in rows[n_held:] if task["prompt"](r) not in seen]
     if not gen and len(pool) < cfg.prompts_per_step:
-        raise BadInput(f"--data {cfg.data}: {len(pool)} training rows after the {len(rows) - len(pool)} "
-                         f"held-out and benchmark ones, fewer than --prompts-per-step {cfg.prompts_per_step}")
+        raise BadInput(f"--data {cfg.data}: {len(pool)} training rows after the "
+                       f"{len(rows) - len(pool)} held-out and benchmark ones, fewer than "
+                       f"--prompts-per-step {cfg.prompts_per_step}")
     order = {"drawn": 0}
 
     @functools.lru_cache(maxsize=2)
@@ -2034,7 +2048,8 @@ def read_data(cfg: Config) -> Data:
         if cfg.data_order == "epoch":  # the next n rows of the passes; never gen (check_config)
             first = order["drawn"]
             order["drawn"] += min(n, len(pool) - first % len(pool))  # no draw crosses a pass
-            return [pool[epoch(i // len(pool))[i % len(pool)]] for i in range(first, order["drawn"])]
+            return [pool[epoch(i // len(pool))[i % len(pool)]]
+                    for i in range(first, order["drawn"])]
         rng = random.Random(str((cfg.seed,) + key))
         if not gen:  # distinct rows
             return rng.sample(pool, n)
@@ -2045,7 +2060,8 @@ def read_data(cfg: Config) -> Data:
                 out.append(row)
             if len(out) == n:
                 return out
-        raise BadInput(f"--data {cfg.data}: almost every generated problem is a held-out one; lower --eval-size")
+        raise BadInput(f"--data {cfg.data}: almost every generated problem is a held-out one; "
+                       "lower --eval-size")
     return Data(draw=draw, held=held, order=order)
 
 def eval_sets(spec: str) -> list:
@@ -2055,15 +2071,16 @@ def eval_sets(spec: str) -> list:
     for name, d in pairs:
         bad_name = not re.fullmatch(r"[\w.-]+", name) or name in ("acc", "len", "sample")
         if bad_name or names.count(name) > 1 or data_kind(d) == "gen":
-            raise BadInput(f"--eval-data {spec}: NAME=DATA entries, each NAME once (letters, digits, "
-                             "_ . -; not acc, len, sample), each DATA a file or a hub set")
+            raise BadInput(f"--eval-data {spec}: NAME=DATA entries, each NAME once (letters, "
+                           "digits, _ . -; not acc, len, sample), each DATA a file or a hub set")
     return pairs
 
 # -- prompts (algorithm step 1): --prompt-style's frame around a task's question (TASKS) --
 ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"  # TinyZero's prefill
 SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process and "
                  "then answer.")
-QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."  # GMTS's
+# GMTS's system line
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 PROMPT_STYLES = {  # --prompt-style -> (its system line or None, the assistant's prefill)
     "ours": (SYSTEM_PROMPT, ASSISTANT_PREFIX),
@@ -2100,7 +2117,8 @@ def build_prompts(tok, task: dict, rows: list, chat: bool, short: bool = False,
     return prompts
 
 # ==== Model and tokenizer [plumbing]: Qwen checkpoints, or a tiny Qwen2 built offline =============
-def pick_device(name: str = "auto") -> torch.device:  # auto: the accelerator there is (cuda, mps), else cpu
+# auto: the accelerator there is (cuda, mps), else cpu
+def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     return torch.device(name)
@@ -2123,22 +2141,27 @@ def set_seed(seed: int):  # not transformers.set_seed: numpy's seeds stop at 2**
     random.seed(seed)
     torch.manual_seed(seed)
 
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}"
+                      "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                      "{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 def build_tiny(hidden: int = 64, layers: int = 2, seed: int = 0):
-    """A random-init Qwen2ForCausalLM and a byte-level Qwen2Tokenizer (256 bytes + 3 specials, no merges): the class
-    a qwen2 folder reloads with, so ids survive a round trip. eos is <|im_end|> (instruct-style), pad <|endoftext|>."""
+    """A random-init Qwen2ForCausalLM and a byte-level Qwen2Tokenizer (256 bytes + 3 specials, no
+    merges): the class a qwen2 folder reloads with, so ids survive a round trip. eos is <|im_end|>
+    (instruct-style), pad <|endoftext|>."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()) + specials)}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-                         additional_special_tokens=["<|im_start|>"], chat_template=TINY_CHAT_TEMPLATE,
-                         padding_side="left")
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096, bos_token_id=None,
-                      vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", unk_token=None,
+                         additional_special_tokens=["<|im_start|>"],
+                         chat_template=TINY_CHAT_TEMPLATE, padding_side="left")
+    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=4096, bos_token_id=None, vocab_size=len(tok),
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg), tok
 
@@ -2159,7 +2182,8 @@ def loading(path: str):
             raise
         raise BadInput(f"cannot load model {path!r}: {error_line(e, 300)}") from None
 
-def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2, seed: int = 0):
+def load_model(name: str, device: torch.device, tiny_hidden: int = 64, tiny_layers: int = 2,
+               seed: int = 0):
     """(model, tokenizer) on device in fp32. A model that cannot load is bad input: BadInput."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if name == "tiny":
@@ -2184,7 +2208,8 @@ def end_token_ids(tok) -> list:
     return sorted(i for i in ids if i is not None)
 
 def use_chat(tok, chat: str = "auto") -> bool:
-    """auto: the chat template for instruct models (a template and eos <|im_end|>), else plain text."""
+    """auto: the chat template for instruct models (a template and eos <|im_end|>), else plain
+    text."""
     if chat != "auto":
         return chat == "yes"
     return bool(getattr(tok, "chat_template", None)) and tok.eos_token == "<|im_end|>"
@@ -2208,7 +2233,8 @@ class SamplerLogp:
         return logits
 
     def finish(self, comp: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs of comp's tokens, 0 after the end: `read`, the last draw from `pending` if short, [:T]."""
+        """(N, T) log-probs of comp's tokens, 0 after the end: `read`, the last draw from `pending`
+        if short, [:T]."""
         if self.pending is not None and len(self.read) < comp.shape[1]:
             self.read.append(self.pending.gather(1, comp[:, -1:]))
         return torch.cat(self.read[:comp.shape[1]], dim=1).masked_fill(~resp_mask, 0.0)
@@ -2227,18 +2253,22 @@ def _join_rows(xs: list, key: str, pad_id: int):
     fill = pad_id if key in PAD_ID_FILLED else 0
     side = "left" if key in LEFT_PADDED else "right"
     rows = [row for x in xs for row in x]  # each answer's (W,) row
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=fill,
+                                           padding_side=side)
 
 def prompts_per_call(cfg: Config, n: int) -> int:
     """Prompts per generate() call of n: all n, or max(R // G, 1) under --rollout-rows R."""
     return min(n, max(cfg.rollout_rows // cfg.group_size, 1)) if cfg.rollout_rows else n
 
 def sample_answers(run, prompts: list, cfg: Config) -> dict:
-    """Algorithm step 2: rollout() on run.sampler, prompts_per_call prompts a call, joined by _join_rows."""
-    knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                 top_p=cfg.top_p, top_k=cfg.top_k, fast=run.fast, sampler_logp=True)
+    """Algorithm step 2: rollout() on run.sampler with its log-probs, prompts_per_call prompts a
+    call, the calls joined by _join_rows."""
+    knobs = dict(group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, fast=run.fast,
+                 sampler_logp=True)
     per = prompts_per_call(cfg, len(prompts))
-    parts = [rollout(run.sampler, run.tok, prompts[i:i + per], **knobs) for i in range(0, len(prompts), per)]
+    parts = [rollout(run.sampler, run.tok, prompts[i:i + per], **knobs)
+             for i in range(0, len(prompts), per)]
     return {key: _join_rows([p[key] for p in parts], key, run.tok.pad_token_id) for key in parts[0]}
 
 @torch.no_grad()
@@ -2249,8 +2279,8 @@ def refresh_sampler(sampler, model):
 
 # ==== Evaluation [plumbing] =======================================================================
 @torch.no_grad()
-def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int, batch_size: int = 64,
-             samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+def evaluate(model, tok, task: dict, rows: list, chat: bool, short: bool, max_new_tokens: int,
+             batch_size: int = 64, samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              style: str = "ours", progress=None) -> dict:
     """Accuracy (answers with reward 1.0; samples = k: avg@k at temperature, top_p), length, a
     sample. progress(done): called with the answers done so far after each rollout."""
@@ -2333,8 +2363,8 @@ def check_folder(out: str, names, kind: str = "gmts", resume=False, overwrite=Fa
     for path in reads:  # --data OUT/metrics.jsonl: the run would remove or rewrite what it reads
         first = os.path.relpath(os.path.realpath(path), real).split(os.sep)[0]
         if any(re.fullmatch(name, first) for name in names):
-            raise BadInput(f"{path} is in {os.path.join(out, first)}, which the run writes: move it "
-                           "out of --out")
+            raise BadInput(f"{path} is in {os.path.join(out, first)}, which the run writes: "
+                           "move it out of --out")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise BadInput(f"--out {out} is a file, not a folder")
     try:
@@ -2464,7 +2494,8 @@ def folder_rules(cfg: Config) -> dict:
                 reads=[d for d in specs if data_kind(d) == "file"], scratch=HALF_WRITTEN)
 
 def check_out(cfg: Config):
-    """BadInput unless the run may write in cfg.out: the folder rule, check_folder with RUN_FILES."""
+    """BadInput unless the run may write in cfg.out: the folder rule, check_folder with
+    RUN_FILES."""
     check_folder(cfg.out, RUN_FILES, "gmts", **folder_rules(cfg))
 
 @contextlib.contextmanager
@@ -2495,7 +2526,8 @@ def start_run(cfg: Config, log=print):
             ref = ref.eval().requires_grad_(False)
         if cfg.grad_ckpt:  # transformers 5's name (gradient_checkpointing_enable is deprecated)
             model.activation_checkpointing_enable()
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                eps=cfg.adam_eps)
         if cfg.resume:
             try:
                 opt.load_state_dict(state["opt"])
@@ -2507,9 +2539,9 @@ def start_run(cfg: Config, log=print):
             for p in sampler.parameters():  # RoPE's inv_freq buffer stays fp32, as in a bf16 load
                 p.data = p.data.to(torch.bfloat16)
         fast = device.type == "cuda" if cfg.fast_generate is None else cfg.fast_generate
-        run = Run(model=model, tok=tok, opt=opt, ref=ref, sampler=sampler, task=get_task(cfg.task), data=data,
-                  chat=use_chat(tok, cfg.chat_template), fast=fast, start=state["step"] + 1,
-                  skipped=state["skipped"], log_step=None)
+        run = Run(model=model, tok=tok, opt=opt, ref=ref, sampler=sampler, task=get_task(cfg.task),
+                  data=data, chat=use_chat(tok, cfg.chat_template), fast=fast,
+                  start=state["step"] + 1, skipped=state["skipped"], log_step=None)
         open_folder(cfg, run, device, log)
         yield run  # the loop; then, after its last step:
         run.log_step(None)  # the step lines and the tracker close
@@ -2519,7 +2551,8 @@ def start_run(cfg: Config, log=print):
 
 def read_checkpoint(out: str, device: torch.device) -> tuple:
     """--resume: (the newest checkpoint, its model, tokenizer and state.pt: the step, skipped, rows
-    drawn, the optimiser's state); one that cannot be read: BadInput naming it and the one before."""
+    drawn, the optimiser's state); one that cannot be read: BadInput naming it and the one
+    before."""
     done = checkpoints(out)
     if not done:
         raise BadInput(f"--resume {out}: no checkpoint there to continue (start again with "
@@ -2575,7 +2608,8 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
     held = "sets" if isinstance(run.data.held, dict) else "rows"  # --eval-data's, or rows of --data
     log(f"device {device} ({kernels} kernels, {torch.get_num_threads()} threads) | model "
         f"{resolve_model_name(cfg.model)} ({n_params:,} params) | chat template {run.chat} | "
-        f"{len(run.data.held)} held-out {held} | {cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
+        f"{len(run.data.held)} held-out {held} | "
+        f"{cfg.prompts_per_step} prompts x {cfg.group_size} answers per step"
         + (f" | code sandbox: {sandbox_mode()}" if cfg.task == "code" else "")
         + (f" | resumed from {os.path.basename(checkpoints(cfg.out)[-1])}" if cfg.resume else ""))
     if not cfg.resume:
@@ -2583,11 +2617,13 @@ def open_folder(cfg: Config, run: Run, device: torch.device, log=print):
         save_checkpoint(cfg.out, 0, run)
 
 def save_checkpoint(out: str, step: int, run: Run, keep: int = 2):
-    """OUT/ckpt-<step>: a model folder (--model takes it) with state.pt (the step, the optimiser, the
-    rows drawn; no RNG: every step reseeds), written as ckpt-<step>.tmp and renamed whole; then all
-    but the newest `keep` go, each renamed first: a kill at any moment leaves the newest complete."""
+    """OUT/ckpt-<step>: a model folder (save_pretrained: --model takes it) with state.pt (the step,
+    the updates skipped, the optimiser, the rows drawn; no RNG: every step reseeds), written as
+    ckpt-<step>.tmp and renamed whole; then all but the newest `keep` go, each renamed first (a
+    half-deleted one is no checkpoint). A kill at any moment leaves the newest complete one."""
     final = os.path.join(out, f"ckpt-{step:06d}")
-    state = dict(step=step, skipped=run.skipped, drawn=run.data.order["drawn"], opt=run.opt.state_dict())
+    state = dict(step=step, skipped=run.skipped, drawn=run.data.order["drawn"],
+                 opt=run.opt.state_dict())
     _save_model(final + ".tmp", run.model, run.tok, state)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(final + ".tmp", final)
@@ -2655,12 +2691,14 @@ def _of_type(value, kind, default) -> bool:
     return type(value) in ((int, float) if kind is float else (kind,))
 
 def log_metrics(path: str, rec: dict):
-    """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or none."""
+    """Append one JSON line with a single write() on an O_APPEND file: a kill leaves whole lines or
+    none."""
     with open(path, "ab", buffering=0) as f:
         f.write((json.dumps(rec) + "\n").encode())
 
 def read_metrics(out: str, last_step: float = math.inf) -> list:
-    """The whole JSON lines of OUT/metrics.jsonl with step <= last_step (a torn last line is skipped)."""
+    """The whole JSON lines of OUT/metrics.jsonl with step <= last_step (a torn last line is
+    skipped)."""
     recs = []
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -2671,9 +2709,11 @@ def read_metrics(out: str, last_step: float = math.inf) -> list:
                         recs.append(rec)
     return recs
 
-def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards, adv, old_logp, entropy, sel_mask,
-                stats: dict, opt, skipped: int, t0: float, t_roll: float) -> dict:
-    """One metrics.jsonl line (docs/metrics.md explains each key); t0: the step's start; valid: the loss's."""
+def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards, adv, old_logp,
+                entropy, sel_mask, stats: dict, opt, skipped: int, t0: float,
+                t_roll: float) -> dict:
+    """One metrics.jsonl line (docs/metrics.md explains each key); t0: the step's start; valid: the
+    loss's."""
     mask = batch["resp_mask"]  # (N, T)
     n_valid = max(int(mask.sum()), 1)
     n_sel = max(int(sel_mask.sum()), 1)
@@ -2682,14 +2722,17 @@ def step_record(step: int, cfg: Config, parts: list, batch: dict, valid, rewards
     gap = (batch["sampler_logp"] - old_logp).abs()[mask]  # sampler vs learner precision
     graded = [part[0] for part in parts]  # every answer graded this step, kept or filtered out
     dt = time.time() - t0
-    return dict(step=step, reward_mean=rewards.mean().item(), acc=(rewards == 1.0).float().mean().item(),
+    return dict(step=step, reward_mean=rewards.mean().item(),
+                acc=(rewards == 1.0).float().mean().item(),
                 selected_frac=int(sel_mask.sum()) / max(int(valid.sum()), 1),
                 entropy_mean=float((entropy * mask).sum()) / n_valid,
                 entropy_selected_mean=float((entropy * sel_mask).sum()) / n_sel,
                 zero_adv_selected_frac=float(zero_adv_kept.sum()) / n_sel,
-                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"], kl=stats["kl"],
+                grad_norm=stats["grad_norm"], loss=stats["loss"], clip_frac=stats["clip_frac"],
+                kl=stats["kl"],
                 completion_len=n_valid / mask.shape[0], rollout_batches=len(parts),
-                groups_filtered_frac=1.0 - sampled.float().mean().item(), lr=opt.param_groups[0]["lr"],
+                groups_filtered_frac=1.0 - sampled.float().mean().item(),
+                lr=opt.param_groups[0]["lr"],
                 skipped_steps=skipped, truncated_frac=batch["truncated"].float().mean().item(),
                 rollout_time_s=t_roll, step_time_s=dt, tokens_per_s=float(mask.sum()) / dt,
                 grade_time_s=sum(float(b["grade_s"].sum()) for b in graded),
@@ -2708,7 +2751,8 @@ def plot_metrics(out: str):
     fig.savefig(os.path.join(out, "metrics.png"), dpi=90)
 
 # ==== Step lines and trackers [plumbing] ==========================================================
-SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm", "eval_acc")
+SHOWN = ("reward_mean", "acc", "selected_frac", "groups_filtered_frac", "entropy_mean", "grad_norm",
+         "eval_acc")
 GRADING_SHOWN = 0.2  # the line names the grading time when it is this share of the step or more
 
 def step_line(rec: dict, steps: int = 0, eta_s: float = None) -> str:
@@ -2731,9 +2775,10 @@ def clock(seconds: float) -> str:
     return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 def step_logger(cfg: Config, log=print):
-    """log_step(rec): rec to OUT/metrics.jsonl, the tracker, and one line to log; None closes.
-    The eta: the steps left times the mean wall time per step since this process's first step
-    began (evaluations and checkpoints between steps included; the last evaluation not)."""
+    """log_step(rec): rec appended to OUT/metrics.jsonl, sent to --report-to's tracker, and one line
+    to log; log_step(None) closes the tracker. The eta: the steps left times the mean wall time per
+    step since this process's first step began (evaluations and checkpoints between steps
+    included; the last evaluation not)."""
     report = open_tracker(cfg)
     first = []  # (step before it, its start time) of the first step this process ran
 
@@ -2751,7 +2796,8 @@ def step_logger(cfg: Config, log=print):
     return log_step
 
 def open_tracker(cfg: Config):
-    """report(rec): a record's numbers to --report-to's tracker in OUT; report(None) closes it."""
+    """report(rec) sends a record's numbers to --report-to's tracker (OUT/tensorboard, OUT/wandb),
+    report(None) closes it."""
     if cfg.report_to == "none":
         return lambda rec: None
     try:
@@ -3427,11 +3473,12 @@ RULES = [  # (fields, test, what their values must be); NaN fails every test
     (["temperature"], lambda v: 1e-4 <= v < math.inf, "finite and >= 1e-4"),
     (["max_grad_norm", "adam_eps"], lambda v: 0 < v < math.inf, "finite and > 0"),
     (["clip_low", "clip_high"], lambda v: 0 <= v < 1, "in [0, 1)"),
-    (["kl_beta", "weight_decay", "rsi_low", "rsi_high"], lambda v: 0 <= v < math.inf, "finite and >= 0"),
+    (["kl_beta", "weight_decay", "rsi_low", "rsi_high"], lambda v: 0 <= v < math.inf,
+     "finite and >= 0"),
     (["steps", "prompts_per_step", "max_new_tokens", "micro_batch", "inner_updates", "stats_chunk",
       "eval_size", "max_resample", "tiny_layers"], lambda v: v >= 1, ">= 1"),
-    (["save_every", "eval_every", "warmup_steps", "top_k", "rollout_rows", "eval_samples", "threads"],
-     lambda v: v >= 0, ">= 0"),
+    (["save_every", "eval_every", "warmup_steps", "top_k", "rollout_rows", "eval_samples",
+      "threads"], lambda v: v >= 0, ">= 0"),
     (["group_size"], lambda v: v >= 2, ">= 2 (an advantage needs a group)"),
     (["seed"], lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     (["tiny_hidden"], lambda v: v >= 8 and v % 8 == 0, "a multiple of 8 (4 heads of even size)"),
@@ -3442,7 +3489,8 @@ def check_config(cfg: Config):
     for names, ok, want in RULES:
         for name in names:
             if not ok(getattr(cfg, name)):
-                raise BadInput(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
+                raise BadInput(f"--{name.replace('_', '-')} must be {want}, "
+                               f"got {getattr(cfg, name)!r}")
     if cfg.select not in METHODS:
         raise BadInput(f"--select must be one of {', '.join(METHODS)}, got {cfg.select!r}")
     if cfg.rsi_low >= cfg.rsi_high:
@@ -3455,15 +3503,17 @@ def check_config(cfg: Config):
         if data_kind(data) == "hf":
             hf_spec(data)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
-        raise BadInput(f"--report-to {cfg.report_to} needs the {cfg.report_to} package (pip install {cfg.report_to})")
+        raise BadInput(f"--report-to {cfg.report_to} needs the {cfg.report_to} package "
+                       f"(pip install {cfg.report_to})")
     if cfg.prompt_style != "ours" and cfg.task not in ("math", "commonsense"):
         raise BadInput(f"--prompt-style {cfg.prompt_style} asks for a \\boxed{{}} answer: "
                        "--task math or commonsense only")
     if data_kind(cfg.data) == "gen" and cfg.data_order == "epoch":
-        raise BadInput(f"--data-order epoch passes over a file's or set's rows; --data {cfg.data} draws "
-                         "fresh problems")
+        raise BadInput(f"--data-order epoch passes over a file's or set's rows; --data {cfg.data} "
+                       "draws fresh problems")
     if cfg.device != "auto" and pick_device("auto").type != cfg.device and cfg.device != "cpu":
-        raise BadInput(f"--device {cfg.device} but torch sees no such device (use --device auto or cpu)")
+        raise BadInput(f"--device {cfg.device} but torch sees no such device "
+                       "(use --device auto or cpu)")
 
 RESUME_FLAGS = ("resume", "steps", "eval_every", "save_every", "device", "threads", "report_to")
 
@@ -3471,11 +3521,14 @@ def parse_args(argv=None) -> Config:
     """Config from the command line (HfArgumentParser: a --flag per field): the defaults, then
     --preset NAME's, then the flags given. --resume OUT: the run's saved config (resume_config)."""
     from transformers import HfArgumentParser
-    p = HfArgumentParser(Config, description="GRPO with GMTS token selection (gmts.py's docstring).")
-    p.add_argument("--preset", choices=list(PRESETS), help="a named group of defaults: " + ", ".join(PRESETS))
+    p = HfArgumentParser(Config,
+                         description="GRPO with GMTS token selection (gmts.py's docstring).")
+    p.add_argument("--preset", choices=list(PRESETS),
+                   help="a named group of defaults: " + ", ".join(PRESETS))
     p.error = bad_flag
     names = [f.name for f in dataclasses.fields(Config)] + ["preset"]
-    unset = object()  # argparse leaves a value it finds in the namespace: unset marks a flag not given
+    # argparse leaves a value it finds in the namespace: unset marks a flag not given
+    unset = object()
     parsed = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(names, unset)))
     given = {k: v for k, v in vars(parsed).items() if v is not unset}
     preset = given.pop("preset", None)
@@ -3498,14 +3551,16 @@ def resume_config(given: dict, preset=None) -> dict:
         if value != was:
             flag = f"--{key.replace('_', '-')} {value}"
             said = flag if key in given else f"--preset {preset} sets {flag}"
-            raise BadInput(f"{said}, but the run in {out} has {was}: --resume continues a run with "
-                           f"its saved config (a changed run is a new run from --model {out}/ckpt-N)")
+            raise BadInput(f"{said}, but the run in {out} has {was}: --resume continues a run "
+                           f"with its saved config (a changed run is a new run from --model "
+                           f"{out}/ckpt-N)")
     return dict(saved, **{k: v for k, v in given.items() if k in RESUME_FLAGS}, out=out)
 
 def bad_flag(message: str):  # argparse's error(): BadInput, so run_cli's one line says it, exit 2
     raise BadInput(message)
 
-def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens (or set --rollout-rows)"):
+def memory_fault(e, lower: str = "--micro-batch, --group-size or --max-new-tokens "
+                                 "(or set --rollout-rows)"):
     """The one line for a failed CPU or GPU allocation, naming the flags to lower; else None."""
     text = str(e) if isinstance(e, RuntimeError) else ""
     if isinstance(e, MemoryError) or "can't allocate memory" in text:
@@ -3560,7 +3615,8 @@ def main(argv=None):
         cfg = parse_args(argv)
         check_config(cfg)
         changed = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config, k)}
-        print(f"config (other than the defaults; {cfg.out}/run_config.json has all): {json.dumps(changed)}")
+        print(f"config (other than the defaults; {cfg.out}/run_config.json has all): "
+              f"{json.dumps(changed)}")
         train(cfg)
     run_cli("gmts", command, lambda: kept_note(cfg.out if cfg else None))
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-TIMING = {"rollout_time_s", "step_time_s", "tokens_per_s"}
+TIMING = {"rollout_time_s", "step_time_s", "tokens_per_s", "grade_time_s"}  # wall times
 SMOKE = ["--preset", "smoke", "--steps", "3", "--eval-every", "2", "--max-new-tokens", "64", "--prompts-per-step", "4",
          "--lr", "3e-4", "--eval-size", "16"]
 RUNS = {  # name -> flags after `python gmts.py`
@@ -33,6 +33,10 @@ RUNS = {  # name -> flags after `python gmts.py`
     # authors' objective with its KL
     "countdown_gmts_batch": SMOKE + ["--select", "gmts", "--scope", "batch"],
     "countdown_gmts_seq_kl": SMOKE + ["--select", "gmts", "--loss-norm", "seq", "--kl-beta", "0.001"],
+    # the code task (its sandboxed verifier) and the commonsense task (the boxed option)
+    "code_gmts": SMOKE + ["--task", "code", "--model", "{repo}/warm/code", "--select", "gmts"],
+    "commonsense_entropy": SMOKE + ["--task", "commonsense", "--model", "{repo}/warm/commonsense",
+                                    "--select", "entropy"],
 }
 
 
@@ -71,7 +75,16 @@ def fingerprint(repo: str) -> dict:
     return res
 
 
+def untimed(fp: dict) -> dict:
+    """fp without TIMING's keys (a fingerprint from before one was added to TIMING still has it)."""
+    def drop(rec):
+        return {m: x for m, x in rec.items() if m not in TIMING}
+    return {k: v if k == "help" else dict(v, metrics=[drop(r) for r in v["metrics"]])
+            for k, v in fp.items()}
+
+
 def diff(a: dict, b: dict) -> list:
+    a, b = untimed(a), untimed(b)
     lines = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):

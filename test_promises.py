@@ -559,6 +559,11 @@ def _grade_in_thread():
 # ---- 6. the published data files load -----------------------------------------------------------------------------
 
 
+# the task of each testdata file not math's, by its name's first word
+TESTDATA_TASKS = {"humaneval": "code", "mbpp": "code", "apps": "code", "code": "code",
+                  "commonsenseqa": "commonsense", "csqa2": "commonsense"}
+
+
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(HERE, "testdata"))))
 def test_every_published_layout_loads_without_flags(name):
     if not name.endswith(".jsonl"):
@@ -566,12 +571,15 @@ def test_every_published_layout_loads_without_flags(name):
     path = os.path.join(HERE, "testdata", name)
     with open(path) as f:
         n = sum(1 for line in f if line.strip())
-    if name.split("_layout")[0] in ("humaneval", "mbpp", "apps", "code_contests"):  # code's
-        rows = gmts.load_rows("code", path, 0)
-        assert len(rows) == n and all(r["question"] and (r["tests"] or r["inputs"]) for r in rows)
-        return
-    rows = gmts.load_rows("math", path, 0)
-    assert len(rows) == n and all(r["question"] and r["answer"] is not None for r in rows)
+    task = TESTDATA_TASKS.get(name.split("_")[0], "math")
+    rows = gmts.load_rows(task, path, 0)
+    assert len(rows) == n and all(r["question"] for r in rows)
+    if task == "code":
+        assert all(r["tests"] or r["inputs"] for r in rows)
+    elif task == "commonsense":
+        assert all(r["answerKey"] in r["choices"]["label"] for r in rows)
+    else:
+        assert all(r["answer"] is not None for r in rows)
 
 
 @pytest.mark.parametrize("row, lacks", [({"problem": "What is 1 + 1?"}, "answer"),

@@ -72,8 +72,10 @@ def descendants(pid: int, table: dict) -> list:
 @pytest.fixture
 def sandbox(monkeypatch):
     """The reward a run uses with a TIMEOUT s wall clock; after the test: no zygote, no process of a
-    program's user, no descendant of ours, no file where the hostile programs write, and no network
-    connection accepted by the listener the test offers."""
+    program's user, no new descendant of ours (helpers other tests in this process left running,
+    such as wandb's, aside), no file where the hostile programs write, and no network connection
+    accepted by the listener the test offers."""
+    before = set(descendants(os.getpid(), processes()))
     monkeypatch.setattr(gmts, "CODE_TIMEOUT_S", TIMEOUT)
     monkeypatch.setenv("GMTS_TEST_SECRET", SECRET)
     started = []
@@ -93,7 +95,7 @@ def sandbox(monkeypatch):
         table = processes()
         users = {gmts.UID_BASE + pid for pid in started}
         left = [p for p, (uid, _, _) in table.items() if uid in users or p in started]
-        left += descendants(os.getpid(), table)
+        left += [p for p in descendants(os.getpid(), table) if p not in before]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)

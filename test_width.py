@@ -1,13 +1,14 @@
-"""Every top-level module's width rule, as gmts.py's (tests aside): at most 5% of its lines over
-100 characters, and no joined statements (`a; b`, or a body on its header's line: `if x: y`).
-A docstring squeezed to meet the count is not caught here: a reader catches it."""
+"""Every top-level module's and dev/ script's width rule, as gmts.py's (tests aside): at most 5% of
+its lines over 100 characters, and no joined statements (`a; b`, or a body on its header's line:
+`if x: y`). A docstring squeezed to meet the count is not caught here: a reader catches it."""
 import ast
 import os
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODULES = sorted(name for name in os.listdir(HERE)
+MODULES = sorted(os.path.join(folder, name)
+                 for folder in ("", "dev") for name in os.listdir(os.path.join(HERE, folder))
                  if name.endswith(".py") and not name.startswith("test_"))
 
 

@@ -1,10 +1,12 @@
-"""Compare runs' metrics.jsonl line by line, exact floats, the timing keys left out (issue 31's tool).
+"""Compare runs' metrics.jsonl line by line, exact floats, the timing keys left out
+(issue 31's tool).
 
     python dev/cmp_metrics.py A/metrics.jsonl B/metrics.jsonl [C/metrics.jsonl ...]
 
-The first file is the reference. For each other file it prints the first line that differs (with every key that
-differs there), how many lines are identical, and the first step at which a key other than the sampler-gap metrics
-differs (those two see the thread count's float noise in the KV-cache decode; nothing trained reads them).
+The first file is the reference. For each other file it prints the first line that differs (with
+every key that differs there), how many lines are identical, and the first step at which a key other
+than the sampler-gap metrics differs (those two see the thread count's float noise in the KV-cache
+decode; nothing trained reads them).
 A developer tool: no test and no CI runs it.
 """
 import json

@@ -1,9 +1,12 @@
-"""The behaviour fingerprint of gmts.py: short runs across tasks, methods, KL, inner updates, dynamic sampling, the
-bf16 sampler, the static cache and a kill-free resume; each run's metrics line for line (timings left out), the
-sha256 of its final weights, and `--help`. A refactor that claims to change nothing must leave it identical.
+"""The behaviour fingerprint of gmts.py: short runs across tasks, methods, KL, inner updates,
+dynamic sampling, the bf16 sampler, the static cache and a kill-free resume; each run's metrics line
+for line (timings left out), the sha256 of its final weights, and `--help`. A refactor that claims
+to change nothing must leave it identical.
 
-    python dev/fingerprint.py OUT.json [--repo DIR]     fingerprint the gmts.py in DIR (default: this checkout)
-    python dev/fingerprint.py --diff A.json B.json      what differs between two fingerprints (exit 1 if anything)
+    python dev/fingerprint.py OUT.json [--repo DIR]     fingerprint the gmts.py in DIR
+                                                        (default: this checkout)
+    python dev/fingerprint.py --diff A.json B.json      what differs between two fingerprints
+                                                        (exit 1 if anything)
 
 One thread per run (OMP_NUM_THREADS=1), offline; about two minutes on one core.
 """
@@ -16,23 +19,29 @@ import sys
 import tempfile
 
 TIMING = {"rollout_time_s", "step_time_s", "tokens_per_s", "grade_time_s"}  # wall times
-SMOKE = ["--preset", "smoke", "--steps", "3", "--eval-every", "2", "--max-new-tokens", "64", "--prompts-per-step", "4",
-         "--lr", "3e-4", "--eval-size", "16"]
+SMOKE = ["--preset", "smoke", "--steps", "3", "--eval-every", "2", "--max-new-tokens", "64",
+         "--prompts-per-step", "4", "--lr", "3e-4", "--eval-size", "16"]
 RUNS = {  # name -> flags after `python gmts.py`
     "countdown_gmts": SMOKE + ["--select", "gmts"],
-    "countdown_all_selected_nostd": SMOKE + ["--select", "all", "--loss-norm", "selected", "--no-std-normalize"],
-    "countdown_random_bf16_static": SMOKE + ["--select", "random", "--sampler-dtype", "bf16", "--fast-generate"],
-    "countdown_entropy_filter_off": SMOKE + ["--select", "entropy", "--no-filter-groups", "--group-size", "8"],
-    "math_entropy_kl_inner2": SMOKE + ["--task", "math", "--model", "{repo}/warm/math", "--select", "entropy",
-                                       "--kl-beta", "0.05", "--inner-updates", "2"],
-    "logic_gradnorm_bf16_static": SMOKE + ["--task", "logic", "--model", "{repo}/warm/logic", "--select",
-                                           "gradnorm", "--sampler-dtype", "bf16", "--fast-generate"],
+    "countdown_all_selected_nostd": SMOKE + ["--select", "all", "--loss-norm", "selected",
+                                             "--no-std-normalize"],
+    "countdown_random_bf16_static": SMOKE + ["--select", "random", "--sampler-dtype", "bf16",
+                                             "--fast-generate"],
+    "countdown_entropy_filter_off": SMOKE + ["--select", "entropy", "--no-filter-groups",
+                                             "--group-size", "8"],
+    "math_entropy_kl_inner2": SMOKE + ["--task", "math", "--model", "{repo}/warm/math",
+                                       "--select", "entropy", "--kl-beta", "0.05",
+                                       "--inner-updates", "2"],
+    "logic_gradnorm_bf16_static": SMOKE + ["--task", "logic", "--model", "{repo}/warm/logic",
+                                           "--select", "gradnorm", "--sampler-dtype", "bf16",
+                                           "--fast-generate"],
     "countdown_kl": SMOKE + ["--kl-beta", "0.1", "--lr", "1e-3"],
     "countdown_4_steps": SMOKE + ["--steps", "4", "--save-every", "2"],
-    # issue 35: the batch scope is the gmts of before (compare with an older fingerprint's countdown_gmts); the
-    # authors' objective with its KL
+    # issue 35: the batch scope is the gmts of before (compare with an older fingerprint's
+    # countdown_gmts); the authors' objective with its KL
     "countdown_gmts_batch": SMOKE + ["--select", "gmts", "--scope", "batch"],
-    "countdown_gmts_seq_kl": SMOKE + ["--select", "gmts", "--loss-norm", "seq", "--kl-beta", "0.001"],
+    "countdown_gmts_seq_kl": SMOKE + ["--select", "gmts", "--loss-norm", "seq",
+                                      "--kl-beta", "0.001"],
     # the code task (its sandboxed verifier) and the commonsense task (the boxed option)
     "code_gmts": SMOKE + ["--task", "code", "--model", "{repo}/warm/code", "--select", "gmts"],
     "commonsense_entropy": SMOKE + ["--task", "commonsense", "--model", "{repo}/warm/commonsense",
@@ -55,7 +64,8 @@ def gmts(repo: str, args: list, cwd: str) -> str:
     p = subprocess.run([sys.executable, os.path.join(repo, "gmts.py"), *args], cwd=cwd, env=env,
                        capture_output=True, text=True)
     if p.returncode != 0:
-        raise SystemExit(f"gmts.py {' '.join(args)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
+        raise SystemExit(f"gmts.py {' '.join(args)} exited {p.returncode}: "
+                         f"{p.stderr.strip()[-500:]}")
     return p.stdout
 
 
@@ -66,12 +76,14 @@ def fingerprint(repo: str) -> dict:
         for name, flags in RUNS.items():
             out = os.path.join(tmp, name)
             gmts(repo, [f.format(repo=repo) for f in flags] + ["--out", out], tmp)
-            res[name] = {"metrics": metrics(out), "weights": sha256(os.path.join(out, "model.safetensors"))}
-        out = os.path.join(tmp, "resumed")  # 2 steps, then a resume to 4: must equal countdown_4_steps
+            res[name] = {"metrics": metrics(out),
+                         "weights": sha256(os.path.join(out, "model.safetensors"))}
+        # 2 steps, then a resume to 4: must equal countdown_4_steps
+        out = os.path.join(tmp, "resumed")
         gmts(repo, SMOKE + ["--steps", "2", "--save-every", "2", "--out", out], tmp)
         gmts(repo, ["--resume", out, "--steps", "4"], tmp)
-        res["countdown_2_plus_2_steps"] = {"metrics": metrics(out),
-                                           "weights": sha256(os.path.join(out, "model.safetensors"))}
+        res["countdown_2_plus_2_steps"] = {
+            "metrics": metrics(out), "weights": sha256(os.path.join(out, "model.safetensors"))}
     return res
 
 
@@ -93,7 +105,8 @@ def diff(a: dict, b: dict) -> list:
                 for i, (x, y) in enumerate(zip(a[key]["metrics"], b[key]["metrics"])):
                     keys = sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k))
                     if keys:
-                        lines.append(f"  first at metrics line {i} (step {x.get('step')}): {', '.join(keys)}")
+                        lines.append(f"  first at metrics line {i} (step {x.get('step')}): "
+                                     f"{', '.join(keys)}")
                         break
     return lines
 

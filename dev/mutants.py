@@ -1,17 +1,20 @@
-"""A mutation pass over gmts.py's reading part (issue 30): each mutant is one textual change to one line of the
-method, and the suite must fail on every one. A developer tool, not a test: pytest does not collect it (the name
-does not match test_*.py) and CI does not run it.
+"""A mutation pass over gmts.py's reading part (issue 30): each mutant is one textual change to one
+line of the method, and the suite must fail on every one. A developer tool, not a test: pytest does
+not collect it (the name does not match test_*.py) and CI does not run it.
 
-    python dev/mutants.py                    every mutant against the suite (test_gmts.py, test_rewards.py,
-                                             test_gmts_lab.py) with -x; a table at the end; exit 1 if one survives
-    python dev/mutants.py --killer           each mutant against only its named killer test (MUTANTS, and the
-                                             table in dev/LOG.md; the killers first pass on the unmutated copy)
+    python dev/mutants.py                    every mutant against the suite (test_gmts.py,
+                                             test_rewards.py, test_gmts_lab.py) with -x; a table at
+                                             the end; exit 1 if one survives
+    python dev/mutants.py --killer           each mutant against only its named killer test
+                                             (MUTANTS, and the table in dev/LOG.md; the killers
+                                             first pass on the unmutated copy)
     python dev/mutants.py --only a,b --list  some mutants; --list prints them and runs nothing
 
-The mutants are applied to a copy of this checkout in a temporary folder, never to the checkout itself. Every
-anchor must occur exactly once in gmts.py, or the driver stops before running anything (a refactor
-that moves the text must move the mutant too); so does a mutant that does not compile (it would count as killed).
-Each mutant's failure line (pytest -rf) is printed, to check that the test fails for the right reason.
+The mutants are applied to a copy of this checkout in a temporary folder, never to the checkout
+itself. Every anchor must occur exactly once in gmts.py, or the driver stops before running anything
+(a refactor that moves the text must move the mutant too); so does a mutant that does not compile
+(it would count as killed). Each mutant's failure line (pytest -rf) is printed, to check that the
+test fails for the right reason.
 """
 import argparse
 import os
@@ -70,7 +73,8 @@ MUTANTS = {
     "countdown_newline_breaks": (
         'value = _cd_eval(ast.parse(" ".join(ans.split()), mode="eval").body, lits)',
         'value = _cd_eval(ast.parse(ans, mode="eval").body, lits)',
-        "a newline inside a countdown answer breaks the expression (ast reads it as a statement end)",
+        "a newline inside a countdown answer breaks the expression "
+        "(ast reads it as a statement end)",
         R + "test_whitespace_inside_answers_is_ignored"),
     "countdown_no_format_reward": (
         "return 1.0 if countdown_value(completion, nums) == target else 0.1",
@@ -121,7 +125,8 @@ MUTANTS = {
     "adv_no_zero_mask": (
         "return adv.masked_fill(same, 0.0).view(-1)",
         "return adv.view(-1)",
-        "group_advantages leaves float noise (about 0.007 at G = 8, rewards 0.1) in all-equal groups",
+        "group_advantages leaves float noise (about 0.007 at G = 8, rewards 0.1) "
+        "in all-equal groups",
         T + "test_group_advantages_all_equal_groups_are_exactly_zero"),
     "adv_unbiased_std": (
         "adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)",
@@ -136,7 +141,8 @@ MUTANTS = {
     "informative_by_std": (
         "return r.max(dim=1).values != r.min(dim=1).values",
         "return r.std(dim=1, unbiased=False) > 0",
-        "informative() calls a group informative when its std is not exactly 0 (float noise at 0.1 x 8)",
+        "informative() calls a group informative when its std is not exactly 0 "
+        "(float noise at 0.1 x 8)",
         T + "test_group_advantages_all_equal_groups_are_exactly_zero"),
     "filter_groups_too_many": (
         "taken = informative(rewards, group_size).nonzero().squeeze(1)[:B]",
@@ -160,7 +166,8 @@ MUTANTS = {
         "token_stats' dz_norm misses the 1/T of the chain rule",
         T + "test_token_stats_against_autograd_and_loop"),
     "dz_norm_cancelling_form": (
-        "sq = torch.expm1(logp).square() + torch.linalg.vector_norm(p_rest, dim=-1).square()  # (...)",
+        "sq = torch.expm1(logp).square() + torch.linalg.vector_norm(p_rest, dim=-1).square()"
+        "  # (...)",
         "sq = 1 - 2 * p_y + logp_all.exp().square().sum(-1)  # (...)",
         "dz_norm by 1 - 2 p_y + sum p^2, which cancels catastrophically at p_y ~ 1",
         T + "test_dz_norm_at_near_certain_tokens_does_not_cancel"),
@@ -206,13 +213,16 @@ MUTANTS = {
         "an A = 0 token below 1 - eps_l counts as clipped (clip_frac)",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "omega_ignores_clip": (
-        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's",
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom"
+        "  # the policy term's",
         "om = ratio * a * w / denom  # the policy term's",
         "omega is ratio * A where the clip is active too",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "omega_without_ratio": (
-        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's",
-        "om = torch.where(dead, torch.zeros_like(ratio), a.expand_as(ratio)) * w / denom  # the policy term's",
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom"
+        "  # the policy term's",
+        "om = torch.where(dead, torch.zeros_like(ratio), a.expand_as(ratio)) * w / denom"
+        "  # the policy term's",
         "omega = A, not ratio * A, off the first inner update",
         T + "test_derivation_logit_gradient_of_clipped_loss"),
     "gmts_score_signed": (
@@ -378,10 +388,12 @@ MUTANTS = {
     "group_ties_to_the_earlier": (
         "order = len(vals) - 1 - torch.sort(vals.flip(0), descending=True, stable=True).indices",
         "order = torch.sort(vals, descending=True, stable=True).indices",
-        "of equal scores in a group the earlier is kept (the authors' stable ascending sort keeps the later)",
+        "of equal scores in a group the earlier is kept "
+        "(the authors' stable ascending sort keeps the later)",
         T + "test_select_tokens_per_group_matches_the_literal_reference"),
     "omega_without_normaliser": (
-        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom  # the policy term's",
+        "om = torch.where(dead, torch.zeros_like(ratio), ratio * a) * w / denom"
+        "  # the policy term's",
         "om = torch.where(dead, torch.zeros_like(ratio), ratio * a)  # the policy term's",
         "omega leaves out the loss's normaliser (w / D)",
         T + "test_omega_is_minus_the_gradient_of_the_loss"),
@@ -430,8 +442,8 @@ MUTANTS = {
 
 
 def check_anchors(src: str, names: list):
-    """Every anchor occurs exactly once in gmts.py (the reading part, and the rollout plumbing it relies on:
-    SamplerLogp, _join_rows); every mutant changes the text and compiles."""
+    """Every anchor occurs exactly once in gmts.py (the reading part, and the rollout plumbing it
+    relies on: SamplerLogp, _join_rows); every mutant changes the text and compiles."""
     bad = []
     for name in names:
         anchor, repl, _, _ = MUTANTS[name]
@@ -451,8 +463,8 @@ def check_anchors(src: str, names: list):
 
 def copy_checkout(dest: str):
     """The tracked and untracked-but-not-ignored files of this checkout, into dest."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
     for f in filter(None, files):
         src = os.path.join(REPO, f)
         if os.path.isfile(src):
@@ -461,20 +473,22 @@ def copy_checkout(dest: str):
 
 
 def pytest(where: str, tests: list, timeout: int, one_process=False) -> tuple:
-    """(passed?, the FAILED/ERROR lines or, if it passed, pytest's summary line, seconds) of pytest -x on tests in
-    the copy; one_process: without
-    pytest.ini's two xdist workers (their start costs more than one test takes)."""
+    """(passed?, the FAILED/ERROR lines or, if it passed, pytest's summary line, seconds) of
+    pytest -x on tests in the copy; one_process: without pytest.ini's two xdist workers (their
+    start costs more than one test takes)."""
     t = time.time()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
     xdist = ["-o", "addopts=", "-p", "no:xdist"] if one_process else []
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", *xdist,
-                            *tests], cwd=where, capture_output=True, text=True, timeout=timeout, env=env)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rfE",
+                            "-p", "no:cacheprovider", *xdist, *tests],
+                           cwd=where, capture_output=True, text=True, timeout=timeout, env=env)
         out, code = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired:
         return False, ["TIMEOUT"], time.time() - t
     failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
-    if code not in (0, 1):  # 5: nothing collected, 2: interrupted (a syntax error, a collection error)
+    # 5: nothing collected, 2: interrupted (a syntax error, a collection error)
+    if code not in (0, 1):
         failed = failed or [f"pytest exit {code}: " + " | ".join(out.strip().splitlines()[-3:])]
     if code == 0:  # a survivor: what ran (the count shows that the whole suite did)
         failed = [ln for ln in out.strip().splitlines()[-1:]]
@@ -484,7 +498,8 @@ def pytest(where: str, tests: list, timeout: int, one_process=False) -> tuple:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
-    ap.add_argument("--killer", action="store_true", help="run only each mutant's named killer test")
+    ap.add_argument("--killer", action="store_true",
+                    help="run only each mutant's named killer test")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per mutant")
     args = ap.parse_args()
@@ -499,16 +514,19 @@ def main():
             print(f"{n:32} {MUTANTS[n][2]}\n{'':32} killed by {MUTANTS[n][3]}")
         return
     rows = []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still removes the copy (and stops pytest)
+    # a kill still removes the copy (and stops pytest)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="gmts-mutants-") as tmp:
         copy_checkout(tmp)
         target = os.path.join(tmp, "gmts.py")
         if args.killer:  # the killers must pass without a mutant, or their failure proves nothing
             killers = sorted({MUTANTS[n][3] for n in names})
             ok, failed, dt = pytest(tmp, killers, args.timeout)
-            print(f"unmutated: {'pass' if ok else 'FAIL'} ({len(killers)} killer tests, {dt:.0f} s)", flush=True)
+            print(f"unmutated: {'pass' if ok else 'FAIL'} "
+                  f"({len(killers)} killer tests, {dt:.0f} s)", flush=True)
             if not ok:
-                sys.exit("dev/mutants.py: a killer fails without a mutant:\n  " + "\n  ".join(failed))
+                sys.exit("dev/mutants.py: a killer fails without a mutant:\n  "
+                         + "\n  ".join(failed))
         for i, name in enumerate(names, 1):
             anchor, repl, what, killer = MUTANTS[name]
             with open(target, "w") as f:
@@ -532,10 +550,12 @@ def main():
         if result == "killed":
             by = ", ".join(sorted({re.sub(r"^(FAILED|ERROR) (\S+).*", r"\2", ln) for ln in failed}))
         print(f"| `{name}` | {MUTANTS[name][2]} | {by} | {result} |")
-    # a timeout is not a kill: the suite may have been about to pass (a loaded machine), so it is reported apart
+    # a timeout is not a kill: the suite may have been about to pass (a loaded machine), so it is
+    # reported apart
     not_killed = [f"{name} ({result})" for name, result, _, _ in rows if result != "killed"]
     killed = len(rows) - len(not_killed)
-    print(f"\n{killed} of {len(rows)} killed" + (f"; not killed: {', '.join(not_killed)}" if not_killed else ""))
+    print(f"\n{killed} of {len(rows)} killed"
+          + (f"; not killed: {', '.join(not_killed)}" if not_killed else ""))
     sys.exit(1 if not_killed else 0)
 
 

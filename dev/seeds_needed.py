@@ -1,20 +1,22 @@
-"""How many seeds a paired comparison on the CPU toy needs to detect the GMTS paper's gain (docs/results.md).
+"""How many seeds a paired comparison on the CPU toy needs to detect the GMTS paper's gain
+(docs/results.md).
 
     python dev/seeds_needed.py            the table of docs/results.md, from dev/reviewer_runs.jsonl
 
-The spread is measured, not assumed: for each pair of arms run on the same seeds (dev/reviewer_runs.jsonl, 80 steps,
-final held-out accuracy), d_s = acc_a(s) - acc_b(s) per seed s and sigma_d = their sample standard deviation (n - 1).
-The test is the one docs/results.md uses: a two-sided paired t test at alpha = 0.05. Its power at n seeds for a
-true mean difference delta is that of a noncentral t with n - 1 degrees of freedom and noncentrality
-delta / sigma_d * sqrt(n):
+The spread is measured, not assumed: for each pair of arms run on the same seeds
+(dev/reviewer_runs.jsonl, 80 steps, final held-out accuracy), d_s = acc_a(s) - acc_b(s) per seed s
+and sigma_d = their sample standard deviation (n - 1). The test is the one docs/results.md uses: a
+two-sided paired t test at alpha = 0.05. Its power at n seeds for a true mean difference delta is
+that of a noncentral t with n - 1 degrees of freedom and noncentrality delta / sigma_d * sqrt(n):
 
     power(n) = P(|T| > t_{1 - alpha/2, n - 1}),   T ~ t'(n - 1, delta * sqrt(n) / sigma_d)
 
 and the seeds needed are the smallest n with power(n) >= 0.80. The normal approximation beside it is
 n ~ ((z_{1 - alpha/2} + z_{0.80}) * sigma_d / delta)^2 = (2.8016 * sigma_d / delta)^2.
-delta: the paper's reported gains of GMTS over the entropy baseline, +1.3 and +2.3 points of accuracy.
-The noncentral t is integrated numerically over the chi distribution of the sample SD (numpy and torch's ndtr;
-no scipy in requirements.txt).
+delta: the paper's reported gains of GMTS over the entropy baseline, +1.3 and +2.3 points of
+accuracy.
+The noncentral t is integrated numerically over the chi distribution of the sample SD (numpy and
+torch's ndtr; no scipy in requirements.txt).
 """
 import functools
 import math
@@ -38,7 +40,8 @@ def _phi(x):
 
 @functools.lru_cache(maxsize=None)
 def _sd_grid(df: int):
-    """(s, weights): a grid over S = sqrt(chi2_df / df) and its density times the step (sums to ~1)."""
+    """(s, weights): a grid over S = sqrt(chi2_df / df) and its density times the step
+    (sums to ~1)."""
     w = 15 / math.sqrt(2 * df)
     lo, hi = max(1e-9, 1 - w), 1 + w + (12 if df < 6 else 0)
     s = np.linspace(lo, hi, 40_001)
@@ -90,7 +93,8 @@ def detectable(n: int, sd: float) -> float:
 
 
 def sd_interval(sd: float, df: int) -> tuple:
-    """95% interval of the true sigma_d from a sample SD on df degrees of freedom: sd * sqrt(df / chi2_q)."""
+    """95% interval of the true sigma_d from a sample SD on df degrees of freedom:
+    sd * sqrt(df / chi2_q)."""
     s, w = _sd_grid(df)
     cdf = np.cumsum(w) / np.sum(w)  # of S = sqrt(chi2 / df)
     lo, hi = s[np.searchsorted(cdf, 0.025)], s[np.searchsorted(cdf, 0.975)]
@@ -102,12 +106,14 @@ def normal_n(delta: float, sd: float) -> float:
 
 
 def main():
-    assert abs(t_crit(4) - 2.776445) < 1e-4 and abs(t_crit(9) - 2.262157) < 1e-4  # the tables' t values
+    # the tables' t values
+    assert abs(t_crit(4) - 2.776445) < 1e-4 and abs(t_crit(9) - 2.262157) < 1e-4
     arms = rr.by_arm(rr.collect())
     pairs = [(("gmts", r, ""), ("entropy", r, "")) for r in rr.RHOS]
     pairs += [(("gmts", 0.2, ""), ("all", None, "")), (("entropy", 0.2, ""), ("all", None, ""))]
-    print("| paired by seed (80 steps) | seeds | per-seed differences | sigma_d | n for +1.3 points (normal) "
-          "| n for +2.3 points (normal) | found with 80% power at 5 seeds |")
+    print("| paired by seed (80 steps) | seeds | per-seed differences | sigma_d "
+          "| n for +1.3 points (normal) | n for +2.3 points (normal) "
+          "| found with 80% power at 5 seeds |")
     print("|---|---|---|---|---|---|---|")
     pooled = []
     for a, b in pairs:
@@ -117,16 +123,19 @@ def main():
         if b[0] == "entropy":
             pooled.append((len(d) - 1, sd))
         cells = [f"{seeds_needed(g, sd)} ({normal_n(g, sd):.0f})" for g in GAINS]
-        print(f"| {rr.name(a)} - {rr.name(b)} | {len(d)} | {', '.join(f'{x:+.3f}' for x in d)} | {sd:.4f} | "
+        print(f"| {rr.name(a)} - {rr.name(b)} | {len(d)} | "
+              f"{', '.join(f'{x:+.3f}' for x in d)} | {sd:.4f} | "
               + " | ".join(cells) + f" | {detectable(5, sd) * 100:.1f} points |")
     df = sum(k for k, _ in pooled)
     sd = math.sqrt(sum(k * s * s for k, s in pooled) / df)
     cells = [f"{seeds_needed(g, sd)} ({normal_n(g, sd):.0f})" for g in GAINS]
-    print(f"| gmts - entropy, pooled over the five rho | {df} df | | {sd:.4f} | " + " | ".join(cells)
-          + f" | {detectable(5, sd) * 100:.1f} points |")
+    print(f"| gmts - entropy, pooled over the five rho | {df} df | | {sd:.4f} | "
+          + " | ".join(cells) + f" | {detectable(5, sd) * 100:.1f} points |")
     lo, hi = sd_interval(sd, df)
-    print(f"\nThe pooled sigma_d is itself an estimate: its 95% interval on {df} df is [{lo:.4f}, {hi:.4f}], "
-          f"so the seeds for +1.3 points lie between {seeds_needed(GAINS[0], lo)} and {seeds_needed(GAINS[0], hi)}, "
+    print(f"\nThe pooled sigma_d is itself an estimate: its 95% interval on {df} df is "
+          f"[{lo:.4f}, {hi:.4f}], "
+          f"so the seeds for +1.3 points lie between {seeds_needed(GAINS[0], lo)} "
+          f"and {seeds_needed(GAINS[0], hi)}, "
           f"for +2.3 points between {seeds_needed(GAINS[1], lo)} and {seeds_needed(GAINS[1], hi)}.")
 
 

@@ -333,8 +333,8 @@ MUTANTS = {
         "dynamic sampling stops at the first informative group, not at B",
         T + "test_filter_groups_resamples_new_prompts_until_b_groups_are_informative"),
     "reward_wrong_prompt": (
-        'rewards = torch.tensor([float(run.task["reward"](text, rows[n // G]))',
-        'rewards = torch.tensor([float(run.task["reward"](text, rows[n % B]))',
+        'answered = [rows[n // G] for n in range(len(batch["texts"]))]',
+        'answered = [rows[n % B] for n in range(len(batch["texts"]))]',
         "answer n is scored against prompt n % B, not n // G",
         T + "test_every_method_honours_select_and_loss_norm"),
     "inner_stats_not_recomputed": (

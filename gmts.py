@@ -3211,14 +3211,15 @@ def enter_box(mode, paths):
     """Once per zygote. ns, userns (namespaces from unshare): a new root of read-only binds of the
     system folders and Python's (paths), /dev's null, zero, random and urandom, this namespace's
     /proc and a fresh tmpfs at /tmp for the programs' folders; no other file of the machine's.
-    userns, plain: not dumpable (no process of the same user reads ours through /proc)."""
+    userns, plain: not dumpable (no process of the same user reads ours through /proc).
+    -> the names in /tmp that hold Python's folders (a venv under /tmp), which clear keeps."""
     global LIBC
     import ctypes
     LIBC = ctypes.CDLL(None, use_errno=True)
     if mode in ("userns", "plain"):
         prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
     if mode not in ("ns", "userns"):
-        return
+        return set()
 
     def mount(source, target, kind, flags, data=None):
         args = [x if x is None else x.encode() for x in (source, target, kind, data)]
@@ -3235,6 +3236,8 @@ def enter_box(mode, paths):
             keep.append((path, os.open(path, os.O_PATH)))  # still reachable once /tmp is covered
     root = "/tmp"
     mount("gmts", root, "tmpfs", 2 | 4, "size=1m,mode=0755")  # MS_NOSUID | MS_NODEV
+    os.mkdir(root + "/tmp")  # the programs' /tmp first: a Python under /tmp is bound on top of it
+    mount("gmts", root + "/tmp", "tmpfs", 2 | 4, "size=256m,mode=0755")
     for path, fd in keep:
         if os.path.islink(path):  # /bin -> usr/bin
             os.makedirs(os.path.dirname(root + path), exist_ok=True)
@@ -3244,20 +3247,23 @@ def enter_box(mode, paths):
             mount("/proc/self/fd/%d" % fd, root + path, None, 4096 | 16384)  # MS_BIND | MS_REC
             read_only(root + path)
         os.close(fd)
+    in_tmp = {path.split("/")[2] for path, _ in keep if path.startswith("/tmp/")}
+    for name in in_tmp:  # its folders there read-only too, whoever the program is
+        mount(root + "/tmp/" + name, root + "/tmp/" + name, None, 4096 | 16384)
+        read_only(root + "/tmp/" + name)
     os.makedirs(root + "/dev")
     for name in ("null", "zero", "random", "urandom"):
         os.close(os.open(root + "/dev/" + name, os.O_CREAT | os.O_WRONLY, 0o666))
         mount("/dev/" + name, root + "/dev/" + name, None, 4096)
     os.mkdir(root + "/proc")
-    os.mkdir(root + "/tmp")
     mount("proc", root + "/proc", "proc", 2 | 4 | 8)  # MS_NOEXEC too
-    mount("gmts", root + "/tmp", "tmpfs", 2 | 4, "size=256m,mode=0755")
     read_only(root, recursive=False)
     os.chroot(root)
     os.chdir("/")
+    return in_tmp
 
-def clear(folder):
-    """Remove everything in folder, whatever modes the program left on it."""
+def clear(folder, keep=()):
+    """Remove everything in folder but the names in keep, whatever modes the program left."""
     import shutil
 
     def retry(fn, path, _):
@@ -3265,7 +3271,7 @@ def clear(folder):
         if os.path.isdir(path) and not os.path.islink(path):
             os.chmod(path, 0o700)
         fn(path)
-    for entry in os.listdir(folder):
+    for entry in set(os.listdir(folder)) - set(keep):
         path = os.path.join(folder, entry)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, onerror=retry)
@@ -3277,7 +3283,7 @@ def main():
     mode, base, uid = config["mode"], config["base"], config["uid"]
     sys.path[:] = [os.path.realpath(p) for p in sys.path]
     paths = [os.path.realpath(p) for p in config["paths"] if os.path.isdir(p)]
-    enter_box(mode, [p for p in sys.path if os.path.isdir(p)] + paths)
+    keep = enter_box(mode, [p for p in sys.path if os.path.isdir(p)] + paths)
     for name in PRELOAD:  # loaded once here: a program's import of them costs nothing
         try:
             __import__(name)
@@ -3306,7 +3312,7 @@ def main():
         verdict = recv(verdict_r, time.monotonic() + job["limits"]["wall"] + 1, 1 << 30)
         os.close(verdict_r)
         end(pid)
-        clear(base)
+        clear(base, keep)
         send(1, verdict or b"")
         if verdict is None:  # the judge may have left part of its secret unread: stop here
             return

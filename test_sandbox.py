@@ -17,6 +17,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import ast
+import site
 import socket
 import sys
 import textwrap
@@ -432,6 +433,52 @@ def test_every_mode_grades_right_and_fails_early_exits(mode, monkeypatch):
     finally:
         box.close()
     assert box.base is None or not os.path.exists(box.base)  # the weaker modes' folder
+
+
+@pytest.mark.parametrize("mode", ["ns", "userns"])
+def test_a_python_folder_under_tmp_is_seen_read_only_in_the_box(mode, tmp_path, monkeypatch):
+    """A venv under /tmp (CI's is in a mktemp folder) is bound above the box's own /tmp, not hidden
+    by it: a program imports from it, cannot write to it, and what the program leaves in /tmp goes
+    while the venv's folder stays for the next program."""
+    if os.geteuid() != 0 and mode == "ns":
+        pytest.skip("needs root")
+    plain = gmts.Zygote(mode)  # with this Python's own folders, wherever they are
+    works = plain.run(*gmts.CANARY[0], timeout=TIMEOUT) is True
+    plain.close()
+    if not works:
+        pytest.skip(f"no {mode} sandbox on this machine")
+    assert str(tmp_path).startswith("/tmp/")
+    site_dir = tmp_path / "venv" / "site-packages"
+    site_dir.mkdir(parents=True)
+    (site_dir / "gmts_probe_module.py").write_text("VALUE = 5\n")
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(site_dir)])
+    importing = src("""
+        import gmts_probe_module
+        def add(a, b):
+            return a + b if gmts_probe_module.VALUE == 5 else 0
+        """)
+    writing = src(f"""
+        open({str(site_dir / "new.py")!r}, "w").write("x")
+        def add(a, b):
+            return a + b
+        """)
+    leaving = GOOD + "open('/tmp/left-behind', 'w').write('x')\n"
+    probe = src("""
+        import os
+        def add(a, b):
+            return a + b if not os.path.exists('/tmp/left-behind') else 0
+        """)
+    box = gmts.Zygote(mode)
+    try:
+        assert box.run(*gmts.CANARY[0], timeout=TIMEOUT) is True
+        assert box.run(importing, ASSERTS, TIMEOUT) is True
+        assert box.run(writing, ASSERTS, TIMEOUT) is False
+        box.run(leaving, ASSERTS, TIMEOUT)
+        assert box.run(probe, ASSERTS, TIMEOUT) is True
+        assert box.run(importing, ASSERTS, TIMEOUT) is True
+    finally:
+        box.close()
+    assert sorted(os.listdir(site_dir)) == ["gmts_probe_module.py"]
 
 
 def test_values_cross_between_tests_and_program_as_plain_data_only(sandbox):

@@ -545,20 +545,23 @@ def final_truncated(folder: str, runs: dict) -> dict:
             out[m][seed] = number(recs[-1]["truncated_frac"], where) if recs else math.nan
     return out
 
-def report_tables(runs: dict, truncated: dict = None) -> str:
-    """Markdown: final held-out accuracy per method (mean +- std, SE of the mean over seeds, per
-    seed; with `truncated`, each run's final truncated_frac), then the paired differences by seed
-    over the seeds both methods finished: mean +- SE and the 95% t interval; a difference counts
-    only if that interval excludes 0."""
-    lines = ["| method | seeds | eval_acc at step 0 | final eval_acc, mean +- std | SE of the mean "
+def report_tables(runs: dict, truncated: dict = None, pairs=PAIRS, value=None,
+                  what: str = "final eval_acc") -> str:
+    """Markdown: a measure of each run's curve per method (value(curve); default its final
+    held-out accuracy) as mean +- std, SE of the mean over seeds, per seed (with `truncated`, each
+    run's final truncated_frac), then the paired differences by seed for `pairs` over the seeds
+    both methods finished: mean +- SE and the 95% t interval; a difference counts only if that
+    interval excludes 0."""
+    value = value or (lambda curve: curve[-1][1])
+    lines = [f"| method | seeds | eval_acc at step 0 | {what}, mean +- std | SE of the mean "
              "| per seed |",
              "|---|---|---|---|---|---|"]
     for m, by_seed in runs.items():
-        fin = [c[-1][1] for c in by_seed.values()]
+        fin = [value(c) for c in by_seed.values()]
         mean, std = _mean(fin)
         cells = []
         for s, c in sorted(by_seed.items()):
-            cells.append(f"s{s} {c[-1][1]:.3f}")
+            cells.append(f"s{s} {value(c):.3f}")
             if truncated:
                 cells[-1] += f" (trunc {truncated[m][s]:.2f})"
         lines.append(f"| {m} | {len(fin)} | {_mean([c[0][1] for c in by_seed.values()])[0]:.3f} | "
@@ -566,9 +569,9 @@ def report_tables(runs: dict, truncated: dict = None) -> str:
     lines += ["", "| paired by seed | seeds | mean difference +- SE | 95% interval (t) "
                   "| excludes 0 | per seed |",
               "|---|---|---|---|---|---|"]
-    for a, b in PAIRS:
+    for a, b in pairs:
         seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
-        d = [runs[a][s][-1][1] - runs[b][s][-1][1] for s in seeds]
+        d = [value(runs[a][s]) - value(runs[b][s]) for s in seeds]
         if len(d) < 2:
             continue
         lo, hi = ci95(d)

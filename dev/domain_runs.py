@@ -74,12 +74,10 @@ def by_task(recs: list) -> dict:
     return out
 
 
-def measure(r: dict, what: str) -> float:
-    """A run's final accuracy, or (what="area") its eval curve's mean over the evaluations: how
-    early it learns, where every arm ends near 1."""
-    if what == "area":
-        return sum(a for _, a in r["curve"]) / len(r["curve"])
-    return r["final"]
+def area(curve: list) -> float:
+    """An eval curve's mean over its evaluations: how early a run learns, where every arm ends
+    near 1."""
+    return sum(acc for _, acc in curve) / len(curve)
 
 
 def three_task_table(runs: dict) -> str:
@@ -96,7 +94,7 @@ def three_task_table(runs: dict) -> str:
     for a, b in PAIRS[:3]:
         cells = []
         for task in tasks:
-            d = paired(runs[task], a, b, "final")[1]
+            d = paired(runs[task], a, b)[1]
             lo, hi = lab.ci95(d)
             cells.append(f"{sum(d) / len(d):+.3f} [{lo:+.3f}, {hi:+.3f}]")
         rows.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
@@ -104,37 +102,20 @@ def three_task_table(runs: dict) -> str:
     return "\n".join(rows) + f"\n\nseeds: {seeds}"
 
 
-def paired(arms: dict, a: str, b: str, what: str) -> tuple:
-    """(the seeds both arms ran, a's measure minus b's on each)."""
+def paired(arms: dict, a: str, b: str) -> tuple:
+    """(the seeds both arms ran, a's final accuracy minus b's on each)."""
     both = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
-    return both, [measure(arms[a][s], what) - measure(arms[b][s], what) for s in both]
+    return both, [arms[a][s]["final"] - arms[b][s]["final"] for s in both]
 
 
-def curve_table(arms: dict, what: str = "final") -> str:
-    """One domain with eval curves: per arm the step-0 accuracy, the measure (mean +- SE) and each
-    seed's; then every pair of PAIRS both ran, paired by seed: mean [95% t], whether it excludes 0,
-    and each seed's difference."""
-    seeds = sorted({s for by_seed in arms.values() for s in by_seed})
-    head = " | ".join(f"s{s}" for s in seeds)
-    rows = [f"| arm | step 0 | {what}, mean +- SE | {head} |", "|---|---|---|" + "---|" * len(seeds)]
-    for arm, by_seed in arms.items():
-        v = [measure(r, what) for r in by_seed.values()]
-        s0 = sum(r["curve"][0][1] for r in by_seed.values()) / len(by_seed)
-        cells = " | ".join(f"{measure(by_seed[s], what):.3f}" if s in by_seed else ""
-                           for s in seeds)
-        rows.append(f"| {arm} | {s0:.3f} | {sum(v) / len(v):.3f} +- {lab._se(v):.3f} | {cells} |")
-    rows += ["", f"| paired by seed | mean difference [95% t] | excludes 0 | {head} |",
-             "|---|---|---|" + "---|" * len(seeds)]
-    for a, b in PAIRS:
-        both, d = paired(arms, a, b, what)
-        if len(d) < 2:
-            continue
-        lo, hi = lab.ci95(d)
-        diff = dict(zip(both, d))
-        cells = " | ".join(f"{diff[s]:+.3f}" if s in diff else "" for s in seeds)
-        rows.append(f"| {a} - {b} | {sum(d) / len(d):+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                    f"{'yes' if lo > 0 or hi < 0 else 'no'} | {cells} |")
-    return "\n".join(rows)
+def curve_tables(arms: dict) -> str:
+    """One domain with eval curves: gmts_lab.report_tables of the final accuracy, then of the
+    curve's area, over every pair of PAIRS both arms ran."""
+    curves = {arm: {s: [tuple(x) for x in r["curve"]] for s, r in by_seed.items()}
+              for arm, by_seed in arms.items()}
+    trunc = {arm: {s: r["trunc"] for s, r in by_seed.items()} for arm, by_seed in arms.items()}
+    return (lab.report_tables(curves, trunc, pairs=PAIRS) + "\n\n"
+            + lab.report_tables(curves, pairs=PAIRS, value=area, what="area (mean of the curve)"))
 
 
 def about(arms: dict) -> str:
@@ -153,8 +134,7 @@ def tables(recs: list) -> str:
     out = ["## countdown, math, logic\n", three_task_table(runs)]
     for task in TASKS[3:]:
         if runs.get(task):
-            out += [f"\n## {task}\n", curve_table(runs[task]), "", curve_table(runs[task], "area"),
-                    "", about(runs[task])]
+            out += [f"\n## {task}\n", curve_tables(runs[task]), "", about(runs[task])]
     return "\n".join(out)
 
 
